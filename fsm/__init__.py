@@ -1,0 +1,66 @@
+"""Terminus' generic engine: declared machines compiled to tables, release plans that
+run only on terminal transitions, exactly once, and an ownership ledger.
+
+Declare with `Spec`, build (validate + compile) with `Spec.build()`, bind release plans
+and a ledger with `Machine.bind()`, then `create()` instances and `fire()` events.
+"""
+
+from .batch import Batch, BatchStep
+from .errors import (
+    DoubleRelease,
+    FsmError,
+    InvalidDefinition,
+    OwnershipError,
+    ReleaseFailed,
+    ReleaseOutsideTerminal,
+    TransitionNotAllowed,
+    UnknownEvent,
+)
+from .ledger import Handle, Ledger
+from .machine import Instance, Machine, Tables
+from .observe import TransitionRecord, set_recorder
+from .plan import (
+    Action,
+    EffectError,
+    Plan,
+    PlanReport,
+    Release,
+    ReleaseContext,
+    release_effect,
+)
+from .spec import ANY, ERROR, IGNORE, Event, Go, Spec, State, go
+
+__all__ = [
+    "ANY",
+    "ERROR",
+    "IGNORE",
+    "Action",
+    "Batch",
+    "BatchStep",
+    "DoubleRelease",
+    "EffectError",
+    "Event",
+    "FsmError",
+    "Go",
+    "Handle",
+    "Instance",
+    "InvalidDefinition",
+    "Ledger",
+    "Machine",
+    "OwnershipError",
+    "Plan",
+    "PlanReport",
+    "Release",
+    "ReleaseContext",
+    "ReleaseFailed",
+    "ReleaseOutsideTerminal",
+    "Spec",
+    "State",
+    "Tables",
+    "TransitionNotAllowed",
+    "TransitionRecord",
+    "UnknownEvent",
+    "go",
+    "release_effect",
+    "set_recorder",
+]

@@ -1,0 +1,227 @@
+"""The ownership ledger (I3, I6): every acquired resource is a handle with one owner.
+
+    acquire(owner, "kv", pages) ──► Handle ──transfer(to=child)──► owned by child
+                                       │
+                 owner's terminal plan ▼ (exactly once; a second release raises)
+                                    released
+
+A handle is acquired for an instance, can be transferred to another instance, and is
+released only by the terminal transition of whoever owns it at that moment. An
+observer (a prefix warm-up request, say) can be recorded against a handle but never
+owns it. A handle delivered to an owner that is already terminal (an abort raced the
+acquire) is released at once by the engine, through the kind's default releaser.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from .errors import DoubleRelease, OwnershipError
+from .plan import (
+    _ENGINE,
+    EffectError,
+    PlanReport,
+    ReleaseContext,
+    _require_effect,
+    call_step,
+)
+
+if TYPE_CHECKING:
+    from .machine import Instance
+
+
+class Handle:
+    """One acquired resource: `kind`, `value` (pages, a slot, an adapter id), `owner`."""
+
+    __slots__ = ("hid", "kind", "owner", "released", "value")
+
+    def __init__(self, hid: int, kind: str, value: Any, owner: Instance) -> None:
+        self.hid = hid
+        self.kind = kind
+        self.value = value
+        self.owner = owner
+        self.released = False
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"owner={self.owner!r}"
+        return f"Handle#{self.hid}({self.kind}, {state})"
+
+
+class Ledger:
+    """Who owns what. Shared by every machine whose instances own resources.
+
+    `releasers` maps a handle kind to its default release effect `fn(ctx, handle)`;
+    `resources` is handed to effects as `ctx.resources` (pools, registry, transport).
+    """
+
+    def __init__(
+        self,
+        releasers: Mapping[str, Callable[..., Any]] | None = None,
+        *,
+        resources: Any = None,
+    ) -> None:
+        self.resources = resources
+        self._releasers: dict[str, Callable[..., Any]] = {}
+        for kind, fn in (releasers or {}).items():
+            self.register_kind(kind, fn)
+        self._owned: dict[Any, dict[int, Handle]] = {}
+        self._observers: dict[int, list[Any]] = {}
+        self._ids = itertools.count(1)
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self.errors: list[EffectError] = []
+        """Errors of async steps and of late releases, in the order they happened."""
+        self.released = 0
+        """Handles released so far (by plans, and late releases)."""
+        self.late_released = 0
+        """Handles released at once because their owner was already terminal (I6)."""
+
+    def register_kind(self, kind: str, release: Callable[..., Any]) -> None:
+        """Set the default release effect for handles of `kind`."""
+        _require_effect(release, f"releaser for kind {kind!r}")
+        self._releasers[kind] = release
+
+    # -- ownership ----------------------------------------------------------------
+
+    def acquire(self, owner: Instance, kind: str, value: Any) -> Handle:
+        """Record that `owner` now owns `value`; returns its handle.
+
+        When `owner` is already terminal, the handle is released at once (I6) and
+        returned marked released.
+        """
+        if kind not in self._releasers:
+            raise OwnershipError(
+                f"no releaser registered for handle kind {kind!r}; pass "
+                f"releasers={{{kind!r}: effect}} to the Ledger before acquiring"
+            )
+        h = Handle(next(self._ids), kind, value, owner)
+        self._owned.setdefault(owner, {})[h.hid] = h
+        if owner.terminal and not owner.busy:
+            self._release_late(h)
+        return h
+
+    def transfer(self, handle: Handle, to: Instance) -> None:
+        """Move ownership of `handle` to `to`; released at once if `to` is terminal."""
+        if handle.released:
+            raise OwnershipError(f"cannot transfer {handle!r}: it was already released")
+        if handle.owner is to:
+            return
+        src = self._owned.get(handle.owner)
+        if src is None or handle.hid not in src:
+            raise OwnershipError(f"{handle!r} is not in the ledger")
+        if handle.owner.terminal and not handle.owner.busy:
+            raise OwnershipError(
+                f"cannot transfer {handle!r}: its owner is terminal and has released it"
+            )
+        del src[handle.hid]
+        if not src:
+            del self._owned[handle.owner]
+        handle.owner = to
+        self._owned.setdefault(to, {})[handle.hid] = handle
+        if to.terminal and not to.busy:
+            self._release_late(handle)
+
+    def observe(self, handle: Handle, observer: Instance) -> None:
+        """Record `observer` as a non-owner user of `handle`: its terminal releases nothing."""
+        if observer is handle.owner:
+            raise OwnershipError(f"{observer!r} owns {handle!r}; an owner is not an observer")
+        self._observers.setdefault(handle.hid, []).append(observer)
+
+    def observers(self, handle: Handle) -> list[Any]:
+        """Instances recorded as observers of `handle`."""
+        return list(self._observers.get(handle.hid, ()))
+
+    def owned(self, owner: Any, kind: str | None = None) -> list[Handle]:
+        """The unreleased handles `owner` owns now, of `kind` if given, in acquire order."""
+        hs = self._owned.get(owner)
+        if not hs:
+            return []
+        return [h for h in hs.values() if kind is None or h.kind == kind]
+
+    def outstanding(self) -> dict[Any, list[Handle]]:
+        """Every unreleased handle, by owner."""
+        return {o: list(hs.values()) for o, hs in self._owned.items() if hs}
+
+    def count(self, kind: str | None = None) -> int:
+        """Number of unreleased handles (of `kind` if given)."""
+        return sum(1 for h in self._iter() if kind is None or h.kind == kind)
+
+    def _iter(self) -> Iterator[Handle]:
+        for hs in self._owned.values():
+            yield from hs.values()
+
+    def assert_empty(self) -> None:
+        """Raise AssertionError listing every unreleased handle, if any."""
+        out = self.outstanding()
+        if out:
+            lines = [f"{o!r}: {hs!r}" for o, hs in out.items()]
+            raise AssertionError("unreleased handles:\n  " + "\n  ".join(lines))
+
+    # -- release (engine only) ------------------------------------------------------
+
+    def _mark_released(self, handle: Handle) -> None:
+        if handle.released:
+            raise DoubleRelease(handle)
+        handle.released = True
+        hs = self._owned.get(handle.owner)
+        if hs is not None:
+            hs.pop(handle.hid, None)
+            if not hs:
+                del self._owned[handle.owner]
+        self._observers.pop(handle.hid, None)
+        self.released += 1
+
+    def _release(self, ctx: ReleaseContext, handle: Handle, fn: Callable[..., Any] | None,
+                 report: PlanReport, step: str, best_effort: bool) -> None:
+        """Release one handle inside a running plan; marks it first, so never twice."""
+        self._mark_released(handle)
+        report.released.append(handle)
+        release = fn if fn is not None else self._releasers[handle.kind]
+        call_step(release, (ctx, handle), report, self, step, best_effort)
+
+    def _release_late(self, handle: Handle) -> None:
+        owner = handle.owner
+        m = owner.machine
+        state = m.states[owner.state_id]
+        ctx = ReleaseContext(_ENGINE, m.name, owner, None, "<late acquire>", state, state,
+                             self)
+        report = PlanReport(m.name, owner, "<late acquire>")
+        try:
+            self._release(ctx, handle, None, report, f"release {handle.kind} (late)", False)
+        finally:
+            ctx._live = False
+        self.late_released += 1
+        self.errors.extend(report.errors)
+        if report.errors:
+            raise report.errors[0]
+
+    # -- async steps ------------------------------------------------------------------
+
+    def _keep(self, task: asyncio.Future[Any], report: PlanReport, step: str,
+              best_effort: bool) -> None:
+        # A strong reference until the task ends: the event loop keeps only weak ones,
+        # and a release task collected mid-flight would be a leak nobody sees.
+        self._tasks.add(task)
+
+        def done(t: asyncio.Future[Any]) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                exc = t.exception()
+                assert exc is not None
+                self.errors.append(EffectError(report.machine, report.plan, step,
+                                               best_effort, exc))
+
+        task.add_done_callback(done)
+
+    @property
+    def pending(self) -> int:
+        """Async release steps that have not finished yet."""
+        return len(self._tasks)
+
+    async def drain(self) -> list[EffectError]:
+        """Wait for every pending async release step; returns all recorded errors."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        return list(self.errors)

@@ -1,0 +1,71 @@
+"""Observing transitions: trace sinks per machine and one process-wide recorder.
+
+Nothing here costs anything while nobody observes: a machine with no sink and no
+recorder runs its fast table; attaching either switches every affected machine to the
+table whose every cell goes through the observed path (see `Machine._refresh`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+
+if TYPE_CHECKING:
+    from .machine import Machine
+
+
+class TransitionRecord(msgspec.Struct, frozen=True, gc=False):
+    """One decision of one instance: a transition, an ignore or an error.
+
+    `instance` is the instance's key (or its index in a batch, or its id() when it has
+    no key); `t` is `time.monotonic()` seconds; `plan` is the release plan run, if any.
+    """
+
+    machine: str
+    instance: Any
+    source: str
+    event: str
+    target: str
+    decision: str
+    plan: str | None
+    t: float
+
+
+class Recorder(Protocol):
+    """Receives every decision of every machine while attached (the coverage plugin).
+
+    `alt` is the index of the alternative taken in the (state, event) cell, or -1 when
+    no guarded alternative held (an error).
+    """
+
+    def record(self, machine: Machine, source: int, event: int, alt: int) -> None: ...
+
+    def record_counts(self, machine: Machine, counts: Mapping[tuple[int, int, int], int]) -> None:
+        """Counts of (source, event, alt) from one batched step."""
+        ...
+
+
+_machines: weakref.WeakSet[Machine] = weakref.WeakSet()
+_recorder: Recorder | None = None
+
+
+def recorder() -> Recorder | None:
+    """The attached process-wide recorder, if any."""
+    return _recorder
+
+
+def set_recorder(rec: Recorder | None) -> Recorder | None:
+    """Attach `rec` to every machine (None detaches); returns the previous recorder."""
+    global _recorder
+    prev, _recorder = _recorder, rec
+    for m in list(_machines):
+        m._refresh()
+    return prev
+
+
+def register(machine: Machine) -> None:
+    """Called by the engine for every machine object it creates."""
+    _machines.add(machine)

@@ -1,0 +1,251 @@
+"""Release plans: ordered steps run by the engine on a transition into a terminal state.
+
+A release effect is a function decorated with `@release_effect`. Its first argument
+must be the `ReleaseContext` that the engine creates while it runs a terminal
+transition and invalidates right after, so an effect cannot run anywhere else (I1)::
+
+    @release_effect
+    def free_kv(ctx, handle):
+        ctx.resources.kv.free(handle.value)
+
+    PLANS = {"release_aborted": Plan(
+        Action(sender_abort, best_effort=True),   # I5: its failure never skips the rest
+        Release("metadata"),                      # the kind's default releaser
+        Release("kv", free_kv),
+        Action(stream_abort),
+    )}
+
+`Release(kind)` runs once per handle of that kind that the instance owns at that moment
+(never on "is this field None"); after the last step, handles the plan did not name are
+released by their kind's default releaser, so a plan can order releases but cannot
+forget one. Every step runs even when an earlier one raised; the errors are reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .errors import FsmError, ReleaseOutsideTerminal
+
+if TYPE_CHECKING:
+    from .ledger import Handle, Ledger
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_ENGINE = object()  # only the engine holds this; ReleaseContext refuses anything else
+
+
+class ReleaseContext:
+    """The capability to run release effects; created by the engine, live for one plan.
+
+    Fields: `machine` (name), `instance`, `event` (the event that caused the terminal
+    transition, None for a late release), `plan` (name), `source` and `target` (state
+    names), `ledger`, and `resources` (whatever the ledger was given, for effects).
+    """
+
+    __slots__ = ("_live", "event", "instance", "ledger", "machine", "plan", "source",
+                 "target")
+
+    def __init__(
+        self,
+        token: object,
+        machine: str,
+        instance: Any,
+        event: Any,
+        plan: str,
+        source: str,
+        target: str,
+        ledger: Ledger | None,
+    ) -> None:
+        if token is not _ENGINE:
+            raise ReleaseOutsideTerminal("ReleaseContext()")
+        self._live = True
+        self.machine = machine
+        self.instance = instance
+        self.event = event
+        self.plan = plan
+        self.source = source
+        self.target = target
+        self.ledger = ledger
+
+    @property
+    def live(self) -> bool:
+        """True while the engine is running the plan this context was made for."""
+        return self._live
+
+    @property
+    def resources(self) -> Any:
+        """The resources object given to the ledger (`Ledger(resources=...)`)."""
+        return None if self.ledger is None else self.ledger.resources
+
+    def __repr__(self) -> str:
+        return (f"ReleaseContext({self.machine}:{self.source}->{self.target}, "
+                f"plan={self.plan!r}, live={self._live})")
+
+
+def release_effect(fn: F) -> F:
+    """Mark `fn(ctx, ...)` as a release effect: it runs only with a live ReleaseContext.
+
+    Calling it with anything else raises `ReleaseOutsideTerminal` before `fn` runs.
+    """
+
+    @functools.wraps(fn)
+    def guarded(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(ctx) is not ReleaseContext or not ctx._live:
+            raise ReleaseOutsideTerminal(getattr(fn, "__qualname__", repr(fn)))
+        return fn(ctx, *args, **kwargs)
+
+    guarded.__terminus_release__ = True  # type: ignore[attr-defined]
+    return guarded  # type: ignore[return-value]
+
+
+def is_release_effect(fn: Any) -> bool:
+    """True for functions decorated with `@release_effect`."""
+    return bool(getattr(fn, "__terminus_release__", False))
+
+
+def _require_effect(fn: Any, what: str) -> None:
+    if not is_release_effect(fn):
+        raise TypeError(
+            f"{what} {getattr(fn, '__qualname__', fn)!r} is not a release effect; "
+            "decorate it with @fsm.release_effect so it can only run inside a terminal "
+            "transition"
+        )
+
+
+class Action:
+    """A plan step that runs `fn(ctx)` once (stream the terminal output, notify a peer).
+
+    `best_effort=True` marks a step that talks to the outside (I5): when it raises, the
+    error is recorded and the following steps still run.
+    """
+
+    __slots__ = ("best_effort", "fn", "name")
+
+    def __init__(self, fn: Callable[..., Any], *, best_effort: bool = False,
+                 name: str | None = None) -> None:
+        _require_effect(fn, "Action step")
+        self.fn = fn
+        self.best_effort = best_effort
+        self.name = name or getattr(fn, "__name__", "action")
+
+    def __repr__(self) -> str:
+        return f"Action({self.name}{', best_effort' if self.best_effort else ''})"
+
+
+class Release:
+    """A plan step that releases every handle of `kind` the instance owns, in order.
+
+    `fn(ctx, handle)` overrides the kind's default releaser for this plan (a successful
+    request inserts its KV into the prefix cache; an aborted one frees it).
+    """
+
+    __slots__ = ("best_effort", "fn", "kind", "name")
+
+    def __init__(self, kind: str, fn: Callable[..., Any] | None = None, *,
+                 best_effort: bool = False) -> None:
+        if fn is not None:
+            _require_effect(fn, f"Release({kind!r}) step")
+        self.kind = kind
+        self.fn = fn
+        self.best_effort = best_effort
+        self.name = f"release {kind}" + (f" via {fn.__name__}" if fn is not None else "")
+
+    def __repr__(self) -> str:
+        return f"Release({self.kind!r}{', ' + self.fn.__name__ if self.fn else ''})"
+
+
+Step = Action | Release
+
+
+class Plan:
+    """An ordered list of steps; see the module docstring."""
+
+    __slots__ = ("steps",)
+
+    def __init__(self, *steps: Step) -> None:
+        for s in steps:
+            if not isinstance(s, (Action, Release)):
+                raise TypeError(f"plan step {s!r} is neither an Action nor a Release")
+        self.steps = steps
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The handle kinds this plan releases explicitly, in order."""
+        return tuple(s.kind for s in self.steps if isinstance(s, Release))
+
+    def __repr__(self) -> str:
+        return f"Plan{self.steps!r}"
+
+
+EMPTY_PLAN = Plan()
+
+
+class EffectError(FsmError):
+    """A step of a release plan raised. `error` is what it raised (also `__cause__`)."""
+
+    def __init__(self, machine: str, plan: str, step: str, best_effort: bool,
+                 error: BaseException) -> None:
+        self.machine = machine
+        self.plan = plan
+        self.step = step
+        self.best_effort = best_effort
+        self.error = error
+        kind = "best-effort step" if best_effort else "step"
+        super().__init__(
+            f"machine {machine!r}, plan {plan!r}: {kind} {step!r} raised "
+            f"{type(error).__name__}: {error}"
+        )
+        self.__cause__ = error
+
+
+class PlanReport:
+    """What one run of a release plan did: handles released, step errors, async tasks."""
+
+    __slots__ = ("errors", "instance", "machine", "plan", "released", "tasks")
+
+    def __init__(self, machine: str, instance: Any, plan: str) -> None:
+        self.machine = machine
+        self.instance = instance
+        self.plan = plan
+        self.released: list[Handle] = []
+        self.errors: list[EffectError] = []
+        self.tasks: list[asyncio.Future[Any]] = []
+
+    @property
+    def ok(self) -> bool:
+        """True when no step raised (best-effort ones included)."""
+        return not self.errors
+
+    def __repr__(self) -> str:
+        return (f"PlanReport({self.machine}:{self.plan}, released={len(self.released)}, "
+                f"errors={len(self.errors)}, tasks={len(self.tasks)})")
+
+
+def call_step(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    report: PlanReport,
+    ledger: Ledger | None,
+    step: str,
+    best_effort: bool,
+) -> None:
+    """Run one step; record its error; keep an async result referenced until it ends."""
+    try:
+        res = fn(*args)
+    except Exception as e:  # every step runs; the error is reported, never swallowed
+        report.errors.append(EffectError(report.machine, report.plan, step, best_effort, e))
+        return
+    if inspect.isawaitable(res):
+        task = asyncio.ensure_future(_as_coro(res))
+        report.tasks.append(task)
+        if ledger is not None:
+            ledger._keep(task, report, step, best_effort)
+
+
+async def _as_coro(aw: Awaitable[Any]) -> Any:
+    return await aw
