@@ -1,0 +1,108 @@
+"""The `terminus` command: subcommands and benchmarks come from entry points.
+
+`fsm` knows nothing of LLM serving, so it does not import the packages that do: the
+subcommands (`terminus.commands`) and benchmarks (`terminus.benchmarks`) are looked up
+by name in the installed entry points, which is also how a user's package adds its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
+from typing import Any
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def _group(name: str) -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group=name)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `terminus` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    commands = _group("terminus.commands")
+    if not args or args[0] in ("-h", "--help"):
+        print("usage: terminus COMMAND [ARGS...]\n\ncommands:")
+        for name in sorted(commands):
+            print(f"  {name}")
+        print("\n`terminus COMMAND --help` describes each one.")
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    ep = commands.get(name)
+    if ep is None:
+        print(f"terminus: unknown command {name!r}; commands: {', '.join(sorted(commands))}",
+              file=sys.stderr)
+        return 2
+    fn: Callable[[list[str]], int] = ep.load()
+    try:
+        return int(fn(rest) or 0)
+    except CliError as e:
+        print(f"terminus {name}: {e}", file=sys.stderr)
+        return 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad option as one line (CliError), not a usage dump."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        raise CliError(f"{message} (see --help)")
+
+
+def parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """An ArgumentParser whose errors become one-line CliErrors; for subcommands."""
+    return _Parser(prog=prog, description=description)
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Write `obj` as indented JSON to `path`, as a CliError when the path is unwritable."""
+    try:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+            f.write("\n")
+    except OSError as e:
+        raise CliError(f"cannot write {path!r}: {e.strerror or e}") from None
+
+
+def print_table(title: str, rows: Sequence[tuple[str, str]]) -> None:
+    """Print two-column rows (figure, value) under a title."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title, show_header=True, header_style="bold")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    for k, v in rows:
+        t.add_row(k, v)
+    Console().print(t)
+
+
+def bench_main(argv: list[str]) -> int:
+    """`terminus bench [NAME...] [--quick] [--json PATH]`: run benchmarks, print figures."""
+    benches = _group("terminus.benchmarks")
+    p = parser("terminus bench", "Run benchmarks and print one table of figures each.")
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help=f"benchmarks to run (default: all of {', '.join(sorted(benches))})")
+    p.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
+    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    a = p.parse_args(argv)
+    names = a.names or sorted(benches)
+    for n in names:
+        if n not in benches:
+            raise CliError(f"unknown benchmark {n!r}; benchmarks: {', '.join(sorted(benches))}")
+    if a.json:
+        write_json(a.json, {})  # fail on an unwritable path before minutes of work
+    results: dict[str, Any] = {}
+    for n in names:
+        mod = importlib.import_module(benches[n].value)
+        results[n] = mod.run(quick=a.quick)
+        print_table(f"terminus bench {n}", mod.table(results[n]))
+    if a.json:
+        write_json(a.json, results[names[0]] if len(names) == 1 else results)
+    return 0
