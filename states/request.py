@@ -1,0 +1,223 @@
+"""The tokenizer-side request: one client request from arrival to its one terminal output.
+
+    created ──Submitted──► acquiring_lora ──LoRAAcquired──► validating ──Validated──► dispatched
+       │  [no LoRA to acquire]─────────────────────────────────▲            │ Output
+       │                                                                     ▼
+       │                      AcquireFailed ► rejected              running ──Finished──► finished
+       │                 ValidationFailed ► rejected [4xx] | errored [5xx]
+       │                 DispatchFailed   ► dispatch_failed (from dispatched)
+       │                 SchedulerError   ► rejected [4xx] | errored [5xx]
+       └── Abort (from any live state) ► aborted
+
+The request owns its LoRA reference (handle kind ``"lora"``, value the acquired id) from
+the moment the registry hands the id out until its terminal transition, whose plan
+releases it and streams the request's one terminal output. Terminal states absorb what
+can still arrive late (an abort echo after finish, the result of an acquire that an abort
+overtook, a duplicate scheduler error) as IGNORE, so no release can run twice; an acquire
+completing after an abort is released at once by the ledger (I6).
+
+Children of a parallel-sampling group are requests too: they start with ``Submitted(
+acquire=False)`` and receive their reference by transfer from the group (see
+`states.sampling`). A prefix warm-up request is a request that owns nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsm import ANY, ERROR, IGNORE, Event, Instance, Machine, Spec, State, go
+
+__all__ = [
+    "REQUEST",
+    "REQUEST_PLANS",
+    "Abort",
+    "AcquireFailed",
+    "DispatchFailed",
+    "Finished",
+    "LoRAAcquired",
+    "Output",
+    "Request",
+    "SchedulerError",
+    "Submitted",
+    "Validated",
+    "ValidationFailed",
+]
+
+
+# -- events ------------------------------------------------------------------------------
+
+
+class Submitted(Event, frozen=True):
+    """The request entered the tokenizer; `acquire` says it must acquire its own LoRA."""
+
+    acquire: bool = False
+
+
+class LoRAAcquired(Event, frozen=True):
+    """The registry counted the reference(s); `lora_ids` are the stable ids handed out."""
+
+    lora_ids: tuple[int, ...] = ()
+
+
+class AcquireFailed(Event, frozen=True):
+    """The registry refused the acquire (unknown adapter): nothing was acquired."""
+
+    message: str = ""
+
+
+class Validated(Event, frozen=True):
+    """Validation and tokenization succeeded; the request goes to the scheduler."""
+
+
+class ValidationFailed(Event, frozen=True):
+    """Validation or tokenization failed; `status` 4xx is the client's fault, 5xx ours."""
+
+    status: int = 400
+    message: str = ""
+
+
+class DispatchFailed(Event, frozen=True):
+    """Sending the tokenized request to the scheduler failed."""
+
+    message: str = ""
+
+
+class Output(Event, frozen=True):
+    """A non-final output (a streamed chunk) came back from the scheduler."""
+
+
+class Finished(Event, frozen=True):
+    """The scheduler finished the request; `reason` as it reported it (stop, length)."""
+
+    reason: str = "stop"
+
+
+class SchedulerError(Event, frozen=True):
+    """The scheduler failed the request; `status` 4xx (bad input) or 5xx (503: overloaded)."""
+
+    status: int = 500
+    message: str = ""
+
+
+class Abort(Event, frozen=True):
+    """The client (or the server) aborts the request."""
+
+    message: str = ""
+
+
+# -- instance data and guards ------------------------------------------------------------
+
+
+class Request(Instance):
+    """A tokenizer-side request. `key` is its rid.
+
+    Fields for the driver: `prompt`, `lora` (adapter name or None), `tokens` (once
+    tokenized), `stream` (False for internal requests such as a prefix warm-up, whose
+    terminal output nobody reads), `parent` (the sampling group of a child or warm-up),
+    `role` ("request", "child" or "warmup").
+    """
+
+    __slots__ = ("lora", "parent", "prompt", "role", "stream", "tokens")
+
+    def __init__(self, machine: Machine, key: Any = None, *, prompt: Any = None,
+                 lora: str | None = None, role: str = "request", stream: bool = True,
+                 parent: Any = None) -> None:
+        super().__init__(machine, key)
+        self.prompt = prompt
+        self.lora = lora
+        self.tokens: Any = None
+        self.role = role
+        self.stream = stream
+        self.parent = parent
+
+
+def wants_lora(inst: Any, ev: Any) -> bool:
+    """The request must acquire its LoRA reference itself."""
+    return bool(ev.acquire)
+
+
+def client_error(inst: Any, ev: Any) -> bool:
+    """The failure is the client's (HTTP 4xx): the request is rejected, not errored."""
+    return 400 <= ev.status < 500
+
+
+# -- the declaration ---------------------------------------------------------------------
+
+REQUEST_PLANS = (
+    "release_finished",
+    "release_aborted",
+    "release_rejected",
+    "release_errored",
+    "release_dispatch_failed",
+)
+"""The release plans REQUEST's terminal edges name; `effects.request` implements them."""
+
+_aborted = go("aborted", plan="release_aborted")
+_failed = [go("rejected", plan="release_rejected", when="client_error"),
+           go("errored", plan="release_errored")]
+# Late arrivals a terminal request must absorb: the scheduler's echo of an abort, an abort
+# after finish, an acquire an abort overtook, a tokenizer or dispatch result after an
+# abort, a duplicate error. Submitted twice is a driver bug, so it stays an error.
+_terminal_row: dict[Any, Any] = {ANY: IGNORE, Submitted: ERROR}
+
+SPEC = Spec(
+    "request",
+    states=(
+        State("created", initial=True, doc="known to the tokenizer, nothing acquired"),
+        State("acquiring_lora", doc="the registry acquire is in flight"),
+        State("validating", doc="validating and tokenizing; owns its LoRA reference"),
+        State("dispatched", doc="handed to the scheduler"),
+        State("running", doc="the scheduler is producing outputs"),
+        State("finished", terminal=True, doc="finished normally"),
+        State("aborted", terminal=True, doc="aborted by the client or the server"),
+        State("rejected", terminal=True, doc="4xx: unknown adapter, invalid input"),
+        State("errored", terminal=True, doc="5xx: tokenizer or scheduler failure"),
+        State("dispatch_failed", terminal=True, doc="the scheduler could not be reached"),
+    ),
+    events=(Submitted, LoRAAcquired, AcquireFailed, Validated, ValidationFailed,
+            DispatchFailed, Output, Finished, SchedulerError, Abort),
+    table={
+        "created": {
+            Submitted: [go("acquiring_lora", when="wants_lora"), go("validating")],
+            Abort: _aborted,
+            ANY: ERROR,
+        },
+        "acquiring_lora": {
+            LoRAAcquired: go("validating"),
+            AcquireFailed: go("rejected", plan="release_rejected"),
+            Abort: _aborted,
+            ANY: ERROR,
+        },
+        "validating": {
+            Validated: go("dispatched"),
+            ValidationFailed: _failed,
+            Abort: _aborted,
+            ANY: ERROR,
+        },
+        "dispatched": {
+            DispatchFailed: go("dispatch_failed", plan="release_dispatch_failed"),
+            Output: go("running"),
+            Finished: go("finished", plan="release_finished"),
+            SchedulerError: _failed,
+            Abort: _aborted,
+            ANY: ERROR,
+        },
+        "running": {
+            Output: go("running"),
+            Finished: go("finished", plan="release_finished"),
+            SchedulerError: _failed,
+            Abort: _aborted,
+            ANY: ERROR,
+        },
+        "finished": _terminal_row,
+        "aborted": _terminal_row,
+        "rejected": _terminal_row,
+        "errored": _terminal_row,
+        "dispatch_failed": _terminal_row,
+    },
+    guards={"wants_lora": wants_lora, "client_error": client_error},
+    doc="Tokenizer-side request lifecycle; owns its LoRA reference until it is terminal.",
+)
+
+REQUEST: Machine = SPEC.build()
+"""The built request machine (unbound: bind plans and a ledger with `effects.request`)."""
