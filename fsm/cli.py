@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad option as one line (CliError), not a usage dump."""
 
-    def error(self, message: str) -> Any:  # type: ignore[override]
+    def error(self, message: str) -> Any:
         raise CliError(f"{message} (see --help)")
 
 

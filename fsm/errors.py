@@ -110,7 +110,7 @@ class OwnershipError(FsmError):
     """A ledger operation named a handle or owner in a way that breaks single ownership."""
 
 
-class ReleaseFailed(ExceptionGroup[Exception], FsmError):  # type: ignore[misc]
+class ReleaseFailed(ExceptionGroup[Exception], FsmError):
     """Steps of a release plan raised; every other step still ran.
 
     `report` is the `PlanReport` of the run; the group holds the step errors.
@@ -123,5 +123,6 @@ class ReleaseFailed(ExceptionGroup[Exception], FsmError):  # type: ignore[misc]
         self.report = report
         return self
 
-    def derive(self, excs: Any) -> ReleaseFailed:  # keeps `report` on split()/subgroup()
+    def derive(self, excs: Any) -> ReleaseFailed:  # type: ignore[override]
+        # keeps `report` on split()/subgroup()
         return ReleaseFailed(self.message, list(excs), self.report)

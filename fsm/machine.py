@@ -22,7 +22,7 @@ import msgspec
 
 from . import observe as _obs
 from .errors import InvalidDefinition, ReleaseFailed, TransitionNotAllowed, UnknownEvent
-from .plan import EMPTY_PLAN, _ENGINE, Action, Plan, PlanReport, Release, ReleaseContext, call_step
+from .plan import _ENGINE, EMPTY_PLAN, Action, Plan, PlanReport, Release, ReleaseContext, call_step
 from .spec import DECISIONS, ERRORED, IGNORED, TRANSITION, Alt
 
 if TYPE_CHECKING:
@@ -91,6 +91,16 @@ class Machine:
     tables: Tables
     ledger: Ledger | None
     stats: Stats
+    _guards: dict[str, Any]
+    _eidx: dict[type, int]
+    _enames: tuple[str, ...]
+    _fast_rows: tuple[dict[type, int], ...]
+    _slow_rows: tuple[dict[type, int], ...]
+    _rows: tuple[dict[type, int], ...]
+    _plans: dict[str, Plan]
+    _sinks: list[Any]
+    _observed: bool
+    _oracle: Any
 
     _frozen = False
 
@@ -162,7 +172,7 @@ class Machine:
         self._plans = plans or {}
         self.ledger = ledger
         self.stats = Stats()
-        self._sinks: list[Any] = []
+        self._sinks = []
         self._rows = self._fast_rows
         _obs.register(self)
         self._refresh()

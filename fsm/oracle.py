@@ -26,10 +26,13 @@ from .spec import ERRORED, TRANSITION
 
 
 def transitions_machine(m: Machine, *, machine_cls: type[TMachine] = TMachine,
-                        **kwargs: Any) -> TMachine:
+                        oracle: bool = True, **kwargs: Any) -> TMachine:
     """Build the `transitions` machine of a compiled declaration (model=None).
 
-    `machine_cls` may be a diagram class (GraphMachine); extra kwargs go to it.
+    With `oracle` (the default) every transition records its decision and terminal
+    edges count their plan on the model (see OracleModel); without it the machine is
+    the bare declaration (for diagrams and benchmarks). `machine_cls` may be a diagram
+    class (GraphMachine); extra kwargs go to it.
     """
     states = [TState(name, final=m.terminal[i]) for i, name in enumerate(m.states)]
     trans: list[dict[str, Any]] = []
@@ -43,13 +46,16 @@ def transitions_machine(m: Machine, *, machine_cls: type[TMachine] = TMachine,
                                      else None}
                 if a.guard is not None:
                     t["conditions"] = [_condition(m, a.guard)]
+                if not oracle:
+                    trans.append(t)
+                    continue
                 t["after"] = [_mark("transition" if a.decision == TRANSITION else "ignore")]
                 if a.decision == TRANSITION and m.terminal[a.target]:
                     t["after"].append(_count_plan(a.plan or "<release owned>"))
                 trans.append(t)
     return machine_cls(model=None, states=states, transitions=trans,
                        initial=m.states[m.initial], auto_transitions=False,
-                       send_event=True, ignore_invalid_triggers=False, **kwargs)
+                       send_event=oracle, ignore_invalid_triggers=False, **kwargs)
 
 
 def _condition(m: Machine, guard: str) -> Any:
@@ -100,3 +106,46 @@ class OracleModel:
         if self.last == "ignore":
             self.ignored += 1
         return self.last
+
+
+class Differential:
+    """Drives a compiled instance and an OracleModel side by side, event by event.
+
+    `deliver(event)` fires on both and raises AssertionError when they disagree on the
+    decision (transition / ignore / error) or the resulting state; `plans_match()`
+    compares how many times each release plan ran.
+    """
+
+    def __init__(self, instance: Any) -> None:
+        self.instance = instance
+        self.machine = instance.machine
+        self.model = OracleModel(transitions_machine(self.machine), subject=instance)
+        self.plans_run: Counter[str] = Counter()
+
+    def deliver(self, event: Any) -> str:
+        """Fire `event` at both engines; returns the decision they agreed on."""
+        from .errors import TransitionNotAllowed
+
+        inst = self.instance
+        before = inst.state
+        ignored = sum(self.machine.stats.ignored.values())
+        try:
+            report = inst.fire(event)
+        except TransitionNotAllowed:
+            got = "error"
+        else:
+            if report is not None:
+                self.plans_run[report.plan] += 1
+            got = ("ignore" if sum(self.machine.stats.ignored.values()) > ignored
+                   else "transition")
+        want = self.model.deliver(event)
+        if (got, inst.state) != (want, self.model.state):
+            raise AssertionError(
+                f"machine {self.machine.name!r}: {type(event).__name__} in {before!r}: "
+                f"compiled {got} -> {inst.state!r}, transitions {want} -> "
+                f"{self.model.state!r}")
+        return got
+
+    def plans_match(self) -> bool:
+        """True when both engines ran every release plan the same number of times."""
+        return +self.plans_run == +self.model.plans_run

@@ -131,7 +131,7 @@ class Action:
         _require_effect(fn, "Action step")
         self.fn = fn
         self.best_effort = best_effort
-        self.name = name or getattr(fn, "__name__", "action")
+        self.name: str = name or str(getattr(fn, "__name__", "action"))
 
     def __repr__(self) -> str:
         return f"Action({self.name}{', best_effort' if self.best_effort else ''})"

@@ -28,25 +28,35 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import msgspec
 
 from .errors import InvalidDefinition
 
+if TYPE_CHECKING:
+    from .machine import Machine
+
 Guard: TypeAlias = Callable[[Any, Any], bool]
 """A named predicate `guard(instance, event) -> bool`; it must not change anything."""
 
 
-class Event(msgspec.Struct, frozen=True, tag=True, gc=False):
-    """Base class for events: frozen, tagged msgspec Structs (the tag is the class name).
+if TYPE_CHECKING:
+    # mypy's dataclass_transform refuses a subclass that does not repeat frozen=True;
+    # msgspec itself inherits the config, so users subclass Event without repeating it.
+    class Event(msgspec.Struct, tag=True, gc=False):
+        """Base class for events (see the runtime definition)."""
 
-    Subclass it with the event's fields::
+else:
 
-        class ChunkResult(Event):
-            chunk: int
-            last: bool = False
-    """
+    class Event(msgspec.Struct, frozen=True, tag=True, gc=False):
+        """Base class for events: frozen, tagged msgspec Structs (the tag is the class
+        name). Subclass it with the event's fields::
+
+            class ChunkResult(Event):
+                chunk: int
+                last: bool = False
+        """
 
 
 class State(msgspec.Struct, frozen=True):

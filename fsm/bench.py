@@ -1,0 +1,275 @@
+"""`terminus bench engine`: the compiled engine against transitions, python-statemachine
+and a bare dict table, on one declaration, in one run.
+
+Figures (JSON keys): `fire_ns` ({terminus, transitions, statemachine, dict_table}, ns per
+event at 100k live instances, 1k for the two libraries whose per-instance setup is
+O(n)), `fire_ns_1k` (the same at 1k), `fire_ns_recorder_attached` (terminus with a
+no-op recorder attached, to show what observation costs and that detaching it costs
+nothing), `bytes_per_instance`, `create_us`, `create_us_1k`, `batch_step_ns_per_instance`
+(100k instances, CPU) and `speedup_vs_transitions`.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import observe
+from .spec import ANY, IGNORE, Event, Spec, State, go
+
+
+class Tick(Event):
+    """Advance a running request by one decode step."""
+
+
+class Yield(Event):
+    """Preempt: running -> waiting."""
+
+
+class Resume(Event):
+    """waiting -> running."""
+
+
+class Finish(Event):
+    """running -> finished (terminal)."""
+
+
+def bench_spec() -> Spec:
+    """The declaration every runtime in this benchmark runs."""
+    return Spec(
+        "bench_request",
+        states=(State("waiting", initial=True), State("running"),
+                State("finished", terminal=True)),
+        events=(Tick, Yield, Resume, Finish),
+        table={
+            "waiting": {Resume: go("running"), Tick: IGNORE, Yield: IGNORE,
+                        Finish: go("finished", plan="release")},
+            "running": {Tick: go("running"), Yield: go("waiting"), Resume: IGNORE,
+                        Finish: go("finished", plan="release")},
+            "finished": {ANY: IGNORE},
+        },
+    )
+
+
+# The workload: alternate preempt/resume, which changes the state at every event.
+_CYCLE = (Resume(), Yield())
+
+
+def _time_fire(fire: Callable[[Any, Any], Any], objs: list[Any], rounds: int) -> float:
+    """ns per event, firing the cycle at every object in turn for `rounds` rounds."""
+    ev = _CYCLE
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter_ns()
+        for r in range(rounds):
+            e = ev[r & 1]
+            for o in objs:
+                fire(o, e)
+        dt = time.perf_counter_ns() - t0
+    finally:
+        gc.enable()
+    return dt / (rounds * len(objs))
+
+
+def _measure_create(make: Callable[[], Any], n: int) -> tuple[float, float]:
+    """(µs per instance, bytes per instance); timed and traced in separate runs, since
+    tracing allocations slows them down."""
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter_ns()
+        objs = [make() for _ in range(n)]
+        dt = time.perf_counter_ns() - t0
+    finally:
+        gc.enable()
+    del objs
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    objs = [make() for _ in range(n)]
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    list_bytes = 8 * len(objs)  # the list's own slots are not the instances' cost
+    return dt / n / 1000, (after - before - list_bytes) / n
+
+
+def _terminus(n: int, rounds: int) -> dict[str, float]:
+    m = bench_spec().build()
+    create_us, nbytes = _measure_create(m.create, n)
+    return {"fire_ns": _terminus_fire(n, rounds), "create_us": create_us, "bytes": nbytes}
+
+
+def _terminus_fire(n: int, rounds: int) -> float:
+    """ns per Instance.fire (the fast path), called directly as a user would."""
+    m = bench_spec().build()
+    objs = [m.create() for _ in range(n)]
+    ev = _CYCLE
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter_ns()
+        for r in range(rounds):
+            e = ev[r & 1]
+            for o in objs:
+                o.fire(e)
+        dt = time.perf_counter_ns() - t0
+    finally:
+        gc.enable()
+    return dt / (rounds * n)
+
+
+class _NullRecorder:
+    def record(self, machine: Any, source: int, event: int, alt: int) -> None:
+        pass
+
+    def record_counts(self, machine: Any, counts: Any) -> None:
+        pass
+
+
+def _dict_table(n: int, rounds: int) -> float:
+    """A hand-written table: {state: {event class: next}} and a slotted object."""
+    table = {0: {Resume: 1, Tick: 0, Yield: 0}, 1: {Tick: 1, Yield: 0, Resume: 1}}
+
+    class Obj:
+        __slots__ = ("s",)
+
+        def __init__(self) -> None:
+            self.s = 0
+
+    objs = [Obj() for _ in range(n)]
+
+    def fire(o: Obj, e: Any) -> None:
+        o.s = table[o.s][e.__class__]
+
+    return _time_fire(fire, objs, rounds)
+
+
+def _transitions(n: int, rounds: int) -> float:
+    from .oracle import transitions_machine
+
+    tm = transitions_machine(bench_spec().build(), oracle=False)
+
+    class Model:
+        pass
+
+    objs = [Model() for _ in range(n)]
+    for o in objs:
+        tm.add_model(o)
+    names = {type(e): type(e).__name__ for e in _CYCLE}
+
+    def fire(o: Any, e: Any) -> None:
+        o.trigger(names[type(e)])
+
+    return _time_fire(fire, objs, rounds)
+
+
+def _statemachine(n: int, rounds: int) -> float | None:
+    try:
+        from statemachine import State as S
+        from statemachine import StateMachine
+    except ImportError:  # an optional comparison (test extra)
+        return None
+
+    class SM(StateMachine):
+        waiting = S(initial=True)
+        running = S()
+        finished = S(final=True)
+        Resume = waiting.to(running) | running.to.itself(internal=True)
+        Yield = running.to(waiting) | waiting.to.itself(internal=True)
+        Tick = running.to.itself() | waiting.to.itself(internal=True)
+        Finish = waiting.to(finished) | running.to(finished)
+
+    objs = [SM() for _ in range(n)]
+
+    def fire(o: Any, e: Any) -> None:
+        o.send(type(e).__name__)
+
+    return _time_fire(fire, objs, rounds)
+
+
+def _batch_step(n: int, reps: int) -> float:
+    m = bench_spec().build()
+    b = m.batch(n, "cpu")
+    resume = torch.full((n,), m.event_id(Resume), dtype=torch.int64)
+    yld = torch.full((n,), m.event_id(Yield), dtype=torch.int64)
+    for _ in range(5):
+        b.step(resume)
+        b.step(yld)
+    t0 = time.perf_counter_ns()
+    for _ in range(reps):
+        b.step(resume)
+        b.step(yld)
+    return (time.perf_counter_ns() - t0) / (2 * reps * n)
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """Run every figure once; `quick` shrinks sizes for a smoke test."""
+    big = 10_000 if quick else 100_000
+    small = 1_000
+    rounds = 4 if quick else 20
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t_small = _terminus(small, rounds * 20)
+        t_big = _terminus(big, rounds)
+        prev = observe.set_recorder(_NullRecorder())
+        try:
+            recorded = _terminus_fire(big, rounds)
+        finally:
+            observe.set_recorder(prev)
+        after_detach = _terminus_fire(big, rounds)
+        dict_small = _dict_table(small, rounds * 20)
+        dict_big = _dict_table(big, rounds)
+        tr = _transitions(small, max(2, rounds // 2))
+        sm = _statemachine(small, max(2, rounds // 2))
+        batch = _batch_step(big, 20 if quick else 100)
+    finally:
+        torch.set_num_threads(threads)
+    fire_terminus = t_big["fire_ns"]
+    return {
+        "live_instances": big,
+        "fire_ns": {"terminus": fire_terminus, "transitions": tr,
+                    "statemachine": sm, "dict_table": dict_big},
+        "fire_ns_1k": {"terminus": t_small["fire_ns"], "dict_table": dict_small},
+        "fire_ns_recorder_attached": recorded,
+        "fire_ns_after_detach": after_detach,
+        "bytes_per_instance": t_big["bytes"],
+        "bytes_per_instance_1k": t_small["bytes"],
+        "create_us": t_big["create_us"],
+        "create_us_1k": t_small["create_us"],
+        "batch_step_ns_per_instance": batch,
+        "speedup_vs_transitions": tr / fire_terminus,
+        "notes": "transitions and python-statemachine measured at 1k live instances: "
+                 "transitions' add_model is O(n) per model",
+    }
+
+
+def table(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """Rows (figure, value) for the printed table."""
+    f = r["fire_ns"]
+    n = r["live_instances"]
+    rows = [
+        (f"fire(), terminus, {n:,} live", f"{f['terminus']:.0f} ns"),
+        ("fire(), terminus, 1k live", f"{r['fire_ns_1k']['terminus']:.0f} ns"),
+        ("fire(), terminus, recorder attached", f"{r['fire_ns_recorder_attached']:.0f} ns"),
+        ("fire(), terminus, after detaching it", f"{r['fire_ns_after_detach']:.0f} ns"),
+        ("fire(), transitions.Machine (1k live)", f"{f['transitions']:.0f} ns"),
+    ]
+    if f["statemachine"] is not None:
+        rows.append(("fire(), python-statemachine (1k live)", f"{f['statemachine']:.0f} ns"))
+    rows += [
+        (f"fire(), dict table, {n:,} live", f"{f['dict_table']:.0f} ns"),
+        ("speedup vs transitions", f"{r['speedup_vs_transitions']:.0f}x"),
+        (f"bytes per instance, {n:,} live", f"{r['bytes_per_instance']:.0f} B"),
+        ("bytes per instance, 1k live", f"{r['bytes_per_instance_1k']:.0f} B"),
+        (f"create, {n:,} live", f"{r['create_us']:.2f} µs"),
+        ("create, 1k live", f"{r['create_us_1k']:.2f} µs"),
+        (f"batched step, {n:,} instances, CPU", f"{r['batch_step_ns_per_instance']:.2f} ns/inst"),
+    ]
+    return rows

@@ -1,0 +1,122 @@
+"""The ownership ledger: one owner per handle, transfers, observers, late acquires (I6),
+exactly one release."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsm import DoubleRelease, Ledger, OwnershipError, Plan, Release, release_effect
+from kernels import TokenKVAllocator
+from tests.lifecycle import LIFECYCLE, Abort, Chunk, Finish, Start
+
+
+@release_effect
+def free_kv(ctx, handle):
+    ctx.resources.free(handle.value)
+
+
+@pytest.fixture
+def kv():
+    pool = TokenKVAllocator(128, strict=True)
+    yield pool
+    pool.assert_full()
+
+
+@pytest.fixture
+def ledger(kv):
+    led = Ledger({"kv": free_kv}, resources=kv)
+    yield led
+    led.assert_empty()
+
+
+def bound(ledger):
+    return LIFECYCLE.bind({"release_aborted": Plan(Release("kv")),
+                           "release_finished": Plan(Release("kv"))}, ledger)
+
+
+def test_a_transferred_handle_is_released_by_its_new_owner_only(kv, ledger):
+    m = bound(ledger)
+    parent, child = m.create("parent"), m.create("child")
+    h = ledger.acquire(parent, "kv", kv.alloc(8))
+    ledger.transfer(h, to=child)
+    assert h.owner is child
+    assert ledger.owned(parent) == [] and ledger.owned(child) == [h]
+    report = parent.fire(Abort())
+    assert report.released == []
+    assert kv.available == kv.capacity - 8
+    report = child.fire(Abort())
+    assert report.released == [h] and h.released
+
+
+def test_an_observer_never_owns_and_its_terminal_releases_nothing(kv, ledger):
+    m = bound(ledger)
+    owner, warmup = m.create("child"), m.create("warmup")
+    h = ledger.acquire(owner, "kv", kv.alloc(4))
+    ledger.observe(h, warmup)
+    assert ledger.observers(h) == [warmup]
+    assert warmup.fire(Abort()).released == []
+    assert not h.released
+    with pytest.raises(OwnershipError, match="owns"):
+        ledger.observe(h, owner)
+    owner.fire(Abort())
+    assert h.released and ledger.observers(h) == []
+
+
+def test_a_handle_acquired_after_its_owner_became_terminal_is_released_at_once(kv, ledger):
+    m = bound(ledger)
+    job = m.create("r1")
+    job.fire(Abort())  # the abort won the race against the acquire
+    h = ledger.acquire(job, "kv", kv.alloc(16))
+    assert h.released
+    assert ledger.late_released == 1
+    assert kv.available == kv.capacity
+
+
+def test_a_transfer_to_a_terminal_instance_releases_at_once(kv, ledger):
+    m = bound(ledger)
+    parent, child = m.create("p"), m.create("c")
+    h = ledger.acquire(parent, "kv", kv.alloc(4))
+    child.fire(Abort())
+    ledger.transfer(h, to=child)
+    assert h.released and ledger.late_released == 1
+    parent.fire(Abort())
+
+
+def test_outstanding_lists_every_unreleased_handle_by_owner(kv, ledger):
+    m = bound(ledger)
+    a, b = m.create("a"), m.create("b")
+    ha = ledger.acquire(a, "kv", kv.alloc(2))
+    hb1 = ledger.acquire(b, "kv", kv.alloc(2))
+    hb2 = ledger.acquire(b, "kv", kv.alloc(2))
+    assert ledger.outstanding() == {a: [ha], b: [hb1, hb2]}
+    assert ledger.count("kv") == 3
+    with pytest.raises(AssertionError, match="unreleased handles"):
+        ledger.assert_empty()
+    a.fire(Abort())
+    b.fire(Start())
+    b.fire(Chunk(last=True))
+    b.fire(Finish())
+    assert ledger.outstanding() == {}
+
+
+def test_a_second_release_of_a_handle_raises(kv, ledger):
+    m = bound(ledger)
+    job = m.create("r1")
+    h = ledger.acquire(job, "kv", kv.alloc(2))
+    job.fire(Abort())
+    with pytest.raises(DoubleRelease, match=r"Handle#\d+\(kv, released\) was already released"):
+        ledger._mark_released(h)
+    with pytest.raises(OwnershipError, match="already released"):
+        ledger.transfer(h, to=m.create("other"))
+
+
+def test_acquiring_a_kind_without_a_releaser_is_refused_before_it_is_owned(kv, ledger):
+    job = bound(ledger).create("r1")
+    with pytest.raises(OwnershipError, match="no releaser registered for handle kind 'mamba'"):
+        ledger.acquire(job, "mamba", 3)
+    assert ledger.outstanding() == {}
+
+
+def test_a_releaser_must_be_a_release_effect():
+    with pytest.raises(TypeError, match=r"decorate it with @fsm\.release_effect"):
+        Ledger({"kv": lambda ctx, h: None})
