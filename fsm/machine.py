@@ -320,8 +320,9 @@ class Machine:
         finally:
             inst._q = None
         if errors:
-            for extra in errors[1:]:
-                errors[0].add_note(f"also raised while draining queued events: {extra!r}")
+            if len(errors) > 1 and hasattr(errors[0], "add_note"):  # 3.11+
+                for extra in errors[1:]:
+                    errors[0].add_note(f"also raised while draining queued events: {extra!r}")
             raise errors[0]
         return result
 
