@@ -1,0 +1,368 @@
+"""The free list every id-granular pool shares: a stack of free ids plus a device bitmap.
+
+Layout (capacity C, ids handed out are ``lo .. lo+C-1``)::
+
+    _stack  int64[C]   ids ─┬─ [0, top)      free, the next alloc pops from the top end
+                            └─ [top, C)      stale (ids currently allocated)
+    _count  int32[C+2] slot 0 │ 1 .. C                 │ C+1
+                       below  │ copies of id lo+i-1    │ above
+                       range  │ in the free list       │ range
+
+``alloc(n)`` is a slice of the top (no copy of the rest); ``free(ids)`` writes the ids at
+``top`` (O(number freed), never O(free ids) as a concatenating free list is).
+
+``_count`` is the double-free/foreign bitmap. It is kept as a *count* (not a bool) so one
+``scatter_add_`` both records a free and keeps the evidence of a double free (a count of
+2) without reading anything back to the host. Frees are written to the stack at once and
+folded into ``_count`` in one batched op (``_sync``) before anything reads the bitmap: the
+next alloc, ``check()``, a snapshot, or the end of a free group. So N single frees cost N
+slice writes and one scatter, and the bitmap is never observed stale. Out-of-range ids are
+clamped onto the two sentinel slots, so a bad free can never index out of bounds on a
+device (a CUDA device-side assert would kill the process instead of raising).
+
+``_bad`` is sticky: an id popped by alloc while its count was not exactly 1 (a double-freed
+id handed out, or a foreign one) is flagged there, so the evidence survives the alloc.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.errors import DoubleFree, ForeignIndex, KernelError, LeakError, StaleSnapshot
+
+IdsLike = torch.Tensor | int | Sequence[int]
+
+
+def as_ids(ids: IdsLike, device: torch.device) -> torch.Tensor:
+    """A 1-D integer tensor on ``device``; int32 input is kept (the stack write widens it)."""
+    if isinstance(ids, torch.Tensor):
+        if ids.device != device:
+            ids = ids.to(device)
+        if ids.dim() != 1:
+            ids = ids.reshape(-1)
+        if ids.dtype not in (torch.int64, torch.int32):
+            ids = ids.long()
+        return ids
+    if isinstance(ids, int):
+        return torch.tensor([ids], dtype=torch.int64, device=device)
+    return torch.tensor(list(ids), dtype=torch.int64, device=device)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """An opaque allocator snapshot from ``backup_state()``; valid until the next backup."""
+
+    generation: int
+    top: int
+
+
+class FreeStack:
+    """Stack free list with a device bitmap and lazy double-free/foreign detection.
+
+    ``strict=True`` validates every free before it changes anything (one host sync per
+    free) and raises at the free itself; otherwise violations are recorded on the device
+    and raised by the next ``check()``. ``detect=False`` turns the bitmap off (used by the
+    benchmark to measure what it costs).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        lo: int,
+        capacity: int,
+        device: str | torch.device = "cpu",
+        *,
+        strict: bool = False,
+        detect: bool = True,
+        unit: str = "indices",
+    ) -> None:
+        if capacity < 0:
+            raise ValueError(f"{name}: capacity must be >= 0, got {capacity}")
+        self.name = name
+        self.lo = lo
+        self.hi = lo + capacity
+        self.unit = unit
+        self.strict = strict
+        self.detect = detect
+        self._cap = capacity
+        self._device = torch.device(device)
+        # Maps an id onto its _count slot: lo -> 1.
+        self._off = 1 - lo
+        self._cpu_direct = self._off == 0 and self._device.type == "cpu"
+        self._plus = torch.ones(1, dtype=torch.int32, device=self._device)
+        self._minus = -self._plus
+        self._stack = torch.empty(capacity, dtype=torch.int64, device=self._device)
+        self._count = torch.zeros(capacity + 2, dtype=torch.int32, device=self._device)
+        self._bad = torch.zeros(capacity + 2, dtype=torch.bool, device=self._device)
+        # Clamped copies of ids go here: a fresh tensor per sync would be a fresh mmap
+        # (and page faults) per call for large frees with glibc's allocator.
+        self._scratch = torch.empty(capacity, dtype=torch.int64, device=self._device)
+        self._group: list[torch.Tensor] | None = None
+        self._gen = 0
+        self.clear()
+
+    # -- state -----------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Every id free again, evidence wiped, free group dropped, snapshots invalidated."""
+        torch.arange(self.lo, self.hi, out=self._stack)
+        self._count.zero_()
+        self._count[1 : self._cap + 1] = 1
+        self._bad.zero_()
+        self._top = self._cap
+        self._synced = self._cap
+        self._group = None
+        self._gen += 1
+        self._snap_top = -1
+        self._saved: torch.Tensor | None = None
+        self._saved_lo = 0
+
+    @property
+    def device(self) -> torch.device:
+        """The device every tensor of this free list lives on."""
+        return self._device
+
+    @property
+    def capacity(self) -> int:
+        """How many ids this free list manages."""
+        return self._cap
+
+    @property
+    def available(self) -> int:
+        """Free ids ready for alloc (frees still held in an open free group excluded)."""
+        return self._top
+
+    def valid_range(self) -> str:
+        """Human description of the ids handed out, for error messages."""
+        return f"{self.unit} {self.lo}..{self.hi - 1}"
+
+    # -- bitmap ------------------------------------------------------------------------
+
+    def _slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """``_count`` slots of ``ids`` (out-of-range ids land on a sentinel), in scratch."""
+        p = self._scratch[: ids.numel()]
+        if self._off:
+            torch.add(ids, self._off, out=p)
+            return p.clamp_(0, self._cap + 1)
+        return torch.clamp(ids, 0, self._cap + 1, out=p)
+
+    def _count_add(self, ids: torch.Tensor, delta: torch.Tensor) -> None:
+        """Add ``delta`` to the counts of ``ids``; RuntimeError leaves ``_count`` unknown."""
+        if self._cpu_direct:
+            # CPU scatter checks bounds itself and raises, so the clamp (a third of the
+            # cost of a large sync) is only needed where a bad index is a device assert.
+            self._count.scatter_add_(0, ids, delta.expand(ids.numel()))
+        else:
+            p = self._slots(ids)
+            self._count.scatter_add_(0, p, delta.expand(p.numel()))
+
+    def _rebuild_counts(self) -> None:
+        """Recount the free list from scratch (O(capacity); only after a foreign id)."""
+        self._count.zero_()
+        if self._top:
+            p = self._slots(self._stack[: self._top])
+            self._count.scatter_add_(0, p, self._plus.expand(p.numel()))
+        self._synced = self._top
+
+    def _sync(self) -> None:
+        if self._synced < self._top and self.detect:
+            try:
+                self._count_add(self._stack[self._synced : self._top], self._plus)
+            except RuntimeError:
+                # A foreign id (out of bounds) stopped the scatter part-way; the id stays
+                # in the stack, where check() finds and names it.
+                self._rebuild_counts()
+        self._synced = self._top
+
+    # -- alloc / free -----------------------------------------------------------------
+
+    def pop(self, n: int) -> torch.Tensor | None:
+        """``n`` free ids, or None when fewer than ``n`` are free (nothing is taken then)."""
+        if n < 0:
+            raise ValueError(f"{self.name}: cannot allocate a negative number ({n})")
+        if n > self._top:
+            return None
+        self._sync()
+        out = self._stack[self._top - n : self._top].clone()
+        self._top -= n
+        self._synced = self._top
+        if self.detect and n:
+            p = self._slots(out)
+            # Sticky evidence: an id handed out while its count was not exactly 1.
+            self._bad.index_put_((p,), self._count.index_select(0, p).ne(1), accumulate=True)
+            self._count.scatter_add_(0, p, self._minus.expand(n))
+        return out
+
+    def push(self, ids: torch.Tensor) -> None:
+        """Return ``ids`` (an int tensor; any device, int32 or int64) to the free list.
+
+        This is the hot path of per-request frees: one slice write, nothing else.
+        """
+        if self._group is not None:
+            self._group.append(ids)
+            return
+        if ids.dim() != 1:
+            ids = ids.reshape(-1)
+        n = ids.numel()
+        if n == 0:
+            return
+        if self.strict or self._top + n > self._cap:
+            # More frees than ids allocated is a violation for certain; find and name it
+            # rather than write past the end of the stack.
+            self.validate(ids)
+            if self._top + n > self._cap:  # pragma: no cover - validate() raises first
+                raise DoubleFree(self.name, [])
+        if self._snap_top >= 0 and self._top < self._saved_lo:
+            self._save_for_snapshot()
+        self._stack[self._top : self._top + n] = ids
+        self._top += n
+        if self.strict:
+            self._sync()
+
+    def validate(self, ids: torch.Tensor) -> None:
+        """Raise ``ForeignIndex``/``DoubleFree`` if freeing ``ids`` now would be wrong.
+
+        Syncs with the host; changes nothing.
+        """
+        self._sync()
+        ids = ids.to(self._device).long().reshape(-1)
+        outside = (ids < self.lo) | (ids >= self.hi)
+        if bool(outside.any()):
+            raise ForeignIndex(self.name, ids[outside].tolist(), self.valid_range())
+        counts = self._count.index_select(0, ids + self._off if self._off else ids)
+        already = counts.ne(0)
+        if bool(already.any()):
+            raise DoubleFree(self.name, ids[already].tolist())
+        if ids.numel() > 1:
+            s = torch.sort(ids).values
+            twice = s[1:][s[1:] == s[:-1]]
+            if twice.numel():
+                raise DoubleFree(self.name, torch.unique(twice).tolist())
+
+    # -- free groups -------------------------------------------------------------------
+
+    def group_begin(self) -> None:
+        """Start collecting frees; they reach the free list together at ``group_end``."""
+        if self._group is not None:
+            raise KernelError(
+                f"{self.name}: free_group_begin() while a free group is open; "
+                "call free_group_end() first"
+            )
+        self._group = []
+
+    def group_end(self) -> None:
+        """Push every free collected since ``group_begin`` with one stack write."""
+        group = self._group
+        if group is None:
+            raise KernelError(f"{self.name}: free_group_end() without free_group_begin()")
+        self._group = None
+        if group:
+            ids = [g.reshape(-1).to(self._device) for g in group] if self.strict else group
+            self.push(ids[0] if len(ids) == 1 else torch.cat(ids))
+
+    @property
+    def in_group(self) -> bool:
+        """Whether a free group is open."""
+        return self._group is not None
+
+    # -- snapshots -----------------------------------------------------------------------
+
+    def _save_for_snapshot(self) -> None:
+        # Positions [top, saved_lo) still hold what they held at backup time (every write
+        # since then landed at or above saved_lo), so copying them now is enough.
+        seg = self._stack[self._top : self._saved_lo].clone()
+        self._saved = seg if self._saved is None else torch.cat((seg, self._saved))
+        self._saved_lo = self._top
+
+    def backup(self) -> Snapshot:
+        """O(1) snapshot of the free list; a later backup replaces it."""
+        self._no_group("backup_state")
+        self._sync()
+        self._gen += 1
+        self._snap_top = self._top
+        self._saved = None
+        self._saved_lo = self._top
+        return Snapshot(self._gen, self._top)
+
+    def restore(self, snap: Snapshot) -> None:
+        """Return to exactly the free set of ``snap``.
+
+        Ids allocated since the backup are free again; ids freed since the backup are
+        allocated again (their owner still holds them), as with a tensor snapshot of the
+        whole free list. O(ids allocated since the backup).
+        """
+        self._no_group("restore_state")
+        if snap.generation != self._gen or self._snap_top != snap.top:
+            raise StaleSnapshot(
+                f"{self.name}: snapshot {snap.generation} was replaced by a later "
+                "backup_state() or clear(); restore only the latest snapshot"
+            )
+        self._sync()
+        t = snap.top
+        lo_pos = min(self._saved_lo, self._top)
+        recount = False
+        try:
+            if self.detect and self._top > lo_pos:
+                self._count_add(self._stack[lo_pos : self._top], self._minus)
+        except RuntimeError:
+            recount = True
+        if self._saved is not None:
+            self._stack[self._saved_lo : t] = self._saved
+        self._top = self._synced = t
+        try:
+            if self.detect and not recount and t > lo_pos:
+                self._count_add(self._stack[lo_pos:t], self._plus)
+        except RuntimeError:
+            recount = True
+        if recount:
+            self._rebuild_counts()
+        self._saved = None
+        self._saved_lo = t
+
+    def _no_group(self, what: str) -> None:
+        if self._group is not None:
+            raise KernelError(f"{self.name}: {what}() inside a free group; end the group first")
+
+    # -- checks ---------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise ``ForeignIndex`` or ``DoubleFree`` for any violation recorded so far.
+
+        One host sync. Foreign ids still in the free list are named exactly; ones already
+        handed out again are reported by the sentinel they hit.
+        """
+        if not self.detect:
+            return
+        self._sync()
+        free = self._stack[: self._top]
+        outside = (free < self.lo) | (free >= self.hi)
+        foreign = free[outside].tolist()
+        c, b = self._count, self._bad
+        hits = [int(c[0]) + int(b[0]), int(c[self._cap + 1]) + int(b[self._cap + 1])]
+        if foreign or hits[0] or hits[1]:
+            if not foreign:
+                foreign = [self.lo - 1] if hits[0] else [self.hi]
+            raise ForeignIndex(self.name, sorted(set(foreign)), self.valid_range())
+        inner = (c[1 : self._cap + 1] > 1) | b[1 : self._cap + 1]
+        dbl = torch.nonzero(inner).flatten()
+        if dbl.numel():
+            raise DoubleFree(self.name, (dbl + self.lo).tolist())
+
+    def held(self, limit: int = 16) -> list[int]:
+        """Up to ``limit`` ids currently allocated (not in the free list)."""
+        self._sync()
+        if not self.detect:
+            return []
+        held = torch.nonzero(self._count[1 : self._cap + 1] == 0).flatten()[:limit]
+        return (held + self.lo).tolist()
+
+    def assert_full(self) -> None:
+        """Raise unless every id is back in the free list and no violation was recorded."""
+        self.check()
+        if self._group is not None:
+            raise LeakError(self.name, sum(g.numel() for g in self._group), [], "frees")
+        if self._top != self._cap:
+            raise LeakError(self.name, self._cap - self._top, self.held(), self.unit)

@@ -1,0 +1,149 @@
+"""KV cache slot allocator, token-granular (``page_size == 1``) or paged.
+
+Token indices address rows of the KV buffers, which therefore need
+``size + page_size`` rows::
+
+    token index  0 .. ps-1 | ps .. 2ps-1 | ... | size .. size+ps-1
+    page             0     |      1      | ... |    size/ps
+                  padding  |  handed out by alloc(), page ids 1 .. size/ps
+
+Page 0 (token 0 when ``page_size == 1``) is the padding slot that dummy and padded batch
+rows write into: never handed out, and freeing it raises ``ForeignIndex``.
+
+Paged semantics: ``alloc(n)`` takes ``ceil(n / page_size)`` whole pages and returns the
+first ``n`` token indices of them (``page * page_size + offset``), in order. ``free`` takes
+token indices and frees every page any of them falls in, once per page, so freeing a
+request's ``req_to_token[slot, :length]`` frees exactly its pages even when ``length`` ends
+mid-page.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._stack import FreeStack, IdsLike, Snapshot, as_ids
+
+__all__ = ["KVSnapshot", "TokenKVAllocator"]
+
+KVSnapshot = Snapshot
+
+
+class TokenKVAllocator:
+    """KV slot allocator with O(freed) frees, free groups, snapshots and a free bitmap.
+
+    Args:
+        size: usable token slots (a multiple of ``page_size``).
+        page_size: tokens per page; 1 for token granularity.
+        device: where the free list and bitmap live.
+        strict: validate every free before it changes anything (one host sync per
+            free); otherwise violations are recorded on the device and raised by
+            ``check()``, which a scheduler calls once per step.
+        detect: keep the double-free/foreign bitmap at all.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int = 1,
+        device: str | torch.device = "cpu",
+        *,
+        strict: bool = False,
+        detect: bool = True,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"TokenKVAllocator: page_size must be >= 1, got {page_size}")
+        if size % page_size:
+            raise ValueError(
+                f"TokenKVAllocator: size {size} is not a multiple of page_size {page_size}; "
+                f"use {size - size % page_size}"
+            )
+        self.size = size
+        self.page_size = page_size
+        self._free = FreeStack(
+            "TokenKVAllocator" if page_size == 1 else f"TokenKVAllocator(page_size={page_size})",
+            1,
+            size // page_size,
+            device,
+            strict=strict,
+            detect=detect,
+            unit="pages" if page_size > 1 else "token slots",
+        )
+        if page_size > 1:
+            self._offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the free list lives."""
+        return self._free.device
+
+    @property
+    def capacity(self) -> int:
+        """Usable token slots (padding excluded)."""
+        return self._free.capacity * self.page_size
+
+    @property
+    def available(self) -> int:
+        """Token slots that ``alloc`` can hand out now."""
+        return self._free.available * self.page_size
+
+    def available_size(self) -> int:
+        """Same as ``available``: the name serving engines call."""
+        return self._free.available * self.page_size
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """``n`` token indices (int64), or None when short: never a partial allocation."""
+        if self.page_size == 1:
+            return self._free.pop(n)
+        pages = self._free.pop(-(-n // self.page_size))
+        if pages is None:
+            return None
+        tokens = pages.unsqueeze(1) * self.page_size + self._offsets
+        return tokens.reshape(-1)[:n]
+
+    def free(self, indices: IdsLike) -> None:
+        """Return token indices (any int tensor, e.g. an int32 ``req_to_token`` row)."""
+        if self.page_size == 1 and type(indices) is torch.Tensor:
+            self._free.push(indices)  # the per-request hot path: keep it to one call
+            return
+        ids = as_ids(indices, self.device)
+        if ids.numel() == 0:
+            return
+        if self.page_size > 1:
+            ids = torch.unique(torch.div(ids, self.page_size, rounding_mode="floor"))
+        self._free.push(ids)
+
+    def free_group_begin(self) -> None:
+        """Collect the frees that follow; they reach the free list at ``free_group_end``."""
+        self._free.group_begin()
+
+    def free_group_end(self) -> None:
+        """Push all frees since ``free_group_begin`` with one concatenation."""
+        self._free.group_end()
+
+    def backup_state(self) -> KVSnapshot:
+        """Snapshot for speculative-decoding rollback; O(1).
+
+        Only the latest snapshot can be restored. See ``restore_state``.
+        """
+        return self._free.backup()
+
+    def restore_state(self, state: KVSnapshot) -> None:
+        """Return to exactly the free set at ``backup_state``.
+
+        O(slots allocated since the backup) when only allocations happened; still
+        correct when frees happened too: slots freed after the backup count as
+        allocated again, as with a copy of the whole free list.
+        """
+        self._free.restore(state)
+
+    def clear(self) -> None:
+        """Everything free again; recorded violations wiped; snapshots invalidated."""
+        self._free.clear()
+
+    def check(self) -> None:
+        """Raise ``ForeignIndex`` / ``DoubleFree`` naming what was wrongly freed (one sync)."""
+        self._free.check()
+
+    def assert_full(self) -> None:
+        """Raise ``LeakError`` naming held pages unless everything is free again."""
+        self._free.assert_full()

@@ -1,0 +1,319 @@
+"""KV allocator: exhaustion, padding, double free, foreign index, groups, snapshots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels import (
+    DoubleFree,
+    ForeignIndex,
+    KernelError,
+    LeakError,
+    StaleSnapshot,
+    TokenKVAllocator,
+)
+from kernels.protocols import KVAllocator
+
+
+def test_alloc_returns_distinct_indices_and_never_the_padding_slot():
+    kv = TokenKVAllocator(8, strict=True)
+    got = kv.alloc(8)
+    assert got is not None
+    assert sorted(got.tolist()) == list(range(1, 9))
+    assert kv.available == 0
+
+
+def test_alloc_when_short_returns_none_and_takes_nothing():
+    kv = TokenKVAllocator(8)
+    assert kv.alloc(5) is not None
+    assert kv.alloc(4) is None
+    assert kv.available_size() == 3
+    assert kv.alloc(3) is not None
+
+
+def test_free_returns_slots_and_assert_full_passes():
+    kv = TokenKVAllocator(16, strict=True)
+    a, b = kv.alloc(5), kv.alloc(7)
+    kv.free(a)
+    kv.free(b)
+    assert kv.available == kv.capacity == 16
+    kv.assert_full()
+
+
+def test_assert_full_names_leaked_slots():
+    kv = TokenKVAllocator(4)
+    got = kv.alloc(1)
+    assert got is not None
+    with pytest.raises(LeakError, match=rf"1 token slots still held, e.g. \[{int(got)}\]"):
+        kv.assert_full()
+
+
+def test_strict_double_free_raises_at_the_free_and_changes_nothing():
+    kv = TokenKVAllocator(8, strict=True)
+    got = kv.alloc(3)
+    assert got is not None
+    kv.free(got[:1])
+    with pytest.raises(DoubleFree, match=rf"double free of \[{int(got[0])}\]"):
+        kv.free(got[:2])
+    assert kv.available == 6
+    kv.free(got[1:])
+    kv.assert_full()
+
+
+def test_strict_duplicate_inside_one_free_is_a_double_free():
+    kv = TokenKVAllocator(8, strict=True)
+    got = kv.alloc(2)
+    assert got is not None
+    with pytest.raises(DoubleFree, match=rf"double free of \[{int(got[0])}\]"):
+        kv.free(torch.stack((got[0], got[0])))
+
+
+def test_padding_slot_is_never_accepted_back():
+    kv = TokenKVAllocator(8, strict=True)
+    kv.alloc(1)
+    with pytest.raises(ForeignIndex, match=r"foreign index \[0\]: this pool only hands out"):
+        kv.free(torch.tensor([0]))
+
+
+def test_out_of_range_and_negative_indices_are_foreign():
+    kv = TokenKVAllocator(8, strict=True)
+    kv.alloc(4)
+    with pytest.raises(ForeignIndex, match=r"foreign index \[-3, 9\]"):
+        kv.free(torch.tensor([-3, 9]))
+
+
+def test_lazy_double_free_is_recorded_without_raising_and_check_names_it():
+    kv = TokenKVAllocator(8)
+    got = kv.alloc(4)
+    assert got is not None
+    kv.free(got[:2])
+    kv.free(got[1:3])  # got[1] twice: recorded on the device, no host sync here
+    with pytest.raises(DoubleFree, match=rf"double free of \[{int(got[1])}\]"):
+        kv.check()
+
+
+def test_lazy_foreign_free_is_named_by_check():
+    kv = TokenKVAllocator(8)
+    kv.alloc(4)
+    kv.free(torch.tensor([0]))
+    with pytest.raises(ForeignIndex, match=r"foreign index \[0\]"):
+        kv.check()
+
+
+def test_lazy_out_of_bounds_free_is_named_by_check():
+    kv = TokenKVAllocator(8)
+    kv.alloc(4)
+    kv.free(torch.tensor([100]))
+    with pytest.raises(ForeignIndex, match=r"foreign index \[100\]"):
+        kv.check()
+
+
+def test_double_freed_slot_handed_out_again_is_still_reported():
+    kv = TokenKVAllocator(4)
+    got = kv.alloc(4)
+    assert got is not None
+    kv.free(got[:1])
+    kv.free(got[:1])
+    kv.alloc(2)  # both copies of the same slot handed out: the evidence must survive
+    with pytest.raises(DoubleFree, match=rf"double free of \[{int(got[0])}\]"):
+        kv.check()
+
+
+def test_more_frees_than_allocated_raise_even_when_lazy():
+    kv = TokenKVAllocator(4)
+    got = kv.alloc(1)
+    assert got is not None
+    kv.free(got)
+    with pytest.raises(DoubleFree):
+        kv.free(got)
+
+
+def test_free_group_defers_frees_until_the_end():
+    kv = TokenKVAllocator(16, strict=True)
+    reqs = [kv.alloc(4) for _ in range(4)]
+    kv.free_group_begin()
+    for r in reqs:
+        kv.free(r)
+    assert kv.available == 0
+    kv.free_group_end()
+    assert kv.available == 16
+    kv.assert_full()
+
+
+def test_strict_free_group_checks_the_whole_group_at_its_end():
+    kv = TokenKVAllocator(8, strict=True)
+    got = kv.alloc(2)
+    assert got is not None
+    kv.free_group_begin()
+    kv.free(got)
+    kv.free(got[:1])
+    with pytest.raises(DoubleFree, match=rf"\[{int(got[0])}\]"):
+        kv.free_group_end()
+
+
+def test_free_group_cannot_nest_or_end_twice():
+    kv = TokenKVAllocator(4)
+    kv.free_group_begin()
+    with pytest.raises(KernelError, match="while a free group is open"):
+        kv.free_group_begin()
+    kv.free_group_end()
+    with pytest.raises(KernelError, match="without free_group_begin"):
+        kv.free_group_end()
+
+
+def test_restore_after_allocations_only_returns_them():
+    kv = TokenKVAllocator(16, strict=True)
+    kept = kv.alloc(3)
+    snap = kv.backup_state()
+    assert kv.alloc(5) is not None and kv.alloc(2) is not None
+    kv.restore_state(snap)
+    assert kv.available == 13
+    kv.free(kept)
+    kv.assert_full()
+
+
+def test_restore_after_frees_returns_exactly_the_backed_up_free_set():
+    kv = TokenKVAllocator(16, strict=True)
+    a = kv.alloc(4)
+    assert a is not None
+    free_before = set(range(1, 17)) - set(a.tolist())
+    snap = kv.backup_state()
+    b = kv.alloc(6)
+    assert b is not None
+    kv.free(a)  # overwrites the stack positions b came from
+    c = kv.alloc(8)
+    assert c is not None
+    kv.free(b[:2])
+    kv.restore_state(snap)
+    assert kv.available == 12
+    got = kv.alloc(12)
+    assert got is not None
+    assert set(got.tolist()) == free_before
+    kv.free(got)
+    kv.free(a)  # freed after the backup, so allocated again after the restore
+    kv.assert_full()
+
+
+def test_a_snapshot_can_be_restored_twice_but_not_after_a_newer_backup():
+    kv = TokenKVAllocator(8, strict=True)
+    snap = kv.backup_state()
+    kv.alloc(3)
+    kv.restore_state(snap)
+    kv.alloc(2)
+    kv.restore_state(snap)
+    assert kv.available == 8
+    kv.backup_state()
+    with pytest.raises(StaleSnapshot, match="restore only the latest snapshot"):
+        kv.restore_state(snap)
+
+
+def test_clear_frees_everything_and_forgets_violations():
+    kv = TokenKVAllocator(8)
+    got = kv.alloc(4)
+    assert got is not None
+    kv.free(got[:2])
+    kv.free(got[:1])
+    kv.clear()
+    kv.check()
+    kv.assert_full()
+
+
+def test_paged_alloc_rounds_to_pages_and_returns_n_token_indices():
+    kv = TokenKVAllocator(16, page_size=4, strict=True)
+    got = kv.alloc(6)
+    assert got is not None
+    assert got.numel() == 6
+    pages = (got // 4).tolist()
+    assert pages[:4] == [pages[0]] * 4 and pages[4:] == [pages[4]] * 2
+    assert (got % 4).tolist() == [0, 1, 2, 3, 0, 1]
+    assert 0 not in pages
+    assert kv.available == 8
+
+
+def test_paged_free_of_token_indices_frees_their_pages_once():
+    kv = TokenKVAllocator(16, page_size=4, strict=True)
+    got = kv.alloc(6)
+    assert got is not None
+    kv.free(got)
+    kv.assert_full()
+
+
+def test_paged_padding_page_is_foreign():
+    kv = TokenKVAllocator(16, page_size=4, strict=True)
+    kv.alloc(4)
+    with pytest.raises(
+        ForeignIndex, match=r"foreign index \[0\]: this pool only hands out pages 1..4"
+    ):
+        kv.free(torch.tensor([2]))
+
+
+def test_size_must_be_a_multiple_of_the_page_size():
+    with pytest.raises(ValueError, match="not a multiple of page_size 4; use 8"):
+        TokenKVAllocator(10, page_size=4)
+
+
+def test_int32_rows_from_the_request_table_are_accepted():
+    kv = TokenKVAllocator(8, strict=True)
+    got = kv.alloc(3)
+    assert got is not None
+    kv.free(got.to(torch.int32))
+    kv.assert_full()
+
+
+def test_our_allocator_satisfies_the_protocol():
+    assert isinstance(TokenKVAllocator(4), KVAllocator)
+
+
+@pytest.mark.gpu
+def test_allocator_runs_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    kv = TokenKVAllocator(64, device="cuda")
+    got = kv.alloc(10)
+    assert got is not None and got.is_cuda
+    kv.free(got)
+    kv.free(torch.tensor([1000], device="cuda"))  # clamped onto a sentinel: no device assert
+    with pytest.raises(ForeignIndex, match=r"\[1000\]"):
+        kv.check()
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["alloc", "free", "backup", "restore"]), st.integers(0, 9)),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=ops, page_size=st.sampled_from([1, 2, 4]), strict=st.booleans())
+def test_any_sequence_keeps_accounting_and_never_hands_out_twice(ops, page_size, strict):
+    kv = TokenKVAllocator(32, page_size=page_size, strict=strict)
+    held: list[torch.Tensor] = []
+    snap = None
+    snap_held: list[torch.Tensor] = []
+    for op, k in ops:
+        if op == "alloc":
+            got = kv.alloc(k)
+            in_use = {int(t) // page_size for h in held for t in h}
+            if got is None:
+                assert kv.available < k
+                continue
+            pages = {int(t) // page_size for t in got}
+            assert not pages & in_use
+            assert 0 not in pages
+            held.append(got)
+        elif op == "free" and held:
+            kv.free(held.pop(k % len(held)))
+        elif op == "backup":
+            snap, snap_held = kv.backup_state(), list(held)
+        elif op == "restore" and snap is not None:
+            kv.restore_state(snap)
+            held = list(snap_held)
+        allocated = sum(-(-h.numel() // page_size) * page_size for h in held)
+        assert kv.available + allocated == kv.capacity
+    kv.check()
+    for h in held:
+        kv.free(h)
+    kv.assert_full()
