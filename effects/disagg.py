@@ -1,0 +1,519 @@
+"""Release plans of the disaggregated-prefill request and its chunks, and the loop
+that drives them over real pools.
+
+Ownership, as the ledger records it (kinds, and the pool each goes back to)::
+
+    request  hicache   host pages of its storage prefetch   HostPagePool   from add()
+             metadata  a MetadataSlot (index -> -1)         MetadataSlots  at bootstrap
+             req_slot  its request-to-token row             ReqToTokenTable  first chunk
+             mamba     its Mamba state slot(s)              MambaStatePool   first chunk
+             kv        pages of every committed chunk       KV allocator   at commit
+    chunk    kv        the pages it writes while in flight  KV allocator   at schedule
+
+Each plan releases what the instance owns *now* (a ledger query, never "is this field
+None"). Only `release_succeeded` inserts KV into the prefix cache, once per request;
+`release_aborted` notifies the sender first, best-effort (I5), so a failing peer
+never skips the local releases, and every request plan streams its terminal output
+exactly once (best-effort too: the client is outside).
+
+`DisaggPrefill` is the reference loop: it turns scheduler happenings (bootstrap polls,
+chunk launches and results, aborts, transfer polls) into events, acquires resources
+into the ledger, and hands a chunk's pages to its request when the chunk commits.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+
+from fsm import Action, Ledger, Machine, Plan, PlanReport, Release, ReleaseContext, release_effect
+from kernels.host import HostPagePool
+from kernels.kv import TokenKVAllocator
+from kernels.mamba import MambaStatePool
+from kernels.metadata import MetadataSlots
+from kernels.protocols import KVAllocator, MambaPool
+from kernels.req_table import ReqToTokenTable
+from states.chunk import CHUNK, Abandon, Chunk, Commit, Launch, NextLaunched, Result
+from states.disagg import (
+    DISAGG_PREFILL,
+    Abort,
+    BootstrapFailed,
+    Bootstrapped,
+    BootstrapRetry,
+    ChunkResult,
+    ChunkScheduled,
+    DisaggReq,
+    TransferDone,
+    TransferFailed,
+)
+
+from .prefix_cache import CountingPrefixCache, PrefixCache
+from .transport import FakeTransport, Poll, Transport, TransportError
+
+__all__ = [
+    "CHUNK_PLANS",
+    "KINDS",
+    "REQUEST_PLANS",
+    "DisaggPools",
+    "DisaggPrefill",
+    "DisaggResources",
+    "PrefillRequest",
+    "TerminalOutput",
+    "TerminalStream",
+    "make_ledger",
+]
+
+KINDS = ("hicache", "metadata", "req_slot", "mamba", "kv")
+"""Handle kinds this module's ledger knows."""
+
+
+# -- the outside world: terminal outputs ------------------------------------------------
+
+
+class TerminalOutput(msgspec.Struct, frozen=True, gc=False):
+    """What a request streams when it ends: its id, terminal state and reason."""
+
+    rid: str
+    status: str
+    reason: str = ""
+
+
+class TerminalStream:
+    """Collects terminal outputs (a stand-in for the client stream); can fail on cue."""
+
+    def __init__(self) -> None:
+        self.outputs: list[TerminalOutput] = []
+        self.counts: Counter[str] = Counter()
+        self.failing: set[str] = set()
+
+    def emit(self, out: TerminalOutput) -> None:
+        """Record `out` (counted even when the send then fails)."""
+        self.counts[out.rid] += 1
+        self.outputs.append(out)
+        if out.rid in self.failing:
+            raise ConnectionError(f"client stream of {out.rid!r} is closed")
+
+
+# -- resources -------------------------------------------------------------------------
+
+
+@dataclass
+class DisaggPools:
+    """The kernels pools a disaggregated-prefill server releases into."""
+
+    kv: KVAllocator
+    mamba: MambaPool
+    metadata: MetadataSlots
+    host: HostPagePool
+    table: ReqToTokenTable
+
+    @classmethod
+    def make(cls, *, kv_tokens: int = 4096, requests: int = 16, mamba_slots: int = 32,
+             metadata_slots: int = 16, host_pages: int = 64, max_context_len: int = 4096,
+             page_size: int = 1, device: str | torch.device = "cpu",
+             strict: bool = True) -> DisaggPools:
+        """Small real pools (a tiny Mamba state shape); `strict` raises at a double free."""
+        return cls(
+            kv=TokenKVAllocator(kv_tokens, page_size, device, strict=strict),
+            mamba=MambaStatePool(mamba_slots, layers=2, conv_dims=8, conv_kernel=4, heads=2,
+                                 head_dim=4, state_size=4, device=device, strict=strict),
+            metadata=MetadataSlots(metadata_slots, device),
+            host=HostPagePool(host_pages, device),
+            table=ReqToTokenTable(requests, max_context_len, device, strict=strict),
+        )
+
+    def pools(self) -> dict[str, Any]:
+        """The pools by name."""
+        return {"kv": self.kv, "mamba": self.mamba, "metadata": self.metadata,
+                "host": self.host, "table": self.table}
+
+    def assert_full(self) -> None:
+        """`assert_full()` on every pool (raises `LeakError` naming what is held)."""
+        for p in self.pools().values():
+            p.assert_full()
+
+
+@dataclass
+class DisaggResources:
+    """Everything the release effects reach through `ctx.resources`."""
+
+    pools: DisaggPools
+    transport: Transport
+    cache: PrefixCache
+    stream: TerminalStream
+    staged: dict[Any, list[torch.Tensor]] = field(default_factory=dict)
+
+
+# -- release effects ---------------------------------------------------------------------
+
+
+def _res(ctx: ReleaseContext) -> DisaggResources:
+    res = ctx.resources
+    assert isinstance(res, DisaggResources)
+    return res
+
+
+@release_effect
+def free_kv(ctx: ReleaseContext, handle: Any) -> None:
+    """Return KV pages to the allocator."""
+    _res(ctx).pools.kv.free(handle.value)
+
+
+@release_effect
+def free_mamba(ctx: ReleaseContext, handle: Any) -> None:
+    """Return Mamba state slots."""
+    _res(ctx).pools.mamba.free(handle.value)
+
+
+@release_effect
+def free_req_slot(ctx: ReleaseContext, handle: Any) -> None:
+    """Return the request-to-token row (its KV is released through the kv handles)."""
+    _res(ctx).pools.table.free(handle.value)
+
+
+@release_effect
+def free_metadata(ctx: ReleaseContext, handle: Any) -> None:
+    """Free the metadata slot; its index becomes -1."""
+    handle.value.release()
+
+
+@release_effect
+def release_hicache(ctx: ReleaseContext, handle: Any) -> None:
+    """Stop the request's host prefetch and free the host pages it reserved."""
+    prefetch = handle.value
+    prefetch.terminate()
+    prefetch.release()
+
+
+@release_effect
+def stage_kv_for_cache(ctx: ReleaseContext, handle: Any) -> None:
+    """Collect a KV handle for the single prefix-cache insert that follows."""
+    _res(ctx).staged.setdefault(ctx.instance, []).append(handle.value)
+
+
+@release_effect
+def insert_kv_into_cache(ctx: ReleaseContext) -> None:
+    """Insert the request's whole KV into the prefix cache: once per request."""
+    res = _res(ctx)
+    parts = res.staged.pop(ctx.instance, [])
+    if not parts:
+        return
+    kv = torch.cat(parts)
+    try:
+        res.cache.insert(ctx.instance.key, kv)
+    except BaseException:
+        res.pools.kv.free(kv)  # the cache did not take them: they are still ours to free
+        raise
+
+
+@release_effect
+def sender_abort(ctx: ReleaseContext) -> None:
+    """Tell the decode side the request is gone (best-effort in every plan, I5)."""
+    _res(ctx).transport.abort(ctx.instance.key)
+
+
+@release_effect
+def stream_terminal(ctx: ReleaseContext) -> None:
+    """Stream the request's terminal output; runs once, in the plan of its terminal edge."""
+    inst = ctx.instance
+    _res(ctx).stream.emit(TerminalOutput(str(inst.key), ctx.target,
+                                         getattr(inst, "reason", "")))
+
+
+_LOCAL = (Release("metadata"), Release("hicache"), Release("kv"), Release("mamba"),
+          Release("req_slot"))
+
+REQUEST_PLANS: dict[str, Plan] = {
+    "release_succeeded": Plan(
+        Release("kv", stage_kv_for_cache),
+        Action(insert_kv_into_cache),
+        Release("mamba"), Release("req_slot"), Release("metadata"), Release("hicache"),
+        Action(stream_terminal, best_effort=True),
+    ),
+    "release_aborted": Plan(
+        Action(sender_abort, best_effort=True),
+        *_LOCAL,
+        Action(stream_terminal, best_effort=True),
+    ),
+    "release_bootstrap_failed": Plan(*_LOCAL, Action(stream_terminal, best_effort=True)),
+    "release_failed": Plan(*_LOCAL, Action(stream_terminal, best_effort=True)),
+}
+"""Plans of `states.disagg.DISAGG_PREFILL`."""
+
+CHUNK_PLANS: dict[str, Plan] = {
+    # The serving loop moved the pages to the request before Commit; a chunk that
+    # still owns some here is released by their default releaser, never leaked.
+    "release_committed": Plan(),
+    "release_abandoned": Plan(Release("kv")),
+}
+"""Plans of `states.chunk.CHUNK`."""
+
+
+def make_ledger(resources: DisaggResources) -> Ledger:
+    """A ledger with this module's default releasers over `resources`."""
+    return Ledger({"kv": free_kv, "mamba": free_mamba, "req_slot": free_req_slot,
+                   "metadata": free_metadata, "hicache": release_hicache},
+                  resources=resources)
+
+
+# -- the reference loop --------------------------------------------------------------------
+
+
+class PrefillRequest(DisaggReq):
+    """A request instance plus what the loop needs to cut it into chunks."""
+
+    __slots__ = ("chunk_size", "n_chunks", "prompt_len")
+
+    def __init__(self, machine: Machine, key: str, prompt_len: int, chunk_size: int) -> None:
+        super().__init__(machine, key)
+        self.prompt_len = prompt_len
+        self.chunk_size = chunk_size
+        self.n_chunks = -(-prompt_len // chunk_size)
+
+    def chunk_len(self, k: int) -> int:
+        """Tokens in chunk `k`."""
+        return min(self.chunk_size, self.prompt_len - k * self.chunk_size)
+
+
+class DisaggPrefill:
+    """Drives disaggregated-prefill requests and their chunks over real pools.
+
+    Every method is one scheduler happening for one request id; each returns the
+    `PlanReport` of the release plan it caused, or None. Events that arrive after a
+    request's cleanup ran reach the machines and are ignored there, never an effect.
+    """
+
+    def __init__(self, pools: DisaggPools | None = None, *,
+                 transport: Transport | None = None, cache: PrefixCache | None = None,
+                 stream: TerminalStream | None = None, mamba_per_request: int = 1) -> None:
+        pools = pools if pools is not None else DisaggPools.make()
+        if mamba_per_request < 1:
+            raise ValueError(f"mamba_per_request must be >= 1, got {mamba_per_request}")
+        self.pools = pools
+        self.transport: Transport = transport if transport is not None else FakeTransport()
+        self.cache: PrefixCache = cache if cache is not None else CountingPrefixCache(pools.kv)
+        self.stream = stream if stream is not None else TerminalStream()
+        self.mamba_per_request = mamba_per_request
+        self.resources = DisaggResources(pools, self.transport, self.cache, self.stream)
+        self.ledger = make_ledger(self.resources)
+        self.requests_machine = DISAGG_PREFILL.bind(REQUEST_PLANS, self.ledger)
+        self.chunks_machine = CHUNK.bind(CHUNK_PLANS, self.ledger)
+        self.requests: dict[str, PrefillRequest] = {}
+
+    # -- lookups --------------------------------------------------------------------------
+
+    def req(self, rid: str) -> PrefillRequest:
+        """The request `rid`; KeyError naming the known ids when there is none."""
+        try:
+            return self.requests[rid]
+        except KeyError:
+            known = ", ".join(sorted(self.requests)[:8]) or "none"
+            raise KeyError(f"no disaggregated-prefill request {rid!r}; add() it first "
+                           f"(known: {known})") from None
+
+    def __iter__(self) -> Iterator[PrefillRequest]:
+        return iter(self.requests.values())
+
+    # -- happenings --------------------------------------------------------------------
+
+    def add(self, rid: str, prompt_len: int, *, chunk_size: int,
+            host_pages: int = 0) -> PrefillRequest:
+        """A new request in `bootstrapping`; `host_pages` > 0 starts its host prefetch."""
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r} already exists; request ids are unique")
+        if prompt_len < 1 or chunk_size < 1:
+            raise ValueError(f"request {rid!r}: prompt_len ({prompt_len}) and chunk_size "
+                             f"({chunk_size}) must be >= 1")
+        req = PrefillRequest(self.requests_machine, rid, prompt_len, chunk_size)
+        self.requests[rid] = req
+        if host_pages > 0:
+            pf = self.pools.host.prefetch(host_pages)
+            if pf is not None:  # no room: the request just runs without host pages
+                self.ledger.acquire(req, "hicache", pf)
+        return req
+
+    def advance_prefetch(self, rid: str, pages: int) -> None:
+        """The host prefetch of `rid` completed `pages` more pages."""
+        for h in self.ledger.owned(self.req(rid), "hicache"):
+            if not h.value.terminated:
+                h.value.advance(pages)
+
+    def bootstrap(self, rid: str) -> PlanReport | None:
+        """Poll the handshake; on success take a metadata slot and init the sender.
+
+        Stays in `bootstrapping` when no metadata slot is free (poll again later).
+        """
+        req = self.req(rid)
+        if req.state != "bootstrapping":
+            return req.fire(Bootstrapped())  # ignored when terminal; an error otherwise
+        try:
+            self.transport.bootstrap(rid)
+        except TransportError as e:
+            return self._fail_bootstrap(req, str(e))
+        slot = self.pools.metadata.acquire()
+        if slot is None:
+            return None
+        self.ledger.acquire(req, "metadata", slot)
+        req.fire(Bootstrapped())
+        try:
+            self.transport.init(rid, req.prompt_len, slot.index)
+        except TransportError as e:
+            return self._fail_bootstrap(req, str(e))
+        return None
+
+    def retry_bootstrap(self, rid: str) -> PlanReport | None:
+        """An optimistic retry of the handshake: ignored once the request is terminal."""
+        req = self.req(rid)
+        req.fire(BootstrapRetry())
+        if req.state == "bootstrapping":
+            return self.bootstrap(rid)
+        return None
+
+    def bootstrap_failed(self, rid: str, reason: str = "bootstrap failed") -> PlanReport | None:
+        """The sender reports the handshake failed."""
+        return self._fail_bootstrap(self.req(rid), reason)
+
+    def _fail_bootstrap(self, req: PrefillRequest, reason: str) -> PlanReport | None:
+        if not req.terminal and not req.reason:
+            req.reason = reason
+        return req.fire(BootstrapFailed(reason))
+
+    def abort(self, rid: str, reason: str = "aborted") -> PlanReport | None:
+        """The client or scheduler aborts `rid`."""
+        req = self.req(rid)
+        if not req.terminal and not req.reason:
+            req.reason = reason
+        return req.fire(Abort(reason))
+
+    def schedule(self, rid: str) -> Chunk | None:
+        """Schedule and launch the next chunk of `rid`; None when it cannot run now.
+
+        None: the request is not prefilling (terminal, draining, transferring, still
+        bootstrapping), every chunk is already scheduled, or a pool is short (nothing
+        is taken then).
+        """
+        req = self.req(rid)
+        k = len(req.chunks)
+        if req.state not in ("waiting", "prefilling") or k >= req.n_chunks:
+            return None
+        pools = self.pools
+        slot = mamba = None
+        if k == 0:
+            slot = pools.table.alloc(1)
+            mamba = pools.mamba.alloc(self.mamba_per_request)
+        kv = pools.kv.alloc(req.chunk_len(k))
+        if kv is None or (k == 0 and (slot is None or mamba is None)):
+            # All or nothing: a short pool leaves nothing taken.
+            for pool, got in ((pools.table, slot), (pools.mamba, mamba), (pools.kv, kv)):
+                if got is not None:
+                    pool.free(got)
+            return None
+        if slot is not None and mamba is not None:
+            self.ledger.acquire(req, "req_slot", slot)
+            self.ledger.acquire(req, "mamba", mamba)
+        row = self.ledger.owned(req, "req_slot")[0].value
+        pools.table.write(int(row[0]), k * req.chunk_size, kv)
+        chunk = Chunk(self.chunks_machine, (rid, k), parent=req, index=k,
+                      last=k == req.n_chunks - 1)
+        self.ledger.acquire(chunk, "kv", kv)
+        for prev in req.chunks:
+            if prev.state == "running":
+                prev.fire(NextLaunched())
+        req.chunks.append(chunk)
+        req.fire(ChunkScheduled(k))
+        chunk.fire(Launch())
+        return chunk
+
+    def result(self, rid: str, k: int) -> PlanReport | None:
+        """The result of chunk `k` of `rid` reached the scheduler.
+
+        A live request takes the chunk's pages (commit); otherwise the chunk is
+        abandoned and frees them. Then the request learns the chunk settled, which may
+        start the transfer, or end a drain with `release_aborted`. A result for a chunk
+        that already settled, or for a request whose cleanup ran, is ignored.
+        """
+        req = self.req(rid)
+        if not 0 <= k < len(req.chunks):
+            if req.terminal:
+                return req.fire(ChunkResult(k))  # a stale result: ignored
+            raise ValueError(f"request {rid!r} has no chunk {k} in flight "
+                             f"({len(req.chunks)} scheduled)")
+        chunk = req.chunks[k]
+        assert isinstance(chunk, Chunk)
+        if chunk.terminal:
+            chunk.fire(Result())  # a duplicate: ignored by the chunk
+            return None
+        chunk.fire(Result())
+        if req.state == "prefilling":
+            for h in self.ledger.owned(chunk, "kv"):
+                self.ledger.transfer(h, req)
+            chunk.fire(Commit())
+        else:
+            chunk.fire(Abandon())
+        report = req.fire(ChunkResult(k, chunk.last))
+        if req.state == "transferring":
+            kv = [h.value for h in self.ledger.owned(req, "kv")]
+            try:
+                self.transport.send(rid, torch.cat(kv))
+            except TransportError as e:
+                return req.fire(TransferFailed(str(e)))
+        return report
+
+    def poll_transfer(self, rid: str) -> PlanReport | None:
+        """Poll the KV transfer of `rid`; success or failure ends the request."""
+        req = self.req(rid)
+        if req.state != "transferring":
+            return None
+        p = self.transport.poll(rid)
+        if p is Poll.SUCCESS:
+            return req.fire(TransferDone())
+        if p is Poll.FAILED:
+            return req.fire(TransferFailed("transfer failed"))
+        return None
+
+    # -- accounting ---------------------------------------------------------------------
+
+    def accounting(self) -> dict[str, tuple[int, int]]:
+        """Per resource: (units the ledger says are owned, units the pool has handed
+        out). Equal pairs mean no leak and no double ownership at this moment."""
+        owned = {k: 0 for k in KINDS}
+        for hs in self.ledger.outstanding().values():
+            for h in hs:
+                if h.kind == "metadata":
+                    owned[h.kind] += 1
+                elif h.kind == "hicache":
+                    owned[h.kind] += int(h.value.pages.numel())
+                else:
+                    owned[h.kind] += int(h.value.numel())
+        p = self.pools
+        cached = getattr(self.cache, "held_tokens", 0)
+        out = {
+            "kv": p.kv.capacity - p.kv.available - cached,  # type: ignore[attr-defined]
+            "mamba": p.mamba.capacity - p.mamba.available,  # type: ignore[attr-defined]
+            "metadata": p.metadata.capacity - p.metadata.available,
+            "hicache": p.host.occupied,
+            "req_slot": p.table.capacity - p.table.available,
+        }
+        return {k: (owned[k], out[k]) for k in KINDS}
+
+    def assert_accounted(self) -> None:
+        """Raise AssertionError when some pool's usage differs from what the ledger owns."""
+        bad = {k: v for k, v in self.accounting().items() if v[0] != v[1]}
+        if bad:
+            raise AssertionError(
+                "ledger and pools disagree (owned, handed out): "
+                + ", ".join(f"{k}={v}" for k, v in bad.items()))
+
+    def finish(self) -> None:
+        """End of a run: evict the prefix cache into the KV pool, check every pool is
+        full and the ledger empty (raises naming what leaked)."""
+        evict = getattr(self.cache, "evict_all", None)
+        if evict is not None:
+            evict()
+        self.pools.assert_full()
+        self.ledger.assert_empty()

@@ -1,0 +1,189 @@
+"""The disaggregated-prefill request: bootstrap, prefill in chunks, transfer the KV.
+
+    bootstrapping  Bootstrapped -> waiting; BootstrapRetry -> bootstrapping;
+                   BootstrapFailed -> bootstrap_failed ▸; Abort -> aborted ▸; else error
+    waiting        ChunkScheduled -> prefilling; BootstrapFailed -> bootstrap_failed ▸;
+                   Abort -> aborted ▸; else error
+    prefilling     ChunkScheduled -> prefilling;
+                   ChunkResult -> transferring [last_chunk], else prefilling;
+                   Abort -> draining [chunks_in_flight], else aborted ▸;
+                   BootstrapFailed -> draining [chunks_in_flight], else bootstrap_failed ▸;
+                   else error
+    draining       ChunkResult -> aborted ▸ [drained], else draining;
+                   Abort, BootstrapFailed -> ignore; else error
+    transferring   TransferDone -> succeeded ▸; TransferFailed -> failed ▸;
+                   Abort -> aborted ▸; else error
+    T states       succeeded, failed, aborted, bootstrap_failed: ignore everything
+
+    ▸ = the edge runs the release plan named after its target (`release_<target>`)
+
+The request owns (in the ledger) its hierarchical-cache state from the start, a
+metadata slot once bootstrapped, its request slot and Mamba state once the first chunk
+is scheduled, and the KV pages of every committed chunk; each in-flight chunk owns its
+own pages (see `states.chunk`). An abort or bootstrap failure while a chunk is still on
+the device does not release anything: the request waits in `draining` (I8) until every
+chunk it launched has settled, and the result that settles the last one runs
+`release_aborted` exactly once. `draining` always ends in `aborted`; the first cause
+(abort or bootstrap failure) is kept in `reason` for the terminal output.
+
+Abort is terminal while bootstrapping, so an optimistic bootstrap retry that arrives
+after it is ignored, never a resurrection. Every terminal row ignores everything: a
+delayed chunk result, a second abort or a duplicate failure after cleanup ran reaches
+no effect (I2, I4).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsm import ANY, ERROR, IGNORE, Event, Instance, Machine, Spec, State, go
+
+__all__ = [
+    "DISAGG_PREFILL",
+    "Abort",
+    "BootstrapFailed",
+    "BootstrapRetry",
+    "Bootstrapped",
+    "ChunkResult",
+    "ChunkScheduled",
+    "DisaggReq",
+    "TransferDone",
+    "TransferFailed",
+]
+
+
+class Bootstrapped(Event):
+    """The handshake with the decode side finished; a metadata slot was taken."""
+
+
+class BootstrapRetry(Event):
+    """The handshake is retried optimistically (a transient failure)."""
+
+
+class BootstrapFailed(Event):
+    """The handshake (or the sender's init) failed for good."""
+
+    reason: str = ""
+
+
+class ChunkScheduled(Event):
+    """Chunk `chunk` of the prompt was scheduled."""
+
+    chunk: int
+
+
+class ChunkResult(Event):
+    """Chunk `chunk` settled (committed or abandoned); `last`: it was the final one."""
+
+    chunk: int
+    last: bool = False
+
+
+class Abort(Event):
+    """The client or the scheduler aborted the request."""
+
+    reason: str = ""
+
+
+class TransferDone(Event):
+    """The KV transfer to the decode side finished."""
+
+
+class TransferFailed(Event):
+    """The KV transfer to the decode side failed."""
+
+    reason: str = ""
+
+
+class DisaggReq(Instance):
+    """A request instance: its chunk instances (`chunks`, in launch order) and the first
+    cause of its end (`reason`), which only the terminal output reads."""
+
+    __slots__ = ("chunks", "reason")
+
+    def __init__(self, machine: Machine, key: Any = None) -> None:
+        super().__init__(machine, key)
+        self.chunks: list[Instance] = []
+        self.reason = ""
+
+
+def chunks_in_flight(inst: DisaggReq, ev: Any) -> bool:
+    """Some chunk this request launched has not settled: the device may still write."""
+    return any(not c.terminal for c in inst.chunks)
+
+
+def drained(inst: DisaggReq, ev: Any) -> bool:
+    """Every chunk this request launched has settled."""
+    return not any(not c.terminal for c in inst.chunks)
+
+
+def last_chunk(inst: DisaggReq, ev: Any) -> bool:
+    """The chunk that settled was the prompt's final one."""
+    return bool(ev.last)
+
+
+_RELEASE_ABORTED = go("aborted", plan="release_aborted")
+_RELEASE_BOOTSTRAP = go("bootstrap_failed", plan="release_bootstrap_failed")
+_TERMINAL_ROW = {ANY: IGNORE}
+
+DISAGG_PREFILL: Machine = Spec(
+    "disagg_prefill",
+    states=(
+        State("bootstrapping", initial=True, doc="handshake with the decode side"),
+        State("waiting", doc="bootstrapped, holds a metadata slot, waits for a chunk"),
+        State("prefilling", doc="chunks scheduled and run"),
+        State("draining", doc="aborted; waits for the chunks still on the device (I8)"),
+        State("transferring", doc="KV being sent to the decode side"),
+        State("succeeded", terminal=True, doc="transferred; KV cached once"),
+        State("failed", terminal=True, doc="the transfer failed"),
+        State("aborted", terminal=True, doc="aborted; never cached"),
+        State("bootstrap_failed", terminal=True, doc="the handshake failed"),
+    ),
+    events=(Bootstrapped, BootstrapRetry, BootstrapFailed, ChunkScheduled, ChunkResult, Abort,
+            TransferDone, TransferFailed),
+    table={
+        "bootstrapping": {
+            Bootstrapped: go("waiting"),
+            BootstrapRetry: go("bootstrapping"),
+            BootstrapFailed: _RELEASE_BOOTSTRAP,
+            # Terminal before any retry can run: no resurrection after an abort.
+            Abort: _RELEASE_ABORTED,
+            ANY: ERROR,
+        },
+        "waiting": {
+            BootstrapFailed: _RELEASE_BOOTSTRAP,
+            ChunkScheduled: go("prefilling"),
+            Abort: _RELEASE_ABORTED,
+            ANY: ERROR,
+        },
+        "prefilling": {
+            BootstrapFailed: [go("draining", when="chunks_in_flight"), _RELEASE_BOOTSTRAP],
+            ChunkScheduled: go("prefilling"),
+            ChunkResult: [go("transferring", when="last_chunk"), go("prefilling")],
+            Abort: [go("draining", when="chunks_in_flight"), _RELEASE_ABORTED],
+            ANY: ERROR,
+        },
+        "draining": {
+            ChunkResult: [go("aborted", plan="release_aborted", when="drained"),
+                          go("draining")],
+            Abort: IGNORE,
+            BootstrapFailed: IGNORE,
+            ANY: ERROR,
+        },
+        "transferring": {
+            Abort: _RELEASE_ABORTED,
+            TransferDone: go("succeeded", plan="release_succeeded"),
+            TransferFailed: go("failed", plan="release_failed"),
+            ANY: ERROR,
+        },
+        "succeeded": _TERMINAL_ROW,
+        "failed": _TERMINAL_ROW,
+        "aborted": _TERMINAL_ROW,
+        "bootstrap_failed": _TERMINAL_ROW,
+    },
+    guards={"chunks_in_flight": chunks_in_flight, "drained": drained,
+            "last_chunk": last_chunk},
+    doc="Disaggregated prefill request: bootstrap, chunked prefill, KV transfer.",
+).build()
+"""The built machine; plans `release_succeeded`, `release_failed`, `release_aborted`,
+`release_bootstrap_failed`."""
