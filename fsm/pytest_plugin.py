@@ -1,0 +1,148 @@
+"""pytest plugin: transition coverage of fsm machines (`pytest --fsm-coverage`).
+
+Registered through the `pytest11` entry point, so installing terminus makes the options
+available; nothing is recorded unless `--fsm-coverage` (or one of the options that
+imply it) is given, and with no recorder attached every machine keeps its fast table.
+
+    --fsm-coverage                     record every decision of every machine
+    --fsm-coverage-json PATH           write the report (fsm.coverage.CoverageReport)
+    --fsm-coverage-diagrams DIR        write each machine's diagram coloured by coverage
+    --fsm-coverage-fail-under N        fail the session when a gated machine's
+                                       min(transition %, pair %) is below N
+    --fsm-coverage-machines MOD:ATTR   the machines to gate (repeatable) instead of the
+                                       `terminus.machines` entry points
+
+Definitions (declared, covered, gated, percent) are in `fsm.coverage`. Under
+pytest-xdist each worker records on its own and sends its records to the controller
+(`config.workeroutput`), which merges them in `pytest_testnodedown` and reports.
+This module imports fsm (and so torch) only when coverage is on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from .coverage import CoverageRecorder, CoverageReport
+
+_KEY = "terminus_fsm_coverage"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """Add the `--fsm-coverage*` options."""
+    g = parser.getgroup("fsm-coverage", "terminus: transition coverage of fsm machines")
+    g.addoption("--fsm-coverage", action="store_true", default=False,
+                help="record every transition and (state, event) decision of every fsm "
+                     "machine and print coverage per machine")
+    g.addoption("--fsm-coverage-json", metavar="PATH", default=None,
+                help="write the coverage report as JSON to PATH (implies --fsm-coverage)")
+    g.addoption("--fsm-coverage-diagrams", metavar="DIR", default=None,
+                help="write each machine's diagram coloured by coverage (Mermaid and SVG) "
+                     "into DIR (implies --fsm-coverage)")
+    g.addoption("--fsm-coverage-fail-under", metavar="N", type=float, default=None,
+                help="fail when any gated machine's transition or (state, event) pair "
+                     "coverage is below N percent (implies --fsm-coverage)")
+    g.addoption("--fsm-coverage-machines", metavar="MODULE:ATTR", action="append",
+                default=None,
+                help="machines to declare and gate, repeatable (default: the "
+                     "'terminus.machines' entry points)")
+
+
+def _enabled(config: pytest.Config) -> bool:
+    o = config.option
+    return bool(o.fsm_coverage or o.fsm_coverage_json or o.fsm_coverage_diagrams
+                or o.fsm_coverage_fail_under is not None)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Attach the recorder when coverage is on (and only then)."""
+    if _enabled(config):
+        config.pluginmanager.register(FsmCoverage(config), f"{_KEY}_session")
+
+
+class FsmCoverage:
+    """The session's coverage: a recorder, plus the hooks that merge and report it."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        from . import observe
+        from .coverage import CoverageRecorder
+
+        self.config = config
+        self.worker = hasattr(config, "workerinput")
+        self.recorder: CoverageRecorder = CoverageRecorder()
+        # An in-process inner session (pytester) must hand the outer recorder back.
+        self._previous = observe.set_recorder(self.recorder)
+        self.report: CoverageReport | None = None
+        self.error: str | None = None
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        """Detach the recorder, restoring whichever was attached before."""
+        from . import observe
+
+        observe.set_recorder(self._previous)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        """(xdist controller) merge what a worker recorded."""
+        data = getattr(node, "workeroutput", {}).get(_KEY)
+        if data:
+            self.recorder.merge(data)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        """Workers send their records; the controller (or a lone process) reports."""
+        if self.worker:
+            self.config.workeroutput[_KEY] = self.recorder.export()  # type: ignore[attr-defined]
+            return
+        from .discover import MachineLoadError, machines
+
+        o = self.config.option
+        try:
+            for m in machines(o.fsm_coverage_machines).values():
+                self.recorder.learn(m, registered=True)
+        except MachineLoadError as e:
+            self.error = f"fsm coverage: cannot load the machines to gate: {e}"
+            session.exitstatus = pytest.ExitCode.USAGE_ERROR
+            return
+        self.report = self.recorder.report(o.fsm_coverage_fail_under)
+        if o.fsm_coverage_json:
+            import msgspec
+
+            Path(o.fsm_coverage_json).write_bytes(
+                msgspec.json.format(msgspec.json.encode(self.report)) + b"\n")
+        if o.fsm_coverage_diagrams:
+            from .diagram import files, write
+
+            write(Path(o.fsm_coverage_diagrams),
+                  files(self.recorder.diagrams().values(), self.recorder.marks(),
+                        title="Transition coverage",
+                        intro="Written by `pytest --fsm-coverage-diagrams`: states are green "
+                              "when every event was exercised there, amber when some were, "
+                              "red when none; never-taken edges are red and dashed in the "
+                              "SVG and labelled `(never)` in Mermaid."))
+        if not self.report.passed and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        """Print the coverage table and what was never exercised."""
+        if self.worker:
+            return
+        from .coverage import format_report
+
+        tr = terminalreporter
+        tr.write_sep("-", "fsm transition coverage")
+        if self.error:
+            tr.write_line(self.error, red=True)
+            return
+        if self.report is None:
+            return
+        for line in format_report(self.report):
+            tr.write_line(line, red=line.startswith("FAIL"))
+        o = self.config.option
+        if o.fsm_coverage_json:
+            tr.write_line(f"fsm coverage JSON written to {o.fsm_coverage_json}")
+        if o.fsm_coverage_diagrams:
+            tr.write_line(f"fsm coverage diagrams written to {o.fsm_coverage_diagrams}")
