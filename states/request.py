@@ -3,8 +3,8 @@
     created ──Submitted──► acquiring_lora ──LoRAAcquired──► validating ──Validated──► dispatched
        │  [no LoRA to acquire]─────────────────────────────────▲            │ Output
        │                                                                     ▼
-       │                      AcquireFailed ► rejected              running ──Finished──► finished
-       │                 ValidationFailed ► rejected [4xx] | errored [5xx]
+       │                                                            running ──Finished──► finished
+       │    AcquireFailed, ValidationFailed ► rejected [4xx] | errored [5xx]
        │                 DispatchFailed   ► dispatch_failed (from dispatched)
        │                 SchedulerError   ► rejected [4xx] | errored [5xx]
        └── Abort (from any live state) ► aborted
@@ -47,59 +47,61 @@ __all__ = [
 # -- events ------------------------------------------------------------------------------
 
 
-class Submitted(Event, frozen=True):
+class Submitted(Event):
     """The request entered the tokenizer; `acquire` says it must acquire its own LoRA."""
 
     acquire: bool = False
 
 
-class LoRAAcquired(Event, frozen=True):
+class LoRAAcquired(Event):
     """The registry counted the reference(s); `lora_ids` are the stable ids handed out."""
 
     lora_ids: tuple[int, ...] = ()
 
 
-class AcquireFailed(Event, frozen=True):
-    """The registry refused the acquire (unknown adapter): nothing was acquired."""
+class AcquireFailed(Event):
+    """The registry refused the acquire: nothing was acquired. `status` 4xx for an
+    unknown adapter (the client named it), 5xx for a registry failure."""
 
+    status: int = 400
     message: str = ""
 
 
-class Validated(Event, frozen=True):
+class Validated(Event):
     """Validation and tokenization succeeded; the request goes to the scheduler."""
 
 
-class ValidationFailed(Event, frozen=True):
+class ValidationFailed(Event):
     """Validation or tokenization failed; `status` 4xx is the client's fault, 5xx ours."""
 
     status: int = 400
     message: str = ""
 
 
-class DispatchFailed(Event, frozen=True):
+class DispatchFailed(Event):
     """Sending the tokenized request to the scheduler failed."""
 
     message: str = ""
 
 
-class Output(Event, frozen=True):
+class Output(Event):
     """A non-final output (a streamed chunk) came back from the scheduler."""
 
 
-class Finished(Event, frozen=True):
+class Finished(Event):
     """The scheduler finished the request; `reason` as it reported it (stop, length)."""
 
     reason: str = "stop"
 
 
-class SchedulerError(Event, frozen=True):
+class SchedulerError(Event):
     """The scheduler failed the request; `status` 4xx (bad input) or 5xx (503: overloaded)."""
 
     status: int = 500
     message: str = ""
 
 
-class Abort(Event, frozen=True):
+class Abort(Event):
     """The client (or the server) aborts the request."""
 
     message: str = ""
@@ -114,10 +116,12 @@ class Request(Instance):
     Fields for the driver: `prompt`, `lora` (adapter name or None), `tokens` (once
     tokenized), `stream` (False for internal requests such as a prefix warm-up, whose
     terminal output nobody reads), `parent` (the sampling group of a child or warm-up),
-    `role` ("request", "child" or "warmup").
+    `role` ("request", "child" or "warmup"), `lora_id` (the adapter id sent to the
+    scheduler with the request; what is released is decided by the ledger's handles,
+    never by this field).
     """
 
-    __slots__ = ("lora", "parent", "prompt", "role", "stream", "tokens")
+    __slots__ = ("lora", "lora_id", "parent", "prompt", "role", "stream", "tokens")
 
     def __init__(self, machine: Machine, key: Any = None, *, prompt: Any = None,
                  lora: str | None = None, role: str = "request", stream: bool = True,
@@ -126,6 +130,7 @@ class Request(Instance):
         self.prompt = prompt
         self.lora = lora
         self.tokens: Any = None
+        self.lora_id: int | None = None
         self.role = role
         self.stream = stream
         self.parent = parent
@@ -184,7 +189,7 @@ SPEC = Spec(
         },
         "acquiring_lora": {
             LoRAAcquired: go("validating"),
-            AcquireFailed: go("rejected", plan="release_rejected"),
+            AcquireFailed: _failed,
             Abort: _aborted,
             ANY: ERROR,
         },

@@ -6,9 +6,10 @@
                                                                                          ▼
                                                fanned_out ◄──FanOut (▸ fan_out)──── ready
 
-    failures before fan-out: AcquireFailed ► rejected; ValidationFailed / BatchFailed ►
-    rejected [4xx] | errored [5xx]; Abort ► aborted — each releasing every reference the
-    parent still owns.
+    failures before fan-out: AcquireFailed / ValidationFailed / BatchFailed ► rejected
+    [4xx] | errored [5xx]; Abort ► aborted — each releasing every reference the parent
+    still owns. BatchFailed (a sibling parent of the batch failed) is accepted in every
+    live state, since the parents of a batch progress concurrently.
 
 The parent owns `len(prompts) x n` LoRA references (handle kind ``"lora"``) from the
 acquire until fan-out. The prefix warm-up request of each prompt is a non-owner observer
@@ -50,11 +51,11 @@ __all__ = [
 ]
 
 
-class WarmupFinished(Event, frozen=True):
+class WarmupFinished(Event):
     """One prefix warm-up request of the group finished."""
 
 
-class BatchFailed(Event, frozen=True):
+class BatchFailed(Event):
     """The batch failed before fan-out: a warm-up of this group failed, or a sibling
     parent's prompt or warm-up did (a batch fans out whole or not at all)."""
 
@@ -62,7 +63,7 @@ class BatchFailed(Event, frozen=True):
     message: str = ""
 
 
-class FanOut(Event, frozen=True):
+class FanOut(Event):
     """Every parent of the batch is ready: hand each child its reference and send it."""
 
 
@@ -123,12 +124,14 @@ SPEC = Spec(
     table={
         "created": {
             Submitted: [go("acquiring_lora", when="wants_lora"), go("validating")],
+            BatchFailed: _failed,
             Abort: _aborted,
             ANY: ERROR,
         },
         "acquiring_lora": {
             LoRAAcquired: go("validating"),
-            AcquireFailed: go("rejected", plan="release_rejected"),
+            AcquireFailed: _failed,
+            BatchFailed: _failed,
             Abort: _aborted,
             ANY: ERROR,
         },

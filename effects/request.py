@@ -1,0 +1,222 @@
+"""Release plans of the tokenizer-side machines: REQUEST and SAMPLING.
+
+Every plan releases what the ledger says the instance owns *now* (handle kind
+``"lora"``, value the id the registry handed out), then streams the instance's one
+terminal output; the terminal transition runs once, so the output is streamed once::
+
+    request  finished | rejected | errored | dispatch_failed:
+                 Release("lora") ─► stream terminal output (best effort, I5)
+             aborted:
+                 tell the scheduler (best effort, only once dispatched) ─► Release("lora")
+                 ─► stream the abort (best effort)
+    sampling fan_out: transfer one reference to each child, in order (owns none after)
+             aborted | rejected | errored: Release("lora") (all batch x n) ─► stream
+
+A reference is released through the registry by its acquired id, never by adapter name
+or path: an upsert keeps the id, a re-registered name gets a new one, and either way the
+reference goes back to the counter it was taken from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+from fsm import Action, Ledger, Machine, Plan, Release, release_effect
+from kernels.protocols import LoRARegistry
+from states.request import REQUEST
+from states.sampling import SAMPLING
+
+__all__ = [
+    "LORA",
+    "FanOutMismatch",
+    "OutputSink",
+    "RequestResources",
+    "SchedulerLink",
+    "TerminalOutput",
+    "bind_request",
+    "bind_sampling",
+    "lora_ledger",
+    "release_lora",
+    "request_plans",
+    "sampling_plans",
+]
+
+LORA = "lora"
+"""The ledger handle kind of a LoRA reference; its value is the acquired adapter id."""
+
+
+class TerminalOutput(msgspec.Struct, frozen=True, gc=False):
+    """The one terminal output of a request id.
+
+    `outcome` is the terminal state (finished, aborted, rejected, errored,
+    dispatch_failed); `status` the HTTP status (200, 499 for an abort, 4xx, 5xx, 503 for
+    a failed dispatch); `finish_reason` the scheduler's reason when finished.
+    """
+
+    rid: Any
+    outcome: str
+    status: int
+    message: str = ""
+    finish_reason: str | None = None
+
+
+@runtime_checkable
+class OutputSink(Protocol):
+    """Where terminal outputs go (the client's stream); called once per request id."""
+
+    def put(self, output: TerminalOutput) -> None:
+        """Deliver `output` to its client."""
+
+
+@runtime_checkable
+class SchedulerLink(Protocol):
+    """The tokenizer's connection to the scheduler (a socket in a real engine)."""
+
+    def send(self, rid: Any, tokens: Any, lora_id: int | None) -> None:
+        """Send a tokenized request; raises when it cannot be sent."""
+
+    def abort(self, rid: Any) -> None:
+        """Ask the scheduler to abort `rid` (it answers with an abort echo)."""
+
+
+@dataclass
+class RequestResources:
+    """What the tokenizer-side release effects use (`Ledger(resources=...)`).
+
+    Any object with these attributes will do, so a serving loop can share one ledger
+    (and one resources object) across every machine. `async_release=True` releases
+    through the registry's awaitable `release` even when it has a synchronous
+    `release_nowait`; the ledger keeps those tasks referenced until they finish.
+    """
+
+    lora_registry: LoRARegistry
+    sink: OutputSink
+    scheduler: SchedulerLink
+    async_release: bool = False
+
+
+class FanOutMismatch(RuntimeError):
+    """A sampling group owns a different number of references than children need them."""
+
+
+# -- effects ----------------------------------------------------------------------------
+
+
+@release_effect
+def release_lora(ctx: Any, handle: Any) -> Any:
+    """Return one reference to the registry by its acquired id (the `"lora"` releaser)."""
+    reg = ctx.resources.lora_registry
+    nowait = getattr(reg, "release_nowait", None)
+    if nowait is not None and not getattr(ctx.resources, "async_release", False):
+        nowait(handle.value)
+        return None
+    return reg.release(handle.value)  # a coroutine: the ledger keeps its task alive
+
+
+_STATUS = {"finished": 200, "aborted": 499, "dispatch_failed": 503}
+
+
+def terminal_output(rid: Any, outcome: str, event: Any) -> TerminalOutput:
+    """The terminal output for a transition into `outcome` caused by `event`."""
+    status = getattr(event, "status", None)
+    if status is None:
+        status = _STATUS.get(outcome, 500)
+    return TerminalOutput(
+        rid,
+        outcome,
+        int(status),
+        str(getattr(event, "message", "")),
+        getattr(event, "reason", None) if outcome == "finished" else None,
+    )
+
+
+@release_effect
+def stream_terminal(ctx: Any) -> None:
+    """Stream the instance's terminal output; internal requests (warm-ups) stream none."""
+    inst = ctx.instance
+    if not getattr(inst, "stream", True):
+        return
+    ctx.resources.sink.put(terminal_output(inst.key, ctx.target, ctx.event))
+
+
+@release_effect
+def tell_scheduler_abort(ctx: Any) -> None:
+    """Ask the scheduler to drop an aborted request it already has."""
+    if ctx.source in ("dispatched", "running"):
+        ctx.resources.scheduler.abort(ctx.instance.key)
+
+
+@release_effect
+def transfer_to_children(ctx: Any) -> None:
+    """Hand each child that uses a LoRA exactly one of the group's references, in order.
+
+    Runs inside the group's terminal transition, so the group is still the owner; the
+    engine releases anything left over afterwards (it never leaks on a mismatch).
+    """
+    group = ctx.instance
+    ledger = ctx.ledger
+    owned = ledger.owned(group, LORA)
+    takers = [c for c in group.children if c.lora is not None]
+    if len(owned) != len(takers):
+        raise FanOutMismatch(
+            f"sampling group {group.key!r} owns {len(owned)} LoRA reference(s) but "
+            f"{len(takers)} child request(s) use a LoRA; each child needs exactly one. "
+            "The group's references are released instead of transferred."
+        )
+    for handle, child in zip(owned, takers, strict=True):
+        ledger.transfer(handle, to=child)
+        child.lora_id = handle.value
+
+
+# -- plans and binding ------------------------------------------------------------------
+
+_stream = Action(stream_terminal, best_effort=True)
+
+
+def request_plans() -> dict[str, Plan]:
+    """The implementations of `states.request.REQUEST_PLANS`."""
+    done = Plan(Release(LORA), _stream)
+    return {
+        "release_finished": done,
+        "release_rejected": done,
+        "release_errored": done,
+        "release_dispatch_failed": done,
+        "release_aborted": Plan(Action(tell_scheduler_abort, best_effort=True),
+                                Release(LORA), _stream),
+    }
+
+
+def sampling_plans() -> dict[str, Plan]:
+    """The implementations of `states.sampling.SAMPLING_PLANS`."""
+    failed = Plan(Release(LORA), _stream)
+    return {
+        "fan_out": Plan(Action(transfer_to_children)),
+        "release_aborted": failed,
+        "release_rejected": failed,
+        "release_errored": failed,
+    }
+
+
+def lora_ledger(resources: Any, ledger: Ledger | None = None) -> Ledger:
+    """A ledger whose `"lora"` handles go back through `release_lora`.
+
+    Pass an existing `ledger` to add the kind to it (its `resources` must have the
+    attributes of `RequestResources`).
+    """
+    if ledger is None:
+        return Ledger({LORA: release_lora}, resources=resources)
+    ledger.register_kind(LORA, release_lora)
+    return ledger
+
+
+def bind_request(ledger: Ledger) -> Machine:
+    """REQUEST bound to its release plans over `ledger`."""
+    return REQUEST.bind(request_plans(), ledger)
+
+
+def bind_sampling(ledger: Ledger) -> Machine:
+    """SAMPLING bound to its release plans over `ledger`."""
+    return SAMPLING.bind(sampling_plans(), ledger)
