@@ -1,0 +1,179 @@
+"""Host page pool of a hierarchical (GPU → host → storage) cache, with prefetches.
+
+A host page is free, allocated, or allocated and locked (``lock_refs > 0``: someone is
+reading or writing it, so it cannot be freed or evicted). A storage prefetch allocates
+its pages up front and fills them in order::
+
+    pages      [p0 p1 p2 p3 p4 p5]
+    completed   ─────────┘            I/O finished pages[:3]
+    terminate()          └── frees pages[3:], which the I/O never started
+    release()   frees pages[:3] only (abort) ── or take() hands them to the cache
+
+The two halves have two owners (the I/O side and the request), so each is freed once
+by its owner; freeing all of ``pages`` from the request would double-free the tail.
+
+Host frees are rare next to KV frees, so this pool validates every free and unlock
+eagerly (``strict`` free list): errors are raised at the call that caused them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._stack import FreeStack, IdsLike, as_ids
+from kernels.errors import DoubleFree, KernelError, LeakError, PageLocked
+
+__all__ = ["HostPagePool", "Prefetch"]
+
+
+class HostPagePool:
+    """``num_pages`` host pages (ids ``0 .. num_pages-1``) with lock reference counts."""
+
+    def __init__(self, num_pages: int, device: str | torch.device = "cpu") -> None:
+        self._free = FreeStack("HostPagePool", 0, num_pages, device, strict=True, unit="pages")
+        self.lock_refs = torch.zeros(num_pages, dtype=torch.int32, device=self._free.device)
+        self._prefetching = 0
+        self._live: set[int] = set()
+
+    @property
+    def device(self) -> torch.device:
+        """Where the page metadata lives."""
+        return self._free.device
+
+    @property
+    def capacity(self) -> int:
+        """Pages in the pool."""
+        return self._free.capacity
+
+    @property
+    def available(self) -> int:
+        """Pages free now."""
+        return self._free.available
+
+    @property
+    def occupied(self) -> int:
+        """Pages allocated (by anyone, prefetches included)."""
+        return self.capacity - self.available
+
+    @property
+    def prefetch_occupied(self) -> int:
+        """Pages reserved by prefetches that have not been released or taken yet."""
+        return self._prefetching
+
+    def locked_pages(self) -> int:
+        """How many pages hold at least one lock reference (one sync)."""
+        return int((self.lock_refs > 0).sum())
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """``n`` pages, or None when short (never partial)."""
+        return self._free.pop(n)
+
+    def free(self, pages: IdsLike) -> None:
+        """Return pages; raises ``PageLocked`` (freeing nothing) if any is locked."""
+        ids = as_ids(pages, self.device).long()
+        if not ids.numel():
+            return
+        self._free.validate(ids)
+        locked = self.lock_refs.index_select(0, ids) > 0
+        if bool(locked.any()):
+            raise PageLocked("HostPagePool", ids[locked].tolist())
+        self._free.push(ids)
+
+    def lock(self, pages: IdsLike) -> None:
+        """Add one lock reference to each page (a page listed twice gets two)."""
+        ids = as_ids(pages, self.device).long()
+        self.lock_refs.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+
+    def unlock(self, pages: IdsLike) -> None:
+        """Drop one lock reference per listed page; raises (changing nothing) on underflow."""
+        ids = as_ids(pages, self.device).long()
+        after = self.lock_refs.clone()
+        after.index_add_(0, ids, torch.full_like(ids, -1, dtype=torch.int32))
+        under = after.index_select(0, ids) < 0
+        if bool(under.any()):
+            raise KernelError(
+                f"HostPagePool: unlock of pages {sorted(set(ids[under].tolist()))} that are "
+                "not locked that many times; each lock() has exactly one unlock()"
+            )
+        self.lock_refs.copy_(after)
+
+    def prefetch(self, n: int, anchor: IdsLike | None = None) -> Prefetch | None:
+        """Reserve ``n`` pages for a storage prefetch, or None when short.
+
+        ``anchor``: pages the prefetch extends (e.g. the cached prefix it continues);
+        they stay locked until the prefetch is released or taken.
+        """
+        pages = self._free.pop(n)
+        if pages is None:
+            return None
+        anchor_ids = None if anchor is None else as_ids(anchor, self.device).long()
+        if anchor_ids is not None:
+            self.lock(anchor_ids)
+        self._prefetching += n
+        return Prefetch(self, pages, anchor_ids)
+
+    def _retire(self, p: Prefetch) -> None:
+        self._prefetching -= p.pages.numel()
+        if p.anchor is not None:
+            self.unlock(p.anchor)
+
+    def check(self) -> None:
+        """Raise ``DoubleFree`` / ``ForeignIndex`` if any were recorded (one sync)."""
+        self._free.check()
+
+    def assert_full(self) -> None:
+        """Raise ``LeakError`` unless every page is free and unlocked, no prefetch live."""
+        self._free.assert_full()
+        held = torch.nonzero(self.lock_refs).flatten()
+        if held.numel():
+            raise LeakError("HostPagePool", held.numel(), held.tolist(), "locked pages")
+        if self._prefetching:
+            raise LeakError("HostPagePool", self._prefetching, [], "prefetch pages")
+
+
+class Prefetch:
+    """One storage → host prefetch; see the module docstring for who frees what."""
+
+    def __init__(self, pool: HostPagePool, pages: torch.Tensor, anchor: torch.Tensor | None):
+        self.pool = pool
+        self.pages = pages
+        self.anchor = anchor
+        self.completed = 0
+        self.terminated = False
+        self.retired = False
+
+    def advance(self, k: int) -> int:
+        """Record ``k`` more pages transferred; returns the completed count."""
+        if self.terminated:
+            raise KernelError("Prefetch.advance() after terminate(): the I/O was stopped")
+        self.completed = min(self.pages.numel(), self.completed + k)
+        return self.completed
+
+    def terminate(self) -> int:
+        """Stop the I/O; free the pages it never started. Idempotent; returns ``completed``."""
+        if not self.terminated:
+            self.terminated = True
+            self.pool.free(self.pages[self.completed :])
+        return self.completed
+
+    def _retire(self, what: str) -> torch.Tensor:
+        if not self.terminated:
+            raise KernelError(
+                f"Prefetch.{what}() while its I/O may still write the pages; "
+                "terminate() (drain) it first"
+            )
+        if self.retired:
+            raise DoubleFree("Prefetch", self.pages[: self.completed].tolist())
+        self.retired = True
+        self.pool._retire(self)
+        return self.pages[: self.completed]
+
+    def release(self) -> int:
+        """Abort path: free only the completed prefix ``pages[:completed]``; returns its size."""
+        done = self._retire("release")
+        self.pool.free(done)
+        return done.numel()
+
+    def take(self) -> torch.Tensor:
+        """Success path: hand the completed prefix to the caller, who now owns it."""
+        return self._retire("take")

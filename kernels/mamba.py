@@ -1,0 +1,126 @@
+"""Mamba (state-space model) state pool: one conv and one temporal state per slot.
+
+::
+
+    conv[i]   [layers, size+1, conv_dim_i, K-1]        one tensor per conv state kind
+    temporal  [layers, size+1, heads, head_dim, state_size]
+                      ^ slot axis: slot 0 is padding, slots 1..size are handed out
+
+Every op on slots is one tensor op per state tensor over all layers and all slots at
+once (``index_fill_`` / ``index_copy_`` along the slot axis), never a Python loop over
+slots or layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels._stack import FreeStack, IdsLike, as_ids
+
+__all__ = ["MambaStatePool"]
+
+
+class MambaStatePool:
+    """Conv and temporal (SSM) states of ``size`` requests; slots zeroed on alloc.
+
+    Args:
+        size: slots handed out (tensors get one more, the padding slot 0).
+        layers: Mamba layers.
+        conv_dims: ``conv_dim`` of each conv state tensor (one or more).
+        conv_kernel: ``K``; conv states keep the last ``K-1`` inputs.
+        heads, head_dim, state_size: temporal state shape per layer and slot.
+        conv_dtype, ssm_dtype: storage dtypes.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        layers: int,
+        conv_dims: int | Sequence[int],
+        conv_kernel: int,
+        heads: int,
+        head_dim: int,
+        state_size: int,
+        device: str | torch.device = "cpu",
+        *,
+        conv_dtype: torch.dtype = torch.bfloat16,
+        ssm_dtype: torch.dtype = torch.float32,
+        strict: bool = False,
+    ) -> None:
+        self._free = FreeStack("MambaStatePool", 1, size, device, strict=strict, unit="slots")
+        dev = self._free.device
+        dims = [conv_dims] if isinstance(conv_dims, int) else list(conv_dims)
+        if not dims or conv_kernel < 2:
+            raise ValueError(
+                "MambaStatePool: need at least one conv_dim and conv_kernel >= 2, got "
+                f"{dims} and {conv_kernel}"
+            )
+        self.conv = [
+            torch.zeros(layers, size + 1, d, conv_kernel - 1, dtype=conv_dtype, device=dev)
+            for d in dims
+        ]
+        self.temporal = torch.zeros(
+            layers, size + 1, heads, head_dim, state_size, dtype=ssm_dtype, device=dev
+        )
+
+    @property
+    def device(self) -> torch.device:
+        """Where the states live."""
+        return self._free.device
+
+    @property
+    def capacity(self) -> int:
+        """Slots handed out at most (padding excluded)."""
+        return self._free.capacity
+
+    @property
+    def available(self) -> int:
+        """Slots free now."""
+        return self._free.available
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [*self.conv, self.temporal]
+
+    def alloc(self, n: int = 1) -> torch.Tensor | None:
+        """``n`` slots with zeroed states, or None when short (never partial)."""
+        slots = self._free.pop(n)
+        if slots is not None and n:
+            for t in self._tensors():
+                t.index_fill_(1, slots, 0)
+        return slots
+
+    def free(self, slots: IdsLike) -> None:
+        """Return slots; their states are zeroed when next allocated, not now."""
+        ids = as_ids(slots, self.device)
+        if ids.numel():
+            self._free.push(ids.long())
+
+    def copy_from(self, src: IdsLike, dst: IdsLike) -> None:
+        """Copy every state of slots ``src`` into slots ``dst`` (pairwise)."""
+        s = as_ids(src, self.device).long()
+        d = as_ids(dst, self.device).long()
+        if s.numel() != d.numel():
+            raise ValueError(
+                f"MambaStatePool.copy_from: {s.numel()} sources for {d.numel()} destinations; "
+                "pass one source per destination"
+            )
+        for t in self._tensors():
+            t.index_copy_(1, d, t.index_select(1, s))
+
+    def fork(self, src: IdsLike) -> torch.Tensor | None:
+        """New slots holding copies of ``src``'s states, or None when short."""
+        s = as_ids(src, self.device).long()
+        dst = self._free.pop(s.numel())
+        if dst is not None and s.numel():
+            self.copy_from(s, dst)
+        return dst
+
+    def check(self) -> None:
+        """Raise ``DoubleFree`` / ``ForeignIndex`` for slots wrongly freed (one sync)."""
+        self._free.check()
+
+    def assert_full(self) -> None:
+        """Raise ``LeakError`` naming slots still held."""
+        self._free.assert_full()

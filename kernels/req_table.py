@@ -1,0 +1,91 @@
+"""Request-to-token table: which KV token slots each running request holds.
+
+::
+
+    req_to_token  int32[size, max_context_len]   row = request slot
+                  row r: [t0, t1, ..., t(len-1), stale ...]   len = lengths[r]
+    lengths       int32[size]                    tokens of row r that the request owns
+    mamba_slots   int64[size]                    its Mamba state slot, 0 = none
+
+Request slots are ``0 .. size-1`` (no padding row). Slot alloc/free share the KV
+allocator's free list, so a double free of a slot is detected the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._stack import FreeStack, IdsLike, as_ids
+
+__all__ = ["ReqToTokenTable"]
+
+
+class ReqToTokenTable:
+    """``[size, max_context_len]`` int32 table plus a free list of request slots."""
+
+    def __init__(
+        self,
+        size: int,
+        max_context_len: int,
+        device: str | torch.device = "cpu",
+        *,
+        strict: bool = False,
+    ) -> None:
+        self._free = FreeStack("ReqToTokenTable", 0, size, device, strict=strict, unit="slots")
+        dev = self._free.device
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int32, device=dev)
+        self.lengths = torch.zeros(size, dtype=torch.int32, device=dev)
+        self.mamba_slots = torch.zeros(size, dtype=torch.int64, device=dev)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the table lives."""
+        return self._free.device
+
+    @property
+    def capacity(self) -> int:
+        """Number of request slots."""
+        return self._free.capacity
+
+    @property
+    def available(self) -> int:
+        """Request slots free now."""
+        return self._free.available
+
+    def alloc(self, n: int = 1) -> torch.Tensor | None:
+        """``n`` request slots with length 0, or None when short (never partial)."""
+        slots = self._free.pop(n)
+        if slots is not None and n:
+            self.lengths.index_fill_(0, slots, 0)
+            self.mamba_slots.index_fill_(0, slots, 0)
+        return slots
+
+    def free(self, slots: IdsLike) -> None:
+        """Return request slots. Their KV and Mamba state are the caller's to release."""
+        ids = as_ids(slots, self.device)
+        if ids.numel():
+            self._free.push(ids.long())
+
+    def write(self, slot: int, start: int, tokens: torch.Tensor) -> None:
+        """Store ``tokens`` at ``[slot, start:start+len]`` and set the length to the end."""
+        end = start + tokens.numel()
+        if end > self.max_context_len:
+            raise ValueError(
+                f"ReqToTokenTable: {end} tokens do not fit max_context_len "
+                f"{self.max_context_len}; raise max_context_len or cut the request"
+            )
+        self.req_to_token[slot, start:end] = tokens
+        self.lengths[slot] = end
+
+    def tokens(self, slot: int) -> torch.Tensor:
+        """The token slots ``slot`` owns (a view of its row up to its length)."""
+        return self.req_to_token[slot, : int(self.lengths[slot])]
+
+    def check(self) -> None:
+        """Raise ``DoubleFree`` / ``ForeignIndex`` for slots wrongly freed (one sync)."""
+        self._free.check()
+
+    def assert_full(self) -> None:
+        """Raise ``LeakError`` naming slots still held."""
+        self._free.assert_full()

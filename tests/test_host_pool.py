@@ -1,0 +1,162 @@
+"""Host page pool: lock references, prefetch prefix release, occupancy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels import DoubleFree, ForeignIndex, HostPagePool, KernelError, LeakError, PageLocked
+
+
+def test_alloc_and_free_account_for_occupancy():
+    h = HostPagePool(8)
+    a = h.alloc(3)
+    assert a is not None
+    assert (h.occupied, h.available, h.capacity) == (3, 5, 8)
+    h.free(a)
+    h.assert_full()
+
+
+def test_alloc_when_short_returns_none():
+    h = HostPagePool(2)
+    assert h.alloc(3) is None
+    assert h.prefetch(3) is None
+    assert h.available == 2
+
+
+def test_locked_pages_cannot_be_freed_until_every_lock_is_dropped():
+    h = HostPagePool(4)
+    a = h.alloc(2)
+    assert a is not None
+    h.lock(a[:1])
+    h.lock(a[:1])
+    assert h.locked_pages() == 1
+    with pytest.raises(PageLocked, match=rf"cannot free locked pages \[{int(a[0])}\]"):
+        h.free(a)
+    assert h.occupied == 2  # nothing was freed
+    h.unlock(a[:1])
+    with pytest.raises(PageLocked):
+        h.free(a)
+    h.unlock(a[:1])
+    h.free(a)
+    h.assert_full()
+
+
+def test_unlock_below_zero_raises_and_changes_nothing():
+    h = HostPagePool(4)
+    a = h.alloc(1)
+    assert a is not None
+    with pytest.raises(KernelError, match=rf"unlock of pages \[{int(a)}\] that are not locked"):
+        h.unlock(a)
+    assert h.locked_pages() == 0
+
+
+def test_double_and_foreign_frees_raise_at_the_free():
+    h = HostPagePool(4)
+    a = h.alloc(2)
+    assert a is not None
+    h.free(a[:1])
+    with pytest.raises(DoubleFree, match=rf"HostPagePool: double free of \[{int(a[0])}\]"):
+        h.free(a[:1])
+    with pytest.raises(
+        ForeignIndex, match=r"foreign index \[4\]: this pool only hands out pages 0..3"
+    ):
+        h.free(4)
+
+
+def test_released_prefetch_frees_only_its_completed_prefix():
+    h = HostPagePool(8)
+    p = h.prefetch(5)
+    assert p is not None
+    assert h.prefetch_occupied == 5
+    p.advance(2)
+    assert p.terminate() == 2  # the I/O side frees the 3 pages it never started
+    assert h.available == 6
+    assert p.release() == 2  # the request frees pages[:2] and nothing else
+    assert h.prefetch_occupied == 0
+    h.assert_full()
+
+
+def test_taken_prefetch_hands_its_prefix_to_the_caller():
+    h = HostPagePool(8)
+    p = h.prefetch(4)
+    assert p is not None
+    p.advance(3)
+    p.terminate()
+    kept = p.take()
+    assert kept.tolist() == p.pages[:3].tolist()
+    assert h.occupied == 3 and h.prefetch_occupied == 0
+    h.free(kept)
+    h.assert_full()
+
+
+def test_prefetch_cannot_be_released_while_its_io_is_active():
+    h = HostPagePool(4)
+    p = h.prefetch(2)
+    assert p is not None
+    with pytest.raises(KernelError, match=r"release\(\) while its I/O may still write"):
+        p.release()
+
+
+def test_prefetch_released_twice_raises():
+    h = HostPagePool(4)
+    p = h.prefetch(2)
+    assert p is not None
+    p.advance(2)
+    p.terminate()
+    p.release()
+    with pytest.raises(DoubleFree, match="Prefetch: double free"):
+        p.release()
+
+
+def test_prefetch_locks_its_anchor_until_released():
+    h = HostPagePool(8)
+    anchor = h.alloc(2)
+    assert anchor is not None
+    p = h.prefetch(2, anchor=anchor)
+    assert p is not None
+    with pytest.raises(PageLocked):
+        h.free(anchor)
+    p.terminate()
+    p.release()
+    h.free(anchor)
+    h.assert_full()
+
+
+def test_assert_full_reports_live_prefetches_and_locks():
+    h = HostPagePool(4)
+    p = h.prefetch(1)
+    assert p is not None
+    with pytest.raises(LeakError):
+        h.assert_full()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["alloc", "free", "prefetch"]), st.integers(0, 4)), max_size=30
+    )
+)
+def test_any_sequence_keeps_accounting_and_never_hands_out_twice(ops):
+    h = HostPagePool(10)
+    held: list[int] = []
+    for op, k in ops:
+        if op == "alloc":
+            got = h.alloc(k)
+            if got is not None:
+                assert not set(got.tolist()) & set(held)
+                held += got.tolist()
+        elif op == "prefetch":
+            p = h.prefetch(k)
+            if p is not None:
+                assert not set(p.pages.tolist()) & set(held)
+                p.advance(k // 2)
+                p.terminate()
+                held += p.take().tolist()
+        elif held:
+            h.free(torch.tensor([held.pop(k % len(held))]))
+        assert h.available + len(held) == h.capacity
+    h.free(held)
+    h.assert_full()

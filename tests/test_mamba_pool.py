@@ -1,0 +1,134 @@
+"""Mamba state pool: shapes, zeroing on alloc, copy/fork, detection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels import DoubleFree, ForeignIndex, LeakError, MambaStatePool
+from kernels.protocols import MambaPool
+
+
+def pool(size: int = 4, **kw) -> MambaStatePool:
+    return MambaStatePool(
+        size, layers=2, conv_dims=[6, 3], conv_kernel=4, heads=2, head_dim=3, state_size=5, **kw
+    )
+
+
+def test_state_shapes_have_one_padding_slot_and_configurable_dtypes():
+    p = pool(conv_dtype=torch.float16, ssm_dtype=torch.float64)
+    assert [c.shape for c in p.conv] == [(2, 5, 6, 3), (2, 5, 3, 3)]
+    assert p.temporal.shape == (2, 5, 2, 3, 5)
+    assert p.conv[0].dtype == torch.float16 and p.temporal.dtype == torch.float64
+
+
+def test_alloc_zeroes_reused_slots_in_every_layer_and_leaves_others():
+    p = pool()
+    a = p.alloc(4)
+    assert a is not None and 0 not in a.tolist()
+    for t in [*p.conv, p.temporal]:
+        t.fill_(7)
+    p.free(a[:2])
+    b = p.alloc(2)
+    assert b is not None
+    for t in [*p.conv, p.temporal]:
+        assert bool((t[:, b] == 0).all())
+        assert bool((t[:, a[2:]] == 7).all())
+
+
+def test_alloc_zeroes_with_one_op_per_tensor(monkeypatch):
+    p = pool()
+    calls = []
+    orig = torch.Tensor.index_fill_
+
+    def spy(self, *args):
+        calls.append(self.shape)
+        return orig(self, *args)
+
+    monkeypatch.setattr(torch.Tensor, "index_fill_", spy)
+    p.alloc(3)
+    assert len(calls) == 3  # two conv tensors + the temporal state, all slots and layers
+
+
+def test_alloc_when_short_returns_none():
+    p = pool(2)
+    assert p.alloc(3) is None
+    assert p.available == 2
+
+
+def test_copy_from_and_fork_copy_every_state():
+    p = pool()
+    a = p.alloc(1)
+    assert a is not None
+    p.temporal[:, a] = 3.0
+    p.conv[1][:, a] = 2.0
+    b = p.fork(a)
+    assert b is not None and int(b) != int(a)
+    assert bool((p.temporal[:, b] == 3.0).all()) and bool((p.conv[1][:, b] == 2.0).all())
+    p.free(torch.cat((a, b)))
+    p.assert_full()
+
+
+def test_copy_from_needs_one_source_per_destination():
+    p = pool()
+    with pytest.raises(ValueError, match="2 sources for 1 destinations"):
+        p.copy_from([1, 2], [3])
+
+
+def test_double_free_and_padding_slot_are_detected():
+    p = pool(strict=True)
+    a = p.alloc(2)
+    assert a is not None
+    p.free(a[:1])
+    with pytest.raises(DoubleFree, match=rf"MambaStatePool: double free of \[{int(a[0])}\]"):
+        p.free(a[:1])
+    with pytest.raises(ForeignIndex, match=r"foreign index \[0\]"):
+        p.free(0)
+
+
+def test_assert_full_names_held_slots():
+    p = pool()
+    a = p.alloc(1)
+    with pytest.raises(LeakError, match=rf"e\.g\. \[{int(a)}\]"):
+        p.assert_full()
+
+
+def test_our_pool_satisfies_the_protocol():
+    assert isinstance(pool(), MambaPool)
+
+
+@pytest.mark.gpu
+def test_pool_runs_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    p = pool(device="cuda")
+    a = p.alloc(2)
+    assert a is not None and p.temporal.is_cuda
+    p.free(a)
+    p.assert_full()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(["alloc", "free", "fork"]), st.integers(0, 3)), max_size=30)
+)
+def test_any_sequence_keeps_accounting_and_never_hands_out_twice(ops):
+    p = pool(6, strict=True)
+    held: list[int] = []
+    for op, k in ops:
+        if op == "alloc" or (op == "fork" and not held):
+            got = p.alloc(k)
+        elif op == "fork":
+            got = p.fork([held[k % len(held)]])
+        else:
+            if held:
+                p.free(held.pop(k % len(held)))
+            got = None
+        if got is not None:
+            assert not set(got.tolist()) & set(held)
+            held += got.tolist()
+        assert p.available + len(held) == p.capacity
+    p.free(held)
+    p.assert_full()
