@@ -197,6 +197,25 @@ class Batch:
                 ctx._live = False
             m.stats.plans_run[name] += int(idx.numel())
 
+    def recycle(self, rows: torch.Tensor) -> None:
+        """Start new instances in `rows`, which must be terminal or still initial.
+
+        A scheduler reuses the row of a finished request for the next one (the row is
+        its request slot); a row whose instance is still live is refused, so a reset
+        can never skip a release.
+        """
+        m = self.machine
+        states = self.states.index_select(0, rows)
+        term = torch.tensor(m.terminal, dtype=torch.bool, device=self.device)
+        ok = term[states] | (states == m.initial)
+        if not bool(ok.all()):
+            i = int(rows[(~ok).nonzero()[0]])
+            raise TransitionNotAllowed(
+                m.name, m.states[int(self.states[i])], "<recycle>",
+                "only a terminal (or still initial) row can start a new instance; "
+                "finish or abort the live one first", instance=i)
+        self._base.index_fill_(0, rows, m.initial * self._w + 1)
+
     def count(self, state: str) -> int:
         """How many instances are in `state`."""
         return int((self.states == self.machine.state_id(state)).sum())

@@ -1,0 +1,147 @@
+"""The scheduler's running batch: SEQUENCE rows stepped together, chunked overlapped
+prefill, decode, and one batched release per plan per step over real pools."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from effects.sequence import RunningBatch, SchedulerPools
+from fsm import TransitionNotAllowed
+from fsm.paths import complete, covering_paths
+from states.sequence import (
+    SEQUENCE,
+    Abort,
+    Admit,
+    ChunkDone,
+    ChunkLaunched,
+    Fail,
+    Finish,
+    LastChunkDone,
+    Token,
+)
+
+
+@pytest.fixture
+def pools():
+    p = SchedulerPools(rows=8, max_context_len=64, kv_tokens=256, mamba_slots=8, strict=True)
+    yield p
+    p.assert_full()
+
+
+def retire_log(log):
+    def on_retired(rows, state):
+        log.extend((int(r), state) for r in rows)
+
+    return on_retired
+
+
+def prefill_chunk(rb, rows, tokens):
+    """Launch one chunk of `tokens` for each row: its KV is taken at launch."""
+    assert rb.append_kv(rows, torch.full((rows.numel(),), tokens))
+    rb.fire(rows, ChunkLaunched)
+
+
+def test_a_sequence_prefills_in_overlapped_chunks_decodes_and_releases_once(pools):
+    log = []
+    rb = RunningBatch(pools, retire_log(log))
+    rows = rb.admit(2, mamba=True)
+    rb.fire(rows, Admit)
+    prefill_chunk(rb, rows, 8)
+    prefill_chunk(rb, rows, 8)  # overlapped with the first
+    assert rb.rows_in("prefill_2").tolist() == rows.tolist()
+    rb.fire(rows, ChunkDone)
+    rb.fire(rows, LastChunkDone)
+    for _ in range(3):
+        assert rb.append_kv(rows, torch.ones(2, dtype=torch.int64))
+        rb.fire(rows, Token)
+    assert pools.table.lengths[rows].tolist() == [19, 19]
+    step = rb.fire(rows, Finish)
+    assert step.terminal.tolist() == rows.tolist()
+    assert sorted(log) == sorted((int(r), "finished") for r in rows)
+    assert rb.released_tokens == 38
+    rb.fire(rows, Abort)  # the abort echo after finish releases nothing
+    assert len(log) == 2 and rb.retired == {"finished": 2, "aborted": 0, "failed": 0}
+
+
+def test_an_abort_with_two_chunks_in_flight_releases_only_after_the_last_result(pools):
+    log = []
+    rb = RunningBatch(pools, retire_log(log))
+    rows = rb.admit(1, mamba=True)
+    rb.fire(rows, Admit)
+    prefill_chunk(rb, rows, 16)
+    prefill_chunk(rb, rows, 16)
+    rb.fire(rows, Abort)
+    assert rb.rows_in("draining_2").tolist() == rows.tolist()
+    rb.fire(rows, ChunkDone)
+    assert log == [] and pools.kv.available == pools.kv.capacity - 32  # I8: still waits
+    rb.fire(rows, LastChunkDone)  # the abandoned final chunk: released, never cached
+    assert log == [(int(rows[0]), "aborted")]
+    rb.fire(rows, ChunkDone)  # a late duplicate result is absorbed
+    assert len(log) == 1
+
+
+def test_a_failure_with_nothing_in_flight_ends_failed(pools):
+    log = []
+    rb = RunningBatch(pools, retire_log(log))
+    rows = rb.admit(3, mamba=False)
+    rb.fire(rows, Admit)
+    rb.fire(rows[:1], Fail)
+    prefill_chunk(rb, rows[1:], 4)
+    rb.fire(rows[1:], Fail)  # chunks in flight: drain first
+    assert log == [(int(rows[0]), "failed")]
+    rb.fire(rows[1:], LastChunkDone)
+    assert sorted(s for _, s in log) == ["aborted", "aborted", "failed"]
+
+
+def test_a_declared_error_rejects_the_whole_step_and_changes_nothing(pools):
+    rb = RunningBatch(pools)
+    rows = rb.admit(2, mamba=False)
+    rb.fire(rows, Admit)
+    before = rb.batch.states.clone()
+    with pytest.raises(TransitionNotAllowed, match="event 'Token' is not allowed in state "
+                       "'prefill'"):
+        rb.fire(rows, Token)
+    assert torch.equal(rb.batch.states, before)
+    rb.fire(rows, Abort)
+
+
+def test_a_live_row_cannot_be_recycled(pools):
+    rb = RunningBatch(pools)
+    rows = rb.admit(1, mamba=False)
+    rb.fire(rows, Admit)
+    with pytest.raises(TransitionNotAllowed, match="only a terminal"):
+        rb.batch.recycle(rows)
+    rb.fire(rows, Abort)
+
+
+def test_admission_is_all_or_nothing(pools):
+    rb = RunningBatch(pools)
+    assert rb.admit(9, mamba=False) is None
+    assert pools.table.available == 8
+    rows = rb.admit(8, mamba=True)
+    assert rb.admit(1, mamba=False) is None
+    rb.fire(rows, Admit)
+    assert not rb.append_kv(rows, torch.full((8,), 64))  # 512 > 256 tokens: nothing taken
+    assert pools.kv.available == pools.kv.capacity
+    rb.fire(rows, Abort)
+
+
+def test_every_transition_and_pair_of_the_sequence_machine_on_a_real_batch(pools):
+    """Drive each covering path (extended to a terminal state) on a one-row batch."""
+    paths = [complete(SEQUENCE, p) for p in covering_paths(SEQUENCE)]
+    for path in paths:
+        log = []
+        rb = RunningBatch(pools, retire_log(log))
+        rows = rb.admit(1, mamba=True)
+        for step in path.steps:
+            assert rb.batch.states.tolist()[int(rows[0])] == SEQUENCE.state_id(step.source)
+            if step.event is ChunkLaunched and step.decision == "transition":
+                assert rb.append_kv(rows, torch.tensor([2]))
+            if step.decision == "error":
+                with pytest.raises(TransitionNotAllowed):
+                    rb.fire(rows, step.event)
+                continue
+            rb.fire(rows, step.event)
+        assert [s for _, s in log] == [path.final], str(path)
+        pools.assert_full()
