@@ -366,13 +366,13 @@ class DisaggPrefill:
             return self._fail_bootstrap(req, str(e))
         return None
 
-    def retry_bootstrap(self, rid: str) -> PlanReport | None:
-        """An optimistic retry of the handshake: ignored once the request is terminal."""
+    def retry_bootstrap(self, rid: str) -> bool:
+        """Re-queue the handshake of `rid` after a transient failure (optimistic retry);
+        the next `bootstrap()` polls it. False (ignored) once the request is terminal:
+        an abort that came first wins, the request is never resurrected."""
         req = self.req(rid)
         req.fire(BootstrapRetry())
-        if req.state == "bootstrapping":
-            return self.bootstrap(rid)
-        return None
+        return req.state == "bootstrapping"
 
     def bootstrap_failed(self, rid: str, reason: str = "bootstrap failed") -> PlanReport | None:
         """The sender reports the handshake failed."""

@@ -1,0 +1,407 @@
+"""The disaggregated-prefill request over real pools: aborts racing chunk results,
+bootstrap failures, a failing sender, success. Every test ends with every pool full and
+the ledger empty (`engine.finish()`); these machines hold no LoRA references."""
+
+from __future__ import annotations
+
+import pytest
+
+from effects.disagg import DisaggPools, DisaggPrefill, TerminalOutput
+from effects.transport import FakeTransport, TransportError
+from fsm import TransitionNotAllowed
+from fsm.oracle import Differential
+from states.chunk import Abandon, Commit, Result
+from states.disagg import (
+    DISAGG_PREFILL,
+    Abort,
+    BootstrapFailed,
+    Bootstrapped,
+    BootstrapRetry,
+    ChunkResult,
+    ChunkScheduled,
+    TransferDone,
+    TransferFailed,
+)
+
+
+def engine(**kw):
+    t = FakeTransport()
+    return DisaggPrefill(DisaggPools.make(), transport=t, **kw), t
+
+
+def started(e, rid="r", prompt=12, chunk=4, host_pages=3, chunks=1):
+    """A request bootstrapped (metadata slot taken) with `chunks` chunks launched."""
+    req = e.add(rid, prompt, chunk_size=chunk, host_pages=host_pages)
+    e.bootstrap(rid)
+    for _ in range(chunks):
+        assert e.schedule(rid) is not None
+    return req
+
+
+def plans(e, name):
+    return e.requests_machine.stats.plans_run[name]
+
+
+def test_abort_while_a_middle_chunk_runs_releases_once_when_its_result_arrives():
+    e, t = engine()
+    req = started(e, chunks=1)  # chunk 0 of 3 runs, nothing after it
+    assert e.abort("r") is None
+    assert req.state == "draining"
+    e.assert_accounted()
+    assert e.pools.kv.available < e.pools.kv.capacity  # nothing released yet
+    report = e.result("r", 0)
+    assert report is not None and report.plan == "release_aborted"
+    assert req.state == "aborted"
+    assert req.chunks[0].state == "abandoned"
+    assert plans(e, "release_aborted") == 1
+    assert t.aborts["r"] == 1
+    assert e.stream.outputs == [TerminalOutput("r", "aborted", "aborted")]
+    assert e.cache.inserts["r"] == 0
+    e.finish()
+
+
+def test_abort_with_a_later_overlapped_chunk_waits_for_it_then_releases_once():
+    e, t = engine()
+    req = started(e, chunks=2)
+    assert [c.state for c in req.chunks] == ["overlapped", "running"]
+    e.abort("r")
+    assert e.result("r", 0) is None  # the later chunk still writes: no release (I8)
+    assert req.state == "draining"
+    assert plans(e, "release_aborted") == 0
+    assert e.stream.counts["r"] == 0
+    e.assert_accounted()
+    report = e.result("r", 1)
+    assert report is not None and report.plan == "release_aborted"
+    assert plans(e, "release_aborted") == 1
+    assert e.chunks_machine.stats.plans_run["release_abandoned"] == 2
+    assert e.stream.counts["r"] == 1 and t.aborts["r"] == 1
+    e.finish()
+
+
+def test_aborted_final_chunk_is_released_without_cache_insert_or_send():
+    e, t = engine()
+    req = started(e, chunks=3)
+    for k in (0, 1):
+        e.result("r", k)
+    assert req.state == "prefilling"
+    slot = e.ledger.owned(req, "metadata")[0].value
+    assert slot.index >= 0
+    e.abort("r", "client gone")
+    report = e.result("r", 2)
+    assert report is not None and report.plan == "release_aborted"
+    assert req.state == "aborted"
+    assert e.cache.inserts["r"] == 0
+    assert t.sends["r"] == 0
+    assert t.aborts["r"] == 1
+    assert slot.index == -1
+    assert e.pools.host.prefetch_occupied == 0  # hierarchical-cache state released
+    assert [h.kind for h in report.released].count("hicache") == 1
+    assert e.stream.outputs == [TerminalOutput("r", "aborted", "client gone")]
+    e.finish()
+
+
+@pytest.mark.parametrize("cause", ["bootstrap_failed", "retired"])
+def test_a_delayed_result_after_cleanup_releases_nothing_and_streams_nothing(cause):
+    e, t = engine()
+    req = started(e, prompt=8, chunks=1)
+    e.result("r", 0)  # chunk 0 committed; no chunk in flight
+    if cause == "bootstrap_failed":
+        e.bootstrap_failed("r", "decode side gone")
+        assert req.state == "bootstrap_failed"
+    else:
+        e.schedule("r")
+        e.result("r", 1)
+        t.complete("r")
+        e.poll_transfer("r")
+        assert req.state == "succeeded"
+    released, streamed, aborts = e.ledger.released, len(e.stream.outputs), t.aborts["r"]
+    ignored = sum(e.requests_machine.stats.ignored.values())
+    for k in (0, 1, 5):  # duplicates of settled chunks, and a chunk never scheduled
+        assert e.result("r", k) is None
+    assert e.ledger.released == released
+    assert len(e.stream.outputs) == streamed == 1
+    assert t.aborts["r"] == aborts == 0
+    stale = sum(1 for k in (0, 1, 5) if k >= len(req.chunks))
+    assert sum(e.requests_machine.stats.ignored.values()) == ignored + stale
+    e.finish()
+
+
+def test_a_failing_sender_abort_skips_no_local_release_and_the_abort_streams_once():
+    e, t = engine()
+    t.fail("abort")
+    req = started(e, chunks=2)
+    e.result("r", 0)
+    e.abort("r")
+    report = e.result("r", 1)
+    assert report is not None
+    assert len(report.errors) == 1 and report.errors[0].best_effort
+    assert isinstance(report.errors[0].error, TransportError)
+    assert sorted({h.kind for h in report.released}) == ["hicache", "kv", "mamba", "metadata",
+                                                        "req_slot"]
+    assert req.state == "aborted"
+    assert e.stream.outputs == [TerminalOutput("r", "aborted", "aborted")]
+    assert e.ledger.errors == report.errors
+    e.finish()
+
+
+def test_bootstrap_failure_before_the_metadata_slot_releases_the_host_state():
+    e, t = engine()
+    t.fail("bootstrap", "r")
+    req = e.add("r", 8, chunk_size=4, host_pages=2)
+    report = e.bootstrap("r")
+    assert req.state == "bootstrap_failed"
+    assert report is not None and [h.kind for h in report.released] == ["hicache"]
+    assert e.pools.metadata.available == e.pools.metadata.capacity
+    assert e.stream.counts["r"] == 1 and t.aborts["r"] == 0
+    e.finish()
+
+
+def test_bootstrap_failure_after_the_metadata_slot_frees_it_to_minus_one():
+    e, t = engine()
+    t.fail("init", "r")
+    req = e.add("r", 8, chunk_size=4, host_pages=2)
+    report = e.bootstrap("r")
+    assert req.state == "bootstrap_failed"
+    assert report is not None
+    meta = [h.value for h in report.released if h.kind == "metadata"]
+    assert len(meta) == 1 and meta[0].index == -1
+    assert e.stream.outputs[0].status == "bootstrap_failed"
+    e.finish()
+
+
+def test_abort_is_terminal_before_an_optimistic_bootstrap_retry():
+    e, t = engine()
+    req = e.add("r", 8, chunk_size=4)
+    assert e.retry_bootstrap("r")  # a transient failure: the retry is queued
+    assert req.state == "bootstrapping"
+    e.abort("r")
+    assert req.state == "aborted"
+    calls = list(t.calls)
+    assert not e.retry_bootstrap("r")
+    assert e.bootstrap("r") is None
+    assert req.state == "aborted" and t.calls == calls  # no handshake after the abort
+    assert e.pools.metadata.available == e.pools.metadata.capacity
+    assert e.stream.counts["r"] == 1
+    e.finish()
+
+
+@pytest.mark.parametrize("event", [Abort("x"), BootstrapFailed("y")])
+def test_the_same_terminal_event_twice_releases_once(event):
+    e, _ = engine()
+    req = started(e, chunks=1)
+    e.result("r", 0)
+    first = req.fire(event)
+    assert first is not None
+    assert req.fire(event) is None
+    assert e.requests_machine.stats.ignored[(req.state, type(event).__name__)] == 1
+    assert sum(e.requests_machine.stats.plans_run.values()) == 1
+    assert e.stream.counts["r"] == 1
+    e.finish()
+
+
+def test_success_caches_the_kv_once_transfers_it_and_frees_the_metadata():
+    e, t = engine()
+    req = started(e, prompt=10, chunk=4, chunks=2)
+    e.result("r", 0)
+    e.schedule("r")
+    e.result("r", 1)
+    e.result("r", 2)
+    assert req.state == "transferring"
+    assert t.sends["r"] == 1 and t.sent_tokens["r"] == 10
+    slot = e.ledger.owned(req, "metadata")[0].value
+    assert e.poll_transfer("r") is None  # still transferring
+    t.complete("r")
+    report = e.poll_transfer("r")
+    assert report is not None and report.plan == "release_succeeded"
+    assert req.state == "succeeded"
+    assert e.cache.inserts == {"r": 1} and e.cache.held_tokens == 10
+    assert slot.index == -1
+    assert t.aborts["r"] == 0
+    assert e.stream.outputs == [TerminalOutput("r", "succeeded", "")]
+    e.finish()
+
+
+def test_a_failed_transfer_releases_everything_without_caching():
+    e, t = engine()
+    req = started(e, prompt=4, chunks=1)
+    e.result("r", 0)
+    t.break_transfer("r")
+    report = e.poll_transfer("r")
+    assert report is not None and report.plan == "release_failed"
+    assert req.state == "failed" and e.cache.inserts["r"] == 0
+    e.finish()
+
+
+def test_a_send_that_cannot_start_fails_the_request():
+    e, t = engine()
+    t.fail("send")
+    req = started(e, prompt=4, chunks=1)
+    report = e.result("r", 0)
+    assert report is not None and report.plan == "release_failed"
+    assert req.state == "failed" and e.stream.counts["r"] == 1
+    e.finish()
+
+
+def test_abort_during_the_transfer_notifies_the_sender_and_never_caches():
+    e, t = engine()
+    req = started(e, prompt=4, chunks=1)
+    e.result("r", 0)
+    report = e.abort("r")
+    assert report is not None and req.state == "aborted"
+    assert t.aborts["r"] == 1 and e.cache.inserts["r"] == 0
+    t.complete("r")
+    assert e.poll_transfer("r") is None
+    e.finish()
+
+
+def test_bootstrap_failure_while_a_chunk_runs_drains_first():
+    e, _ = engine()
+    req = started(e, chunks=1)
+    assert e.bootstrap_failed("r", "peer lost") is None
+    assert req.state == "draining"
+    assert e.abort("r") is None  # a second cause is absorbed
+    e.result("r", 0)
+    assert req.state == "aborted"
+    assert e.stream.outputs == [TerminalOutput("r", "aborted", "peer lost")]
+    e.finish()
+
+
+def test_a_short_pool_takes_nothing_and_the_request_waits():
+    pools = DisaggPools.make(kv_tokens=6)
+    e = DisaggPrefill(pools, transport=FakeTransport())
+    started(e, "a", prompt=4, chunk=4, chunks=1)
+    req = e.add("b", 8, chunk_size=4)
+    e.bootstrap("b")
+    assert e.schedule("b") is None  # 2 KV slots left for a 4-token chunk
+    e.assert_accounted()
+    assert req.state == "waiting"
+    e.abort("a")
+    e.result("a", 0)
+    e.abort("b")
+    e.finish()
+
+
+def test_metadata_exhaustion_keeps_the_request_bootstrapping():
+    e = DisaggPrefill(DisaggPools.make(metadata_slots=1), transport=FakeTransport())
+    started(e, "a", chunks=0)
+    req = e.add("b", 4, chunk_size=4)
+    assert e.bootstrap("b") is None and req.state == "bootstrapping"
+    e.abort("a")
+    e.bootstrap("b")
+    assert req.state == "waiting"
+    e.abort("b")
+    e.finish()
+
+
+def test_bad_input_names_what_was_wrong():
+    e, _ = engine()
+    with pytest.raises(ValueError, match=r"prompt_len \(0\) and chunk_size \(4\) must be >= 1"):
+        e.add("r", 0, chunk_size=4)
+    e.add("r", 4, chunk_size=4)
+    with pytest.raises(ValueError, match="request 'r' already exists"):
+        e.add("r", 4, chunk_size=4)
+    with pytest.raises(KeyError, match="no disaggregated-prefill request 'x'; add\\(\\) it"):
+        e.abort("x")
+    with pytest.raises(ValueError, match="request 'r' has no chunk 0 in flight"):
+        e.result("r", 0)
+    with pytest.raises(ValueError, match="unknown step 'nope'"):
+        FakeTransport().fail("nope")
+    with pytest.raises(TransitionNotAllowed, match="'TransferDone' is not allowed in state "
+                       "'bootstrapping'"):
+        e.req("r").fire(TransferDone())
+    e.abort("r")
+    e.finish()
+
+
+# -- every declared (state, event) pair and transition, against the transitions oracle --
+
+
+def _to_succeeded(e, t):
+    started(e, prompt=4, chunks=1)
+    e.result("r", 0)
+    t.complete("r")
+    e.poll_transfer("r")
+
+
+def _to_failed(e, t):
+    started(e, prompt=4, chunks=1)
+    e.result("r", 0)
+    t.break_transfer("r")
+    e.poll_transfer("r")
+
+
+# Each builder leaves request "r" in a state; variants make each guard hold or not.
+BUILDERS = {
+    "bootstrapping": lambda e, t: e.add("r", 12, chunk_size=4, host_pages=2),
+    "waiting": lambda e, t: started(e, chunks=0),
+    "prefilling_busy": lambda e, t: started(e, chunks=1),
+    "prefilling_idle": lambda e, t: (started(e, chunks=1), e.result("r", 0)),
+    "draining_one": lambda e, t: (started(e, chunks=1), e.abort("r")),
+    "draining_two": lambda e, t: (started(e, chunks=2), e.abort("r")),
+    "transferring": lambda e, t: (started(e, prompt=4, chunks=1), e.result("r", 0)),
+    "succeeded": _to_succeeded,
+    "failed": _to_failed,
+    "aborted": lambda e, t: (started(e, chunks=0), e.abort("r")),
+    "bootstrap_failed": lambda e, t: (e.add("r", 8, chunk_size=4), e.bootstrap_failed("r")),
+}
+
+EVENTS = {
+    "Bootstrapped": lambda req: Bootstrapped(),
+    "BootstrapRetry": lambda req: BootstrapRetry(),
+    "BootstrapFailed": lambda req: BootstrapFailed("x"),
+    "ChunkScheduled": lambda req: ChunkScheduled(len(req.chunks)),
+    "ChunkResult(last)": lambda req: ChunkResult(0, last=True),
+    "ChunkResult": lambda req: ChunkResult(0),
+    "Abort": lambda req: Abort("x"),
+    "TransferDone": lambda req: TransferDone(),
+    "TransferFailed": lambda req: TransferFailed("x"),
+}
+
+
+def _settle_first_in_flight(e, req):
+    """What the loop does before telling a request a chunk settled."""
+    for c in req.chunks:
+        if not c.terminal:
+            c.fire(Result())
+            if req.state == "prefilling":
+                for h in e.ledger.owned(c, "kv"):
+                    e.ledger.transfer(h, req)
+                c.fire(Commit())
+            else:
+                c.fire(Abandon())
+            return
+
+
+def _cleanup(e, t):
+    req = e.req("r")
+    if not req.terminal:
+        e.abort("r")
+    for c in req.chunks:
+        if not c.terminal:
+            e.result("r", c.index)
+    assert req.terminal
+    e.finish()
+    assert e.stream.counts["r"] == 1
+
+
+@pytest.mark.parametrize("event", list(EVENTS))
+@pytest.mark.parametrize("where", list(BUILDERS))
+def test_every_pair_decides_as_the_transitions_oracle_and_ends_with_pools_full(where, event):
+    e, t = engine()
+    BUILDERS[where](e, t)
+    req = e.req("r")
+    ev = EVENTS[event](req)
+    if isinstance(ev, ChunkResult) and req.state in ("prefilling", "draining"):
+        _settle_first_in_flight(e, req)
+    diff = Differential(req)
+    diff.model.state = req.state  # start the oracle where the instance stands
+    decision = diff.deliver(ev)
+    if decision == "error":
+        e.assert_accounted()
+    _cleanup(e, t)
+
+
+def test_the_builders_stand_in_every_state_of_the_machine():
+    names = {w.split("_")[0] if w.startswith(("prefilling", "draining")) else w
+             for w in BUILDERS}
+    assert names == set(DISAGG_PREFILL.states)
