@@ -1,0 +1,430 @@
+"""A tokenizer-side request releases its LoRA reference exactly once, on every path, and
+streams exactly one terminal output. Every test ends with the ledger empty, every
+registry counter at zero and an unload of every adapter completing (`finish_clean`)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import pytest
+
+from effects.request import LORA, TerminalOutput, bind_request, lora_ledger
+from effects.tokenizer import TokenizerSide
+from fsm import TransitionNotAllowed
+from kernels.errors import UnloadTimeout
+from states.request import REQUEST, Abort, Finished, Output, Request, SchedulerError
+from tests.tokenizer_side import make_side, settle
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_normal_completion_releases_the_reference_once_and_streams_finished():
+    async def main():
+        s = await make_side()
+        req = await s.side.submit("hello world", "a", rid="r1")
+        assert req.state == "dispatched"
+        assert s.scheduler.sent["r1"] == (["hello", "world"], s.adapters["a"])
+        assert s.registry.count(s.adapters["a"]) == 1
+        assert [h.value for h in s.ledger.owned(req, LORA)] == [s.adapters["a"]]
+        assert s.side.on_output("r1") and s.side.on_output("r1")
+        assert s.side.on_finish("r1", reason="length")
+        assert req.state == "finished"
+        assert s.sink.outputs["r1"] == TerminalOutput("r1", "finished", 200, "", "length")
+        assert s.side.requests.stats.plans_run["release_finished"] == 1
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_batch_completion_releases_each_request_once():
+    async def main():
+        s = await make_side()
+        reqs = await s.side.submit_batch(["p one", "p two", "p three"], ["a", "b", None],
+                                         rids=["x", "y", "z"])
+        assert [r.key for r in reqs] == ["x", "y", "z"]
+        assert s.registry.counts() == {s.adapters["a"]: 1, s.adapters["b"]: 1}
+        assert [s.scheduler.sent[r][1] for r in "xyz"] == [s.adapters["a"], s.adapters["b"],
+                                                           None]
+        for r in "xyz":
+            s.side.on_finish(r)
+        assert {s.sink.outcome(r) for r in "xyz"} == {"finished"}
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_client_abort_while_running_releases_once_and_tells_the_scheduler():
+    async def main():
+        s = await make_side()
+        await s.side.submit("hello", "a", rid="r1")
+        s.side.on_output("r1")
+        assert s.side.abort("r1")
+        assert s.scheduler.aborted == ["r1"]
+        assert s.sink.outputs["r1"].outcome == "aborted"
+        assert s.sink.outputs["r1"].status == 499
+        assert s.registry.count(s.adapters["a"]) == 0
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_abort_echo_after_finish_releases_nothing():
+    async def main():
+        s = await make_side()
+        await s.side.submit("hello", "a", rid="r1")
+        s.side.on_finish("r1")
+        released = s.ledger.released
+        assert s.side.abort("r1")  # the client gave up just as the request finished
+        s.side.on_finish("r1", reason="abort")  # the scheduler's echo of that abort
+        s.side.on_error("r1", 500, "late duplicate error")
+        assert s.ledger.released == released
+        assert s.scheduler.aborted == []  # a finished request is not aborted again
+        ignored = s.side.requests.stats.ignored
+        assert ignored[("finished", "Abort")] == 1
+        assert ignored[("finished", "Finished")] == 1
+        assert ignored[("finished", "SchedulerError")] == 1
+        assert s.sink.outcome("r1") == "finished"
+        await s.finish_clean()
+
+    run(main())
+
+
+@pytest.mark.parametrize(("status", "outcome"),
+                         [(400, "rejected"), (500, "errored"), (503, "errored")])
+def test_scheduler_error_releases_once_by_kind(status, outcome):
+    async def main():
+        s = await make_side()
+        await s.side.submit("hello", "b", rid="r1")
+        if status == 503:
+            s.side.on_output("r1")  # overloaded mid-stream
+        s.side.on_error("r1", status, "scheduler says no")
+        s.side.on_error("r1", status, "and says it twice")
+        req = s.side.get("r1")
+        assert req is not None and req.state == outcome
+        assert s.sink.outputs["r1"] == TerminalOutput("r1", outcome, status,
+                                                      "scheduler says no")
+        assert s.ledger.released == 1
+        await s.finish_clean()
+
+    run(main())
+
+
+@pytest.mark.parametrize(("prompt", "outcome", "status"),
+                         [("bad prompt", "rejected", 400), ("crash now", "errored", 500)])
+def test_validation_or_tokenization_failure_releases_once(prompt, outcome, status):
+    async def main():
+        s = await make_side()
+        req = await s.side.submit(prompt, "a", rid="r1")
+        assert req.state == outcome
+        assert s.sink.outputs["r1"].status == status
+        assert "r1" not in s.scheduler.sent
+        assert s.ledger.released == 1
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_failed_dispatch_releases_once():
+    async def main():
+        s = await make_side()
+        s.scheduler.fail.add("r1")
+        req = await s.side.submit("hello", "a", rid="r1")
+        assert req.state == "dispatch_failed"
+        out = s.sink.outputs["r1"]
+        assert (out.outcome, out.status) == ("dispatch_failed", 503)
+        assert "socket closed" in out.message
+        assert s.ledger.released == 1
+        # a transport that reports the failure again later is absorbed
+        assert s.side.on_dispatch_failed("r1", "again")
+        assert s.ledger.released == 1
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_request_without_lora_releases_nothing():
+    async def main():
+        s = await make_side()
+        req = await s.side.submit("hello", None, rid="r1")
+        assert req.state == "dispatched" and s.ledger.owned(req) == []
+        assert s.scheduler.sent["r1"] == (["hello"], None)
+        s.side.on_finish("r1")
+        assert s.ledger.released == 0
+        assert s.sink.outcome("r1") == "finished"
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_unknown_adapter_is_rejected_and_releases_no_missing_id():
+    async def main():
+        s = await make_side()
+        req = await s.side.submit("hello", "nope", rid="r1")
+        assert req.state == "rejected"
+        out = s.sink.outputs["r1"]
+        assert out.status == 400 and "nope" in out.message
+        assert s.ledger.released == 0 and s.ledger.count() == 0
+        assert s.tokenizer.calls == 0 and s.scheduler.sent == {}
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_abort_while_acquire_in_flight_releases_the_late_reference_at_once():
+    async def main():
+        s = await make_side(gated=True)
+        s.front.gate = asyncio.Event()
+        task = asyncio.create_task(s.side.submit("hello", "a", rid="r1"))
+        await settle()
+        req = s.side.get("r1")
+        assert req is not None and req.state == "acquiring_lora" and s.front.waiting == 1
+        s.side.abort("r1")
+        assert req.state == "aborted"
+        assert s.sink.outcome("r1") == "aborted"
+        assert s.scheduler.aborted == []  # never reached the scheduler
+        s.front.gate.set()
+        await task
+        # The registry did count the acquire; the ledger released it at once (I6).
+        assert s.ledger.late_released == 1
+        assert s.registry.count(s.adapters["a"]) == 0
+        assert s.side.requests.stats.ignored[("aborted", "LoRAAcquired")] == 1
+        assert s.tokenizer.calls == 0 and s.scheduler.sent == {}
+        assert list(s.sink.outputs) == ["r1"]
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_abort_while_tokenizing_releases_once_and_never_dispatches():
+    async def main():
+        s = await make_side()
+        s.tokenizer.gates["slow"] = asyncio.Event()
+        task = asyncio.create_task(s.side.submit("slow", "b", rid="r1"))
+        await settle()
+        assert s.side.get("r1").state == "validating"
+        s.side.abort("r1")
+        assert s.registry.count(s.adapters["b"]) == 0
+        s.tokenizer.gates["slow"].set()
+        await task
+        assert s.scheduler.sent == {}
+        assert s.side.requests.stats.ignored[("aborted", "Validated")] == 1
+        assert s.sink.outcome("r1") == "aborted"
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_cancelled_submit_aborts_the_request_and_releases_its_reference():
+    async def main():
+        s = await make_side()
+        s.tokenizer.gates["slow"] = asyncio.Event()
+        task = asyncio.create_task(s.side.submit("slow", "a", rid="r1"))
+        await settle()
+        assert s.registry.count(s.adapters["a"]) == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert s.side.get("r1").state == "aborted"
+        assert s.sink.outputs["r1"].message == "submission was interrupted"
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_upsert_while_requests_hold_the_adapter_keeps_the_stable_id_and_counts():
+    async def main():
+        s = await make_side()
+        a = s.adapters["a"]
+        await s.side.submit("one", "a", rid="r1")
+        await s.side.submit("two", "a", rid="r2")
+        assert await s.registry.upsert("a", "/weights/a-v2") == a
+        await s.side.submit("three", "a", rid="r3")
+        assert s.scheduler.sent["r3"][1] == a
+        assert s.registry.count(a) == 3
+        for rid in ("r1", "r2", "r3"):
+            s.side.on_finish(rid)
+        assert s.registry.count(a) == 0
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_ownership_is_keyed_on_the_acquired_id_never_the_name():
+    async def main():
+        s = await make_side("a")
+        old = s.adapters["a"]
+        await s.side.submit("hello", "a", rid="r1")
+        unload = asyncio.create_task(s.registry.unload("a", timeout=5))
+        await settle()
+        assert not unload.done()  # r1 still holds the old id
+        new = await s.registry.register("a", "/weights/a-new")  # same name, new adapter
+        assert new != old
+        await s.side.submit("again", "a", rid="r2")
+        assert s.scheduler.sent["r2"][1] == new
+        s.side.on_finish("r1")  # releases `old`, whatever "a" means now
+        assert await unload == old
+        assert s.registry.count(new) == 1
+        s.side.on_finish("r2")
+        s.adapters["a"] = new
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_async_release_tasks_stay_referenced_until_they_finish_even_after_gc():
+    async def main():
+        s = await make_side(gated=True, async_release=True)
+        for i in range(20):
+            await s.side.submit(f"p {i}", "a", rid=f"r{i}")
+        for i in range(20):
+            s.side.on_finish(f"r{i}")  # the reports (and their tasks) are dropped here
+        assert s.ledger.pending == 20
+        gc.collect()
+        assert s.ledger.pending == 20
+        assert s.registry.count(s.adapters["a"]) == 20  # released only when tasks run
+        await s.side.drain()
+        assert s.ledger.pending == 0
+        assert s.registry.count(s.adapters["a"]) == 0
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_unload_completes_as_soon_as_the_last_user_releases():
+    async def main():
+        s = await make_side("a")
+        await s.side.submit("one", "a", rid="r1")
+        await s.side.submit("two", "a", rid="r2")
+        unload = asyncio.create_task(s.registry.unload("a", timeout=5))
+        await settle()
+        s.side.on_finish("r1")
+        await settle()
+        assert not unload.done()
+        s.side.abort("r2")
+        await asyncio.wait_for(unload, 1)
+        del s.adapters["a"]
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_unload_times_out_naming_the_id_and_count_when_a_user_never_releases():
+    async def main():
+        s = await make_side("a")
+        a = s.adapters["a"]
+        await s.side.submit("one", "a", rid="r1")
+        with pytest.raises(UnloadTimeout, match=rf"LoRA id {a} \('a'\).*count 1"):
+            await s.registry.unload("a", timeout=0.05)
+        s.side.on_finish("r1")
+        await s.registry.wait_for_unload(a, timeout=1)
+        del s.adapters["a"]
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_duplicate_live_rid_is_refused_before_anything_is_acquired():
+    async def main():
+        s = await make_side()
+        await s.side.submit("one", "a", rid="r1")
+        with pytest.raises(ValueError, match="'r1' is already in flight"):
+            await s.side.submit("two", "a", rid="r1")
+        assert s.registry.count(s.adapters["a"]) == 1
+        s.side.on_finish("r1")
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_events_for_unknown_rids_are_counted_and_dropped():
+    async def main():
+        s = await make_side()
+        assert not s.side.abort("ghost")
+        assert not s.side.on_finish("ghost")
+        assert s.side.unknown_events == 2
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_forgotten_terminal_rid_drops_late_events_without_releasing():
+    async def main():
+        s = await make_side(retain_terminal=1)
+        await s.side.submit("one", "a", rid="r1")
+        await s.side.submit("two", "a", rid="r2")
+        s.side.on_finish("r1")
+        s.side.on_finish("r2")  # r1 falls out of the remembered window
+        assert not s.side.abort("r1") and s.side.abort("r2")
+        assert s.ledger.released == 2
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_scheduler_result_before_dispatch_is_a_loud_error_not_a_release():
+    async def main():
+        s = await make_side()
+        s.tokenizer.gates["slow"] = asyncio.Event()
+        task = asyncio.create_task(s.side.submit("slow", "a", rid="r1"))
+        await settle()
+        with pytest.raises(TransitionNotAllowed, match="'Finished' is not allowed in "
+                                                       "state 'validating'"):
+            s.side.on_finish("r1")
+        assert s.registry.count(s.adapters["a"]) == 1
+        s.tokenizer.gates["slow"].set()
+        await task
+        s.side.on_finish("r1")
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_bad_arguments_are_refused_with_what_to_do():
+    async def main():
+        s = await make_side()
+        with pytest.raises(ValueError, match="2 LoRA names for 3 prompts"):
+            await s.side.submit_batch(["a", "b", "c"], ["a", "b"])
+        with pytest.raises(ValueError, match=r"n \(samples per prompt\) must be >= 1"):
+            await s.side.submit_batch(["a"], n=0)
+        with pytest.raises(ValueError, match="at least one prompt"):
+            await s.side.submit_batch([])
+        with pytest.raises(ValueError, match="retain_terminal must be >= 0"):
+            TokenizerSide(s.registry, s.tokenizer, s.scheduler, s.sink, retain_terminal=-1)
+        assert s.ledger.count() == 0
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_a_shared_ledger_gets_the_lora_releaser():
+    async def main():
+        s = await make_side()
+        shared = lora_ledger(s.side.ledger.resources)
+        side = TokenizerSide(s.registry, s.tokenizer, s.scheduler, s.sink, ledger=shared)
+        assert side.ledger is shared
+        await side.submit("hello", "a", rid="q1")
+        side.on_finish("q1")
+        shared.assert_empty()
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_machine_level_terminal_states_absorb_late_events_and_refuse_resubmission():
+    async def main():
+        s = await make_side()
+        m = bind_request(s.ledger)
+        req = Request(m, "m1", prompt="x")
+        req.fire(Abort())
+        for ev in (Output(), Finished(), SchedulerError(500), Abort()):
+            assert req.fire(ev) is None
+        with pytest.raises(TransitionNotAllowed, match="'Submitted' is not allowed"):
+            from states.request import Submitted
+            req.fire(Submitted())
+        assert REQUEST.name == "request"
+        await s.finish_clean()
+
+    run(main())
