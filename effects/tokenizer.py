@@ -454,12 +454,14 @@ class TokenizerSide:
         if all(p.terminal for p in batch.parents):
             for p in batch.parents:
                 self._batches.pop(p.key, None)
-        if group.state in ("rejected", "errored") and not isinstance(event, BatchFailed):
+        if group.state in ("rejected", "errored"):
             # A batch fans out whole or not at all: one failed prompt fails its siblings.
             status = int(getattr(event, "status", 500))
-            msg = f"prompt of {group.key!r} failed: {getattr(event, 'message', '')}"
+            msg = getattr(event, "message", "")
+            if not isinstance(event, BatchFailed):
+                msg = f"{group.key!r} failed before fan-out: {msg}"
             for p in batch.parents:
-                if p is not group:
+                if not p.terminal:
                     self._fire(p, BatchFailed(status, msg))
         elif group.state == "aborted":
             self._fan_out(batch)  # the siblings may all be ready now
