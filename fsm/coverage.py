@@ -91,6 +91,8 @@ class TerminalCoverage(msgspec.Struct):
 class MachineCoverage(msgspec.Struct):
     """One machine's coverage; `score` = min(transitions.percent, pairs.percent)."""
 
+    states: int
+    events: int
     registered: bool
     gated: bool
     score: float
@@ -251,6 +253,7 @@ class CoverageRecorder:
                 decisions[_decision(d, s, e, a)] += n
             gated = gate_all or key in self.registered
             mc = MachineCoverage(
+                states=len(d.states), events=len(d.events),
                 registered=key in self.registered, gated=gated,
                 score=min(tcov.percent, pcov.percent), transitions=tcov, pairs=pcov,
                 terminals=TerminalCoverage(reached, terminal,
@@ -293,7 +296,12 @@ def format_report(r: CoverageReport) -> list[str]:
         if m.transitions.missing or m.pairs.missing or m.terminals.missing:
             lines.append(f"{name}: never exercised")
             lines += [f"  transition {x}" for x in m.transitions.missing]
-            lines += [f"  pair       {x}" for x in m.pairs.missing]
+            by_state: dict[str, list[str]] = {}
+            for x in m.pairs.missing:
+                by_state.setdefault(x.state, []).append(x.event)
+            for st, evs in by_state.items():
+                what = "every event" if len(evs) == m.events else ", ".join(evs)
+                lines.append(f"  pairs      in {st}: {what}")
             lines += [f"  terminal   {x}" for x in m.terminals.missing]
     if r.fail_under is not None:
         if r.passed:

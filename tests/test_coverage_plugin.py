@@ -1,0 +1,185 @@
+"""The transition-coverage pytest plugin (`--fsm-coverage`), run on small inner sessions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+MACHINES = (Path(__file__).parent / "machines.py").read_text()
+
+# Two inner test files that exercise different parts of JOB, and one that steps TOGGLE
+# as a batch; each drives its instances to a terminal state.
+START_AND_FINISH = """
+from machines import JOB, Start, Progress, Poke
+
+def test_start_progress_finish():
+    j = JOB.create()
+    j.fire(Poke())                     # ignored in queued
+    j.fire(Start())
+    j.fire(Progress())                 # alt 1: [else] back to running
+    j.fire(Progress(last=True))        # alt 0: [last] -> done
+    assert j.state == "done"
+"""
+
+ABORT_EARLY = """
+import pytest
+from fsm import TransitionNotAllowed
+from machines import JOB, Abort, Progress, Start
+
+def test_abort_in_queued_then_errors():
+    j = JOB.create()
+    with pytest.raises(TransitionNotAllowed):
+        j.fire(Progress())             # error in queued
+    j.fire(Abort())
+    with pytest.raises(TransitionNotAllowed):
+        j.fire(Start())                # error in aborted
+    assert j.state == "aborted"
+"""
+
+BATCH = """
+from machines import TOGGLE, Go, Stop
+
+def test_batched_steps_are_recorded():
+    b = TOGGLE.batch(3)
+    b.step(b.event_ids([Go, Stop, None]))
+    b.step(b.event_ids([Go, Go, None]))     # busy->idle; finished ignores Go
+    b.step(b.event_ids([Go, None, Stop]))   # idle->busy; idle->finished
+    b.step(b.event_ids([Stop, None, None])) # busy->finished
+    assert b.count("finished") == 3
+"""
+
+
+def _setup(pytester: pytest.Pytester, **files: str) -> None:
+    pytester.makepyfile(machines=MACHINES, **files)
+    pytester.syspathinsert()
+
+
+def _report(pytester: pytest.Pytester, name: str = "cov.json") -> Any:
+    return json.loads((pytester.path / name).read_text())
+
+
+def test_records_transitions_pairs_and_terminal_states_per_machine(
+        pytester: pytest.Pytester) -> None:
+    _setup(pytester, test_start=START_AND_FINISH, test_abort=ABORT_EARLY)
+    r = pytester.runpytest("--fsm-coverage", "--fsm-coverage-json", "cov.json",
+                           "--fsm-coverage-machines", "machines:JOB")
+    r.assert_outcomes(passed=2)
+    job = _report(pytester)["machines"]["job"]
+    assert job["transitions"]["covered"] == 4 and job["transitions"]["declared"] == 8
+    assert job["pairs"]["covered"] == 6 and job["pairs"]["declared"] == 20
+    missing = {(t["source"], t["event"], t["alt"]) for t in job["transitions"]["missing"]}
+    assert missing == {("running", "Abort", 0), ("running", "Abort", 1),
+                       ("running", "Poke", 0), ("draining", "Progress", 0)}
+    assert {"state": "running", "event": "Abort"} in job["pairs"]["missing"]
+    assert job["terminals"] == {"reached": ["done", "aborted"],
+                                "declared": ["done", "aborted"], "missing": []}
+    assert job["decisions"] == {"transition": 4, "ignore": 1, "error": 2}
+    assert job["registered"] and job["gated"] and job["score"] == 30.0
+    r.stdout.fnmatch_lines(["*fsm transition coverage*",
+                            "job * 4/8 * 50.0% * 6/20 * 30.0% * 2/2",
+                            "job: never exercised",
+                            "  transition running --Abort [in_flight]--> draining (alt 0)",
+                            "  pairs      in running: Start, Abort, Poke",
+                            "  pairs      in done: every event"])
+
+
+def test_batched_steps_count_and_machines_seen_but_not_registered_are_reported(
+        pytester: pytest.Pytester) -> None:
+    _setup(pytester, test_batch=BATCH)
+    r = pytester.runpytest("--fsm-coverage-json", "cov.json",
+                           "--fsm-coverage-machines", "machines:JOB")
+    r.assert_outcomes(passed=1)
+    rep = _report(pytester)["machines"]
+    toggle = rep["toggle"]
+    assert (toggle["transitions"]["covered"], toggle["transitions"]["declared"]) == (4, 4)
+    assert toggle["pairs"]["missing"] == [{"state": "finished", "event": "Stop"}]
+    assert toggle["decisions"] == {"transition": 6, "ignore": 1, "error": 0}
+    assert not toggle["registered"] and not toggle["gated"]
+    assert rep["job"]["transitions"]["covered"] == 0  # registered, never run
+
+
+def test_workers_records_are_merged_under_xdist(pytester: pytest.Pytester) -> None:
+    _setup(pytester, test_start=START_AND_FINISH, test_abort=ABORT_EARLY, test_batch=BATCH)
+    r = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider",
+                                      "--fsm-coverage-json", "cov.json",
+                                      "--fsm-coverage-machines", "machines:JOB")
+    r.assert_outcomes(passed=3)
+    rep = _report(pytester)["machines"]
+    assert rep["job"]["transitions"]["covered"] == 4  # the union of both workers
+    assert rep["job"]["pairs"]["covered"] == 6
+    assert rep["toggle"]["transitions"]["covered"] == 4
+    r.stdout.fnmatch_lines(["*fsm transition coverage*", "job * 4/8 *"])
+
+
+def test_fail_under_fails_the_session_and_names_the_machines_below(
+        pytester: pytest.Pytester) -> None:
+    _setup(pytester, test_start=START_AND_FINISH)
+    r = pytester.runpytest("--fsm-coverage-fail-under", "50",
+                           "--fsm-coverage-machines", "machines:JOB")
+    r.assert_outcomes(passed=1)
+    assert r.ret == pytest.ExitCode.TESTS_FAILED
+    r.stdout.fnmatch_lines(["FAIL: fsm coverage below 50% (min of transition and pair "
+                            "coverage) for: job"])
+
+
+FULL = """
+from fsm.testing import drive_machine
+from machines import JOB, Job, Abort, Poke, Progress
+
+def arrange(job, step):
+    if step.event is Progress:
+        return Progress(last=step.guard == "last")
+    if step.event in (Abort, Poke):
+        job.in_flight = 1 if step.guard == "in_flight" else 0
+    return step.event()
+
+def test_every_path():
+    assert drive_machine(JOB, lambda: Job(JOB), arrange).ok
+"""
+
+
+def test_full_coverage_passes_fail_under_100_and_writes_coloured_diagrams(
+        pytester: pytest.Pytester) -> None:
+    _setup(pytester, test_full=FULL, test_batch=BATCH)
+    r = pytester.runpytest("--fsm-coverage-fail-under", "100", "--fsm-coverage-diagrams",
+                           "cov", "--fsm-coverage-machines", "machines:JOB")
+    r.assert_outcomes(passed=2)
+    assert r.ret == pytest.ExitCode.OK  # toggle misses a pair, but only job is gated
+    r.stdout.fnmatch_lines(["fsm coverage: every gated machine reaches 100%"])
+    out = pytester.path / "cov"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md", "job.mmd", "job.svg", "toggle.mmd", "toggle.svg"]
+    job = (out / "job.mmd").read_text()
+    assert "    class queued,running,draining,done,aborted covered" in job
+    assert "(never)" not in job
+    toggle = (out / "toggle.mmd").read_text()
+    assert "    class finished partial" in toggle
+
+
+def test_without_the_option_nothing_is_attached_or_reported(
+        pytester: pytest.Pytester) -> None:
+    _setup(pytester, test_off="""
+from fsm import observe
+from machines import JOB
+
+def test_no_recorder():
+    assert observe.recorder() is None
+    assert JOB._rows is JOB._fast_rows
+""")
+    # In a subprocess: in-process, an outer `--fsm-coverage` session's recorder shows.
+    r = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    r.assert_outcomes(passed=1)
+    assert "fsm transition coverage" not in r.stdout.str()
+
+
+def test_a_bad_machine_reference_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    _setup(pytester, test_start=START_AND_FINISH)
+    r = pytester.runpytest("--fsm-coverage", "--fsm-coverage-machines", "machines:NOPE")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stdout.fnmatch_lines(["fsm coverage: cannot load the machines to gate: module "
+                            "'machines' has no attribute 'NOPE'*"])
