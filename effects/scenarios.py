@@ -1,0 +1,333 @@
+"""Scenarios that reproduce the seed bugs, for tests and for `terminus simulate`.
+
+`disagg_seed(naive, seed)` replays the production case of the disaggregated-prefill
+abort leak (seeds/disagg-prefill-abort-leak.txt): a hybrid Mamba model, chunked
+prefill with overlap (chunk k+1 is launched before chunk k's result is processed), and
+aborts racing chunk results, some with a sender whose abort raises. The same seeded
+script drives either
+
+* the naive reference loop (`naive=True`): the pre-fix logic, written out as it was:
+  an abort while a chunk is in flight only marks the request; an aborted middle result
+  is dropped without release; a final result is not checked, so an aborted request is
+  cached, sent and reported as finished; the sender's abort is called before the local
+  releases and, when it raises, skips them; or
+* the declared machines (`naive=False`): `effects.disagg.DisaggPrefill`.
+
+Either way the run ends by evicting the prefix cache, and the report counts what the
+pools are still missing and what reached the outside wrongly.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+
+from .disagg import DisaggPools, DisaggPrefill, TerminalOutput, TerminalStream
+from .prefix_cache import CountingPrefixCache
+from .transport import FakeTransport, Poll, TransportError
+
+__all__ = ["DisaggLeak", "disagg_seed"]
+
+
+class DisaggLeak(msgspec.Struct, frozen=True):
+    """What one `disagg_seed` run left behind (all zero means no leak).
+
+    `kv_tokens_leaked`..`req_slots_leaked`: units the pools still miss after the run
+    (prefix cache evicted); `kv_chunks_leaked` is `kv_tokens_leaked / chunk_size`.
+    `aborted_cached` / `aborted_sent`: aborted requests inserted into the prefix cache /
+    whose KV send started after the abort; `streams_missing` / `streams_duplicated`:
+    requests that streamed no terminal output / more than one; `wrong_status`: aborted
+    requests whose terminal output was not an abort.
+    """
+
+    loop: str
+    seed: int
+    requests: int
+    aborts: int
+    sender_abort_failures: int
+    chunk_size: int
+    kv_tokens_leaked: int
+    kv_chunks_leaked: float
+    mamba_states_leaked: int
+    metadata_slots_leaked: int
+    host_pages_leaked: int
+    req_slots_leaked: int
+    aborted_cached: int
+    aborted_sent: int
+    streams_missing: int
+    streams_duplicated: int
+    wrong_status: int
+
+    @property
+    def leaked(self) -> bool:
+        """True when anything at all was left behind or reached the outside wrongly."""
+        return any(getattr(self, f) for f in self.__struct_fields__[6:])
+
+
+@dataclass(frozen=True)
+class _Plan:
+    rid: str
+    prompt_len: int
+    n_chunks: int
+    # None: never aborted; -1: while waiting; k: just before chunk k's result is
+    # processed (k == n_chunks: during the transfer).
+    abort_at: int | None
+    sender_fails: bool
+    host_pages: int
+
+
+def _script(seed: int, requests: int, chunk_size: int, max_chunks: int, p_abort: float,
+            p_sender_fail: float) -> list[_Plan]:
+    rng = random.Random(seed)
+    plans = []
+    for i in range(requests):
+        n = rng.randint(1, max_chunks)
+        prompt = (n - 1) * chunk_size + rng.randint(1, chunk_size)
+        abort_at = rng.randint(-1, n) if rng.random() < p_abort else None
+        plans.append(_Plan(f"req-{i}", prompt, n, abort_at,
+                           abort_at is not None and rng.random() < p_sender_fail,
+                           rng.randint(0, 2)))
+    return plans
+
+
+# -- the naive reference loop (pre-fix logic) ------------------------------------------
+
+
+@dataclass
+class _NaiveReq:
+    plan: _Plan
+    metadata: int = -1
+    prefetch: Any = None
+    req_slot: torch.Tensor | None = None
+    mamba: torch.Tensor | None = None
+    kv: list[torch.Tensor] = field(default_factory=list)
+    in_flight: dict[int, torch.Tensor] = field(default_factory=dict)
+    scheduled: int = 0
+    aborted: bool = False
+    state: str = "bootstrapping"
+
+
+class _Naive:
+    """The pre-fix result loop, kept deliberately as it was (see the module docstring)."""
+
+    def __init__(self, pools: DisaggPools, transport: FakeTransport, cache: CountingPrefixCache,
+                 stream: TerminalStream, chunk_size: int, mamba_per_request: int) -> None:
+        self.pools, self.transport, self.cache, self.stream = pools, transport, cache, stream
+        self.chunk_size = chunk_size
+        self.mamba_per_request = mamba_per_request
+        self.reqs: dict[str, _NaiveReq] = {}
+
+    def add(self, p: _Plan) -> None:
+        r = self.reqs[p.rid] = _NaiveReq(p)
+        if p.host_pages:
+            r.prefetch = self.pools.host.prefetch(p.host_pages)
+
+    def bootstrap(self, rid: str) -> None:
+        r = self.reqs[rid]
+        i = self.pools.metadata.alloc()
+        assert i is not None
+        r.metadata = i
+        r.state = "waiting"
+
+    def _release_local(self, r: _NaiveReq) -> None:
+        p = self.pools
+        if r.metadata >= 0:
+            p.metadata.free(r.metadata)
+            r.metadata = -1
+        if r.prefetch is not None:
+            r.prefetch.terminate()
+            r.prefetch.release()
+            r.prefetch = None
+        for kv in r.kv:
+            p.kv.free(kv)
+        r.kv = []
+        if r.mamba is not None:
+            p.mamba.free(r.mamba)
+            r.mamba = None
+        if r.req_slot is not None:
+            p.table.free(r.req_slot)
+            r.req_slot = None
+
+    def _cleanup_abort(self, r: _NaiveReq) -> None:
+        r.state = "aborted"
+        self.transport.abort(r.plan.rid)  # raises before the local releases: the bug
+        self._release_local(r)
+        self.stream.emit(TerminalOutput(r.plan.rid, "aborted", "aborted"))
+
+    def abort(self, rid: str) -> None:
+        r = self.reqs[rid]
+        if r.state in ("aborted", "succeeded"):
+            return
+        if r.in_flight:
+            r.aborted = True  # cleanup deferred to the result path
+            return
+        try:
+            self._cleanup_abort(r)
+        except TransportError:
+            pass
+
+    def schedule(self, rid: str) -> int | None:
+        r = self.reqs[rid]
+        if (r.aborted or r.state not in ("waiting", "prefilling")
+                or r.scheduled >= r.plan.n_chunks):
+            return None
+        k = r.scheduled
+        if k == 0:
+            r.req_slot = self.pools.table.alloc(1)
+            r.mamba = self.pools.mamba.alloc(self.mamba_per_request)
+        n = min(self.chunk_size, r.plan.prompt_len - k * self.chunk_size)
+        kv = self.pools.kv.alloc(n)
+        assert kv is not None and r.req_slot is not None and r.mamba is not None
+        r.in_flight[k] = kv
+        r.scheduled += 1
+        r.state = "prefilling"
+        return k
+
+    def result(self, rid: str, k: int) -> None:
+        r = self.reqs[rid]
+        kv = r.in_flight.pop(k)
+        last = k == r.plan.n_chunks - 1
+        if not last:
+            if r.aborted:
+                return  # dropped without release: the seed's leak
+            r.kv.append(kv)
+            return
+        # The final chunk is not checked for an abort.
+        r.kv.append(kv)
+        self.cache.insert(rid, torch.cat(r.kv))
+        r.kv = []
+        r.state = "transferring"
+        self.transport.send(rid, torch.cat([kv]))
+
+    def transferring(self, rid: str) -> bool:
+        return self.reqs[rid].state == "transferring"
+
+    def poll(self, rid: str) -> None:
+        r = self.reqs[rid]
+        if self.transport.poll(rid) is Poll.SUCCESS:
+            r.state = "succeeded"
+            self._release_local(r)
+            self.stream.emit(TerminalOutput(rid, "succeeded", ""))
+
+
+class _Machines:
+    """The same happenings through the declared machines."""
+
+    def __init__(self, engine: DisaggPrefill) -> None:
+        self.e = engine
+
+    def add(self, p: _Plan) -> None:
+        self.e.add(p.rid, p.prompt_len, chunk_size=self.chunk_size, host_pages=p.host_pages)
+
+    chunk_size = 0
+
+    def bootstrap(self, rid: str) -> None:
+        self.e.bootstrap(rid)
+
+    def abort(self, rid: str) -> None:
+        self.e.abort(rid)
+
+    def schedule(self, rid: str) -> int | None:
+        c = self.e.schedule(rid)
+        return None if c is None else c.index
+
+    def result(self, rid: str, k: int) -> None:
+        self.e.result(rid, k)
+
+    def transferring(self, rid: str) -> bool:
+        return self.e.req(rid).state == "transferring"
+
+    def poll(self, rid: str) -> None:
+        self.e.poll_transfer(rid)
+
+
+def disagg_seed(naive: bool, seed: int = 0, *, requests: int = 64, chunk_size: int = 256,
+                max_chunks: int = 4, p_abort: float = 0.5, p_sender_fail: float = 0.25,
+                mamba_per_request: int = 1, device: str = "cpu") -> DisaggLeak:
+    """Replay the seed's production case through the naive loop or the machines.
+
+    Pools are sized so that nothing is ever short, even when the naive loop leaks, so
+    both loops see exactly the same script; the result counts the leak.
+    """
+    if requests < 1 or chunk_size < 1 or max_chunks < 1:
+        raise ValueError("disagg_seed: requests, chunk_size and max_chunks must be >= 1, got "
+                         f"{requests}, {chunk_size}, {max_chunks}")
+    plans = _script(seed, requests, chunk_size, max_chunks, p_abort, p_sender_fail)
+    pools = DisaggPools.make(
+        kv_tokens=requests * max_chunks * chunk_size, requests=requests,
+        mamba_slots=requests * mamba_per_request, metadata_slots=requests,
+        host_pages=2 * requests, max_context_len=max_chunks * chunk_size, device=device)
+    transport = FakeTransport(auto_complete=True)
+    failing = [p.rid for p in plans if p.sender_fails]
+    if failing:
+        transport.fail("abort", failing)
+    cache = CountingPrefixCache(pools.kv)
+    stream = TerminalStream()
+    loop: Any
+    if naive:
+        loop = _Naive(pools, transport, cache, stream, chunk_size, mamba_per_request)
+    else:
+        engine = DisaggPrefill(pools, transport=transport, cache=cache, stream=stream,
+                               mamba_per_request=mamba_per_request)
+        loop = _Machines(engine)
+        loop.chunk_size = chunk_size
+
+    for p in plans:
+        loop.add(p)
+        loop.bootstrap(p.rid)
+    in_flight: dict[str, list[tuple[int, int]]] = {p.rid: [] for p in plans}
+    aborted: dict[str, int] = {}  # rid -> KV sends it had started when aborted
+
+    def abort(rid: str) -> None:
+        if rid not in aborted:
+            aborted[rid] = transport.sends[rid]
+            loop.abort(rid)
+
+    for step in range(max_chunks + 4):
+        for p in plans:
+            rid = p.rid
+            if p.abort_at == -1:
+                abort(rid)
+            k = loop.schedule(rid)  # overlap: launch k+1 before k's result is processed
+            if k is not None:
+                in_flight[rid].append((k, step))
+            if in_flight[rid] and in_flight[rid][0][1] < step:
+                k, _ = in_flight[rid].pop(0)
+                if p.abort_at == k:
+                    abort(rid)
+                loop.result(rid, k)
+            if loop.transferring(rid):
+                if p.abort_at == p.n_chunks:
+                    abort(rid)
+                else:
+                    loop.poll(rid)
+
+    cache.evict_all()
+    outs: dict[str, list[TerminalOutput]] = {}
+    for o in stream.outputs:
+        outs.setdefault(o.rid, []).append(o)
+    kv, mamba = pools.kv, pools.mamba
+    kv_leak = kv.capacity - kv.available  # type: ignore[attr-defined]
+    return DisaggLeak(
+        loop="naive" if naive else "machines",
+        seed=seed,
+        requests=requests,
+        aborts=len(aborted),
+        sender_abort_failures=len(failing),
+        chunk_size=chunk_size,
+        kv_tokens_leaked=kv_leak,
+        kv_chunks_leaked=kv_leak / chunk_size,
+        mamba_states_leaked=mamba.capacity - mamba.available,  # type: ignore[attr-defined]
+        metadata_slots_leaked=pools.metadata.capacity - pools.metadata.available,
+        host_pages_leaked=pools.host.occupied,
+        req_slots_leaked=pools.table.capacity - pools.table.available,
+        aborted_cached=sum(1 for r in aborted if cache.inserts[r]),
+        aborted_sent=sum(1 for r, n in aborted.items() if transport.sends[r] > n),
+        streams_missing=sum(1 for p in plans if p.rid not in outs),
+        streams_duplicated=sum(1 for o in outs.values() if len(o) > 1),
+        wrong_status=sum(1 for r in aborted if r in outs and outs[r][0].status != "aborted"),
+    )
