@@ -25,7 +25,9 @@ the group; the instance is then `stalled` and keeps, for a retry, everything the
 request owned: the completed host pages (the I/O is already drained), the lock reference
 on its anchor pages and its prefetch occupancy; the outstanding barrier is kept as a
 ticket. `retry(rid, ...)` waits on that same barrier again; `close_group(rid)` releases
-after the caller tore the group down (no peer can still be in it).
+after the caller tore the group down (no peer can still be in it). A reduction that
+times out leaves the request in `abort_requested` with nothing decided and nothing
+touched (the I/O still runs); only `close_group(rid)` releases it, stopping the I/O first.
 """
 
 from __future__ import annotations
@@ -169,6 +171,9 @@ class CollectiveMismatch(RuntimeError):
     """Ranks of one group entered different collectives (with torch they would pair up)."""
 
 
+_ABORTABLE = ("none", "pending", "active")
+
+
 # -- one rank ------------------------------------------------------------------------------
 
 
@@ -270,6 +275,12 @@ class PrefetchSite:
         tests and the simulator can show it deadlocking.
         """
         inst = self.requests.get(rid)
+        if inst is not None and not inst.terminal and inst.state not in _ABORTABLE:
+            # Raised before any collective: every rank sees the same abort requests, so
+            # a second abort of a request whose abort timed out is refused on all of them.
+            raise ValueError(
+                f"rank {self.rank}: request {rid!r} is already being aborted (state "
+                f"{inst.state!r}); retry(rid) or close_group(rid) a timed-out abort")
         if inst is None or inst.terminal:
             # No prefetch here (or it already finished): this rank is the missing class,
             # and it still takes part in every collective.
@@ -350,8 +361,16 @@ class PrefetchSite:
                      f"prefetch abort of request {rid!r} on rank {self.rank} (retry)")
 
     def close_group(self, rid: Any) -> PlanReport | None:
-        """Release a stalled abort once its group was torn down (no peer can be in it)."""
-        inst = self._live(rid, "stalled")
+        """Release an abort whose collective timed out, once its group was torn down.
+
+        The instance is ``stalled`` (barrier timed out) or ``abort_requested`` (the
+        reduction timed out); either way no peer can still be in the collective.
+        """
+        inst = self.requests.get(rid)
+        if inst is None or inst.state not in ("stalled", "abort_requested"):
+            now = "none" if inst is None else inst.state
+            raise ValueError(f"rank {self.rank}: request {rid!r} has no timed-out abort "
+                             f"(it is {now!r}); nothing was changed")
         self._stalled.pop(rid, None)
         return inst.fire(GroupClosed())
 

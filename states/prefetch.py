@@ -10,6 +10,7 @@
                                                             └────Release [no barrier]──► released
                  [barrier]       ► in_barrier          (a missing rank only joins)
                  else            ► released ▸ release_aborted
+               abort_requested ──GroupClosed (reduction timed out)──► released ▸ release_aborted
                in_barrier ──BarrierPassed──► released ▸ release_aborted
                           ──BarrierTimedOut──► stalled ──Join (retry)──► in_barrier
                                                        ──GroupClosed──► released ▸ release_aborted
@@ -26,7 +27,9 @@ terminal edge, i.e. after the barrier when there is one.
 
 A barrier that times out leaves the instance in `stalled` holding everything it owned:
 `Join` retries (waits on the same outstanding barrier), `GroupClosed` says the group was
-torn down so no peer can still be in it, and releases.
+torn down so no peer can still be in it, and releases. A reduction that times out
+leaves it in `abort_requested`, nothing decided and nothing touched; `GroupClosed`
+releases it too (the release stops a still-running transfer before freeing anything).
 
 Resource kinds the plans release (the effects in `effects.prefetch` implement them):
 ``"host_pages"`` (the reserved host pages; the abort frees only the completed prefix,
@@ -240,6 +243,9 @@ SPEC = Spec(
             # The I/O may finish while the ranks reduce; the abort path releases
             # whatever it completed, so the completion itself changes nothing.
             Complete: IGNORE,
+            # The reduction timed out and the group was torn down: nothing was decided,
+            # and no peer is left to disagree; the release stops the I/O first.
+            GroupClosed: go("released", plan="release_aborted"),
             **_LATE,
         },
         "revoking": {Revoked: go("revoked"), **_LATE},

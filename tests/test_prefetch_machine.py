@@ -304,15 +304,13 @@ def test_a_peer_that_never_takes_part_times_out_naming_the_request_and_group() -
     # Nothing was decided, so nothing was released and the I/O was not touched.
     assert rs[0].site.prefetch_of("rid") is not None
     assert rs[0].site.host.locked_pages() == ANCHOR
-    # Once the peer takes part the abort completes.
-    rs[0].site.requests["rid"].decide(Local.ACTIVE)
-    rs[0].site.trace.clear()
-    p = rs[0].site.prefetch_of("rid")
-    assert p is not None
-    p.terminate()
-    rs[0].site.requests["rid"].fire(Drained())
-    rs[0].site.requests["rid"].fire(Join())
-    rs[0].site.requests["rid"].fire(BarrierPassed())
+    with pytest.raises(ValueError, match=r"'rid' is already being aborted \(state "
+                       r"'abort_requested'\); retry\(rid\) or close_group\(rid\)"):
+        next(rs[0].site.abort_steps("rid", sim.names))
+    # The group was torn down: the release stops the I/O and frees only what it wrote.
+    rs[0].site.close_group("rid")
+    assert rs[0].site.requests["rid"].state == "released"
+    assert ("free_prefix", "rid", DONE) in rs[0].site.trace
     for r in rs:
         r.finish()
 
