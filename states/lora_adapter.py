@@ -28,31 +28,31 @@ __all__ = [
 ]
 
 
-class Loaded(Event, frozen=True):
+class Loaded(Event):
     """The registry registered the adapter under its stable id."""
 
     lora_id: int = 0
 
 
-class LoadFailed(Event, frozen=True):
+class LoadFailed(Event):
     """Registration failed (registry full, name taken)."""
 
     message: str = ""
 
 
-class Upserted(Event, frozen=True):
+class Upserted(Event):
     """New weights were loaded in place; the id (and its usage counter) stay."""
 
 
-class UnloadRequested(Event, frozen=True):
+class UnloadRequested(Event):
     """Unload asked: the registry stops new acquires of the adapter."""
 
 
-class UsersDrained(Event, frozen=True):
+class UsersDrained(Event):
     """The adapter's usage counter reached exactly zero."""
 
 
-class UnloadTimedOut(Event, frozen=True):
+class UnloadTimedOut(Event):
     """The wait for zero timed out; `count` references were still held."""
 
     count: int = 0

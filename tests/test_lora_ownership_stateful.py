@@ -1,0 +1,196 @@
+"""Any interleaving of acquire completion, aborts, finishes, errors, warm-ups and fan-outs
+across many requests and several adapters keeps the ownership invariant: each adapter
+id's usage counter equals the number of ledger handles holding it, every handle's owner
+is live (never a warm-up, never a fanned-out parent), and each request id streams at most
+one terminal output, exactly one once terminal."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hypothesis import assume, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from states.request import Request
+from states.sampling import SamplingGroup
+from tests.tokenizer_side import make_side, settle
+
+ADAPTERS = ("a", "b", "c")
+LORAS = st.sampled_from([*ADAPTERS, None, "nope"])
+PROMPTS = st.sampled_from(["ok", "ok", "ok", "bad", "crash"])
+
+
+async def _wait_all(tasks: list[asyncio.Task]) -> None:
+    for t in tasks:
+        await t
+
+
+class LoRAOwnership(RuleBasedStateMachine):
+    """Drives a real TokenizerSide over a real registry whose acquires wait on a gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.s = self.loop.run_until_complete(make_side(*ADAPTERS, gated=True))
+        self.s.front.gate = asyncio.Event()
+        self.tasks: list[asyncio.Task] = []
+        self.rids: list[str] = []
+        self.k = 0
+
+    def _settle(self) -> None:
+        self.loop.run_until_complete(settle(40))
+
+    def _instances(self) -> list:
+        out = []
+        for rid in self.rids:
+            inst = self.s.side.get(rid)
+            if inst is None:
+                continue
+            out.append(inst)
+            if isinstance(inst, SamplingGroup):
+                out.extend(inst.warmups)
+                out.extend(inst.children)
+        return out
+
+    def _requests(self, *states: str) -> list[Request]:
+        return sorted((i for i in self._instances()
+                       if isinstance(i, Request) and i.state in states), key=lambda r: r.key)
+
+    # -- rules ------------------------------------------------------------------------------
+
+    @rule(lora=LORAS, prompt=PROMPTS)
+    def submit(self, lora, prompt):
+        self.k += 1
+        rid = f"r{self.k}"
+        self.rids.append(rid)
+        self.tasks.append(self.loop.create_task(
+            self.s.side.submit(f"{prompt} {self.k}", lora, rid=rid)))
+        self._settle()
+
+    @rule(loras=st.lists(LORAS, min_size=1, max_size=3), n=st.integers(2, 3),
+          explicit=st.booleans(), bad=st.booleans())
+    def submit_group(self, loras, n, explicit, bad):
+        self.k += 1
+        prompts = [f"{'bad' if bad and i == len(loras) - 1 else 'ok'} {self.k}.{i}"
+                   for i in range(len(loras))]
+        if explicit:
+            rids = [f"g{self.k}.{i}" for i in range(len(loras))]
+            kw: dict = {"parent_rids": rids}
+        else:
+            rids = [f"g{self.k}"]
+            kw = {"rid": rids[0]}
+        self.rids.extend(rids)
+        self.tasks.append(self.loop.create_task(
+            self.s.side.submit_batch(prompts, loras, n=n, **kw)))
+        self._settle()
+
+    @rule()
+    def complete_acquires(self):
+        gate = self.s.front.gate
+        self.s.front.gate = asyncio.Event()
+        gate.set()
+        self._settle()
+
+    @rule(data=st.data())
+    def abort(self, data):
+        assume(self.rids)
+        rid = data.draw(st.sampled_from(self.rids))
+        self.s.side.abort(rid)
+        self._settle()
+
+    @rule(data=st.data())
+    def abort_request(self, data):
+        reqs = self._requests("created", "acquiring_lora", "validating", "dispatched",
+                              "running", "finished", "aborted")
+        assume(reqs)
+        self.s.side.abort(data.draw(st.sampled_from(reqs)).key)
+
+    @rule(data=st.data(), kind=st.sampled_from(["output", "finish", "400", "500", "503",
+                                                "dispatch"]))
+    def scheduler_result(self, data, kind):
+        reqs = self._requests("dispatched", "running")
+        assume(reqs)
+        req = data.draw(st.sampled_from(reqs))
+        side = self.s.side
+        if kind == "output":
+            side.on_output(req.key)
+        elif kind == "finish":
+            side.on_finish(req.key)
+        elif kind == "dispatch":
+            if req.state == "dispatched":
+                side.on_dispatch_failed(req.key, "transport lost it")
+        else:
+            side.on_error(req.key, int(kind), "scheduler error")
+
+    @rule(data=st.data())
+    def warm_ups_finish(self, data):
+        warm = [r for r in self._requests("dispatched", "running") if r.role == "warmup"]
+        assume(warm)
+        group = data.draw(st.sampled_from(warm)).parent
+        for w in group.warmups:
+            if w.state in ("dispatched", "running"):
+                self.s.side.on_finish(w.key, reason="length")
+
+    @rule(data=st.data())
+    def late_echo(self, data):
+        done = self._requests("finished", "aborted", "rejected", "errored", "dispatch_failed")
+        assume(done)
+        req = data.draw(st.sampled_from(done))
+        self.s.side.on_finish(req.key, reason="abort")
+        self.s.side.on_error(req.key, 500, "late")
+
+    # -- the invariant --------------------------------------------------------------------
+
+    @invariant()
+    def every_reference_has_one_live_owner_and_outputs_are_exactly_once(self):
+        s = self.s
+        s.assert_owned_match_counts()
+        for owner, handles in s.ledger.outstanding().items():
+            assert not owner.terminal, (owner, handles)
+            assert getattr(owner, "role", None) != "warmup", (owner, handles)
+        for inst in self._instances():
+            if inst.terminal:
+                continue
+            owned = s.ledger.owned(inst)
+            if isinstance(inst, SamplingGroup):
+                # until fan-out a parent holds every reference its prompts will need
+                if inst.state in ("validating", "warming_up", "ready"):
+                    want = inst.n * sum(lo is not None for lo in inst.loras)
+                    assert len(owned) == want, (inst, owned)
+            elif inst.role == "warmup":
+                assert owned == [] and not inst.parent.terminal, inst
+            elif inst.lora is not None and inst.state != "acquiring_lora" and (
+                    inst.state != "created"):
+                # a live request that uses an adapter holds exactly its own reference
+                assert [h.value for h in owned] == [inst.lora_id], (inst, owned)
+            else:
+                assert owned == [], (inst, owned)
+        assert not s.sink.duplicates, s.sink.duplicates
+        assert not s.ledger.errors, s.ledger.errors
+        for inst in self._instances():
+            streams = (getattr(inst, "stream", True) and
+                       not (isinstance(inst, SamplingGroup) and inst.state == "fanned_out"))
+            want = 1 if inst.terminal and streams else 0
+            got = 1 if inst.key in s.sink.outputs else 0
+            assert got == want, (inst, s.sink.outputs.get(inst.key))
+
+    def teardown(self):
+        try:
+            for rid in self.rids:
+                self.s.side.abort(rid)
+            for inst in self._instances():
+                self.s.side.abort(inst.key)
+            self.s.front.gate.set()
+            self._settle()
+            self.loop.run_until_complete(_wait_all(self.tasks))
+            self.every_reference_has_one_live_owner_and_outputs_are_exactly_once()
+            assert not self.s.side.live
+            self.loop.run_until_complete(self.s.finish_clean())
+        finally:
+            self.loop.close()
+
+
+LoRAOwnership.TestCase.settings = settings(max_examples=60, stateful_step_count=25,
+                                           deadline=None)
+TestLoRAOwnership = LoRAOwnership.TestCase
