@@ -39,7 +39,7 @@ import msgspec
 import torch
 
 from fsm import Ledger, Machine, Plan, PlanReport, Release, ReleaseContext, release_effect
-from kernels.collective import CollectiveTimeout, RankCollectives
+from kernels.collective import CollectiveTimeout, RankCollectives, grid_partitions
 from kernels.host import HostPagePool, Prefetch
 from states.prefetch import (
     PREFETCH,
@@ -65,8 +65,10 @@ __all__ = [
     "PrefetchAbortTimeout",
     "PrefetchSite",
     "ReduceOp",
+    "SimulatedAbort",
     "SimulatedRanks",
     "drive",
+    "simulate_abort",
 ]
 
 
@@ -497,3 +499,84 @@ class SimulatedRanks:
                     step(r, error=CollectiveTimeout(
                         f"simulated rank {r}", kind, name, members, 0.0, ticket=None))
         return [results[r] for r in sorted(results)]
+
+
+class SimulatedAbort(msgspec.Struct, frozen=True):
+    """What `simulate_abort` saw, per rank (index = rank).
+
+    ``states``: each rank's state right after the abort (``released``, or ``stalled`` /
+    ``abort_requested`` when a collective timed out); ``barrier``: whether the rank
+    entered the barrier; ``reduces``/``barriers``: collectives entered; ``errors``: the
+    timeout message, or ""; ``traces``: each site's trace; ``released_after_barrier``:
+    every release of a rank that entered the barrier came after its last barrier exit.
+    """
+
+    classes: tuple[int, ...]
+    naive: bool
+    states: tuple[str, ...]
+    barrier: tuple[bool, ...]
+    reduces: tuple[int, ...]
+    barriers: tuple[int, ...]
+    errors: tuple[str, ...]
+    traces: tuple[tuple[tuple[Any, ...], ...], ...]
+    released_after_barrier: bool
+
+    @property
+    def deadlocked(self) -> bool:
+        """Some rank waited in a collective that a peer never entered."""
+        return any(self.errors)
+
+    @property
+    def all_or_none(self) -> bool:
+        """Every rank entered the barrier, or none did."""
+        return len(set(self.barrier)) <= 1
+
+
+def simulate_abort(classes: Sequence[int], *, tp: int | None = None, naive: bool = False,
+                   pages: int = 5, completed: int = 3, anchor: int = 2) -> SimulatedAbort:
+    """Abort one request on ``len(classes)`` simulated ranks whose local classes are given.
+
+    ``classes[r]``: rank r's `Local` class (0 missing, 1 pending, 2 active); ``tp``:
+    ranks per tp group (default: all of them; the rest form cp groups); ``naive``: run
+    the pre-fix logic that decides on the local class alone. Each rank gets its own host
+    pool: a pending prefetch locks ``anchor`` cached pages, an active one also reserves
+    ``pages`` and has written ``completed`` of them. A timed-out abort is released with
+    `PrefetchSite.close_group` afterwards, and every pool is checked full before this
+    returns (raising `AssertionError` if anything leaked), so callers can run many.
+    """
+    n = len(classes)
+    sites = [PrefetchSite(HostPagePool(pages + anchor + 1), rank=r) for r in range(n)]
+    anchors: list[torch.Tensor] = []
+    for site, c in zip(sites, classes, strict=True):
+        local = Local(c)
+        if local >= Local.PENDING:
+            a = site.host.alloc(anchor)
+            assert a is not None
+            anchors.append(a)
+            site.queue("rid", a)
+        if local == Local.ACTIVE:
+            site.start("rid", pages)
+            site.transfer("rid", completed)
+    sim = SimulatedRanks(sites, grid_partitions(n, tp or n) if n > 1 else [])
+    out = sim.abort("rid", naive=naive)
+    states = tuple(site.requests["rid"].state for site in sites)
+    errors = tuple(str(o) if isinstance(o, BaseException) else "" for o in out)
+    after = True
+    for site in sites:
+        kinds = [t[0] for t in site.trace]
+        if "barrier_exit" in kinds:
+            last = max(i for i, k in enumerate(kinds) if k == "barrier_exit")
+            after &= all(i > last for i, k in enumerate(kinds) if k in ("free_prefix", "unlock"))
+        if site.requests["rid"].state in ("stalled", "abort_requested"):
+            site.close_group("rid")
+        site.assert_released()
+    for site, c in zip(sites, classes, strict=True):
+        if Local(c) >= Local.PENDING:
+            site.host.free(anchors.pop(0))
+        site.host.assert_full()
+        site.ledger.assert_empty()
+    return SimulatedAbort(
+        tuple(int(c) for c in classes), naive, states,
+        tuple(any(t[0] == "barrier_enter" for t in site.trace) for site in sites),
+        tuple(sum(r) for r in sim.reduces), tuple(sum(b) for b in sim.barriers), errors,
+        tuple(tuple(site.trace) for site in sites), after)

@@ -136,3 +136,18 @@ def test_naive_abort_on_gloo_times_out_instead_of_hanging_and_a_retry_releases()
     assert r0["kept"] == (ANCHOR, PAGES, 16 - ANCHOR - DONE)
     assert r0["retry"] == "released"
     assert r0["barriers"] == [1]  # the retry waited on the same barrier
+
+
+def test_simulate_abort_shows_the_naive_logic_breaking_all_or_none_and_the_fix_keeping_it(
+) -> None:
+    from effects.prefetch import simulate_abort
+
+    naive = simulate_abort([Local.ACTIVE, Local.MISSING, Local.PENDING, Local.MISSING],
+                           tp=2, naive=True)
+    assert naive.deadlocked and not naive.all_or_none
+    assert naive.states[0] == "stalled" and naive.barrier == (True, False, False, False)
+    assert "barrier on attention group 'tp' (ranks [0, 1])" in naive.errors[0]
+    fixed = simulate_abort([Local.ACTIVE, Local.MISSING, Local.PENDING, Local.MISSING], tp=2)
+    assert not fixed.deadlocked and fixed.all_or_none and fixed.released_after_barrier
+    assert fixed.states == ("released",) * 4 and fixed.barriers == (2,) * 4
+    assert fixed.reduces == (2,) * 4
