@@ -350,7 +350,9 @@ class DisaggPrefill:
         """
         req = self.req(rid)
         if req.state != "bootstrapping":
-            return req.fire(Bootstrapped())  # ignored when terminal; an error otherwise
+            # A poll after the handshake: ignored by a terminal request, and nothing to
+            # do for a live one (firing it there would be a declared error).
+            return req.fire(Bootstrapped()) if req.terminal else None
         try:
             self.transport.bootstrap(rid)
         except TransportError as e:
@@ -368,10 +370,12 @@ class DisaggPrefill:
 
     def retry_bootstrap(self, rid: str) -> bool:
         """Re-queue the handshake of `rid` after a transient failure (optimistic retry);
-        the next `bootstrap()` polls it. False (ignored) once the request is terminal:
-        an abort that came first wins, the request is never resurrected."""
+        the next `bootstrap()` polls it. False once the request is past bootstrapping;
+        a terminal one ignores it: an abort that came first wins, the request is never
+        resurrected."""
         req = self.req(rid)
-        req.fire(BootstrapRetry())
+        if req.terminal or req.state == "bootstrapping":
+            req.fire(BootstrapRetry())
         return req.state == "bootstrapping"
 
     def bootstrap_failed(self, rid: str, reason: str = "bootstrap failed") -> PlanReport | None:
