@@ -121,11 +121,13 @@ class RunningBatch:
         if idx is None:
             return False
         counts = counts.to(torch.int64)
-        row_rep = rows.repeat_interleave(counts)
+        # which[i] = the position in `rows` of the i-th new token (the index form of
+        # repeat_interleave is the fast one on CPU).
+        which = torch.repeat_interleave(counts)
+        row_rep = rows.index_select(0, which)
         starts = torch.cumsum(counts, 0) - counts
-        within = torch.arange(total, device=rows.device) - starts.repeat_interleave(counts)
-        cols = table.lengths.index_select(0, rows).to(torch.int64).repeat_interleave(counts)
-        cols += within
+        cols = table.lengths.index_select(0, rows).to(torch.int64) - starts
+        cols = cols.index_select(0, which) + torch.arange(total, device=rows.device)
         table.req_to_token[row_rep, cols] = idx.to(torch.int32)
         table.lengths.index_add_(0, rows, counts.to(table.lengths.dtype))
         return True

@@ -284,6 +284,8 @@ class TokenizerSide:
 
     async def _prepare_group(self, group: SamplingGroup) -> None:
         """Acquire, tokenize and warm up one group; fan-out follows the last warm-up."""
+        if group.terminal:
+            return  # aborted before its preparation started: it never acquired anything
         try:
             names = [lo for lo in group.loras if lo is not None for _ in range(group.n)]
             self._fire(group, Submitted(acquire=bool(names)))
