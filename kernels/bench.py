@@ -1,10 +1,20 @@
 """``terminus bench kernels``: release costs of the KV allocator, with and without bitmap.
 
-Every figure is the median of a few runs, each on a fresh pool (setup untimed), with
+Every figure is the median of many timed calls (``release_ms_min`` holds the minimum), with
 torch single-threaded. The double-free bitmap is on unless a figure says otherwise, and
-each timed region includes folding its frees into the bitmap, so nothing is deferred
-past the clock. For comparison, a concatenating allocator (``free`` = ``torch.cat`` onto
-the whole free list, as SGLang's ``TokenToKVPoolAllocator`` does) runs the same frees.
+each timed region includes folding its frees into the bitmaps (the KV pool's and the
+request table's), so nothing is deferred past the clock. For comparison, a concatenating
+allocator (``free`` = ``torch.cat`` onto the whole free list, as SGLang's
+``TokenToKVPoolAllocator`` does) runs the same frees.
+
+What is *not* charged to a release is the setup's own debris: the untimed setup (1,000
+allocations and table writes) leaves thousands of small freed blocks behind, and both
+Python's garbage collector and glibc's ``malloc`` (which consolidates its fast bins at the
+next large request) would otherwise bill them to whichever timed call comes next: up to
+0.7 ms on a 0.2 ms release. So the collector is off inside the timed region and the heap
+is settled (one large allocation) before the clock starts. The variants that are compared
+with each other (bitmap on and off) are measured interleaved, call by call, so that load
+from other processes on the machine falls on both alike.
 """
 
 from __future__ import annotations
@@ -52,29 +62,50 @@ class _ConcatAllocator:
             self.free(torch.cat(group))
 
 
-def _median_ms(setup: Callable[[], Callable[[], object]], reps: int, warmup: int = 2) -> float:
-    """Median wall time of ``reps`` timed calls; each call's untimed ``setup`` refills the pool.
+def _settle() -> None:
+    """Make glibc consolidate the blocks the setup freed now, not inside the timed call.
 
-    The pools persist across calls (as in a serving loop), so the first ``warmup`` calls,
-    which pay page faults of fresh buffers, are discarded.
+    A request of a large-bin size makes ``malloc`` consolidate every fast-bin chunk first;
+    after a setup of thousands of small tensor frees that costs 0.1-0.7 ms, which the next
+    large allocation (the release's gather) would otherwise pay.
     """
-    times = []
+    torch.empty(1 << 16, dtype=torch.uint8)
+
+
+Setup = Callable[[], Callable[[], object]]
+
+
+def _timed(setups: dict[str, Setup], reps: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Wall times (ms) of ``reps`` calls per variant, the variants interleaved call by call.
+
+    Each call's untimed ``setup`` refills its pool. The pools persist across calls (as in a
+    serving loop), so the first ``warmup`` calls, which pay page faults of fresh buffers,
+    are discarded.
+    """
+    times: dict[str, list[float]] = {name: [] for name in setups}
     enabled = gc.isenabled()
     try:
         for i in range(warmup + reps):
-            body = setup()
-            gc.disable()  # a collection of the setup's garbage is not a release cost
-            t0 = time.perf_counter()
-            body()
-            t1 = time.perf_counter()
-            if enabled:
-                gc.enable()
-            if i >= warmup:
-                times.append((t1 - t0) * 1e3)
+            for name, setup in setups.items():
+                body = setup()
+                _settle()
+                gc.disable()  # a collection of the setup's garbage is not a release cost
+                t0 = time.perf_counter_ns()
+                body()
+                t1 = time.perf_counter_ns()
+                if enabled:
+                    gc.enable()
+                if i >= warmup:
+                    times[name].append((t1 - t0) / 1e6)
     finally:
         if enabled:
             gc.enable()
-    return statistics.median(times)
+    return times
+
+
+def _median_ms(setup: Setup, reps: int, warmup: int = 2) -> float:
+    """Median wall time (ms) of ``reps`` timed calls of one variant."""
+    return statistics.median(_timed({"x": setup}, reps, warmup)["x"])
 
 
 def run(quick: bool = False) -> dict:
@@ -90,7 +121,7 @@ def run(quick: bool = False) -> dict:
 def _run(quick: bool) -> dict:
     size = 1 << 16 if quick else 1 << 20
     n_req, tokens = (100, 64) if quick else (1000, 64)
-    reps = 2 if quick else 21
+    reps = 2 if quick else 41
     gen = torch.Generator().manual_seed(0)
     mixed_lengths = torch.randint(1, 2 * tokens, (n_req,), generator=gen, dtype=torch.int32)
 
@@ -102,7 +133,7 @@ def _run(quick: bool) -> dict:
             out.append(got)
         return out
 
-    def per_request(detect: bool) -> Callable[[], Callable[[], object]]:
+    def per_request(detect: bool) -> Setup:
         kv = TokenKVAllocator(size, detect=detect)
 
         def setup() -> Callable[[], object]:
@@ -117,7 +148,7 @@ def _run(quick: bool) -> dict:
 
         return setup
 
-    def free_group() -> Callable[[], Callable[[], object]]:
+    def free_group() -> Setup:
         kv = TokenKVAllocator(size)
 
         def setup() -> Callable[[], object]:
@@ -134,7 +165,7 @@ def _run(quick: bool) -> dict:
 
         return setup
 
-    def batched(detect: bool, lengths: list[int]) -> Callable[[], Callable[[], object]]:
+    def batched(detect: bool, lengths: list[int]) -> Setup:
         kv = TokenKVAllocator(size, detect=detect)
         tab = ReqToTokenTable(n_req, max(lengths), kv.device)
 
@@ -146,13 +177,14 @@ def _run(quick: bool) -> dict:
 
             def body() -> None:
                 release_batch(slots, tab, kv)
-                kv._free._sync()
+                kv._free._sync()  # both bitmaps up to date inside the timed region
+                tab._free._sync()
 
             return body
 
         return setup
 
-    def concat(group: bool) -> Callable[[], Callable[[], object]]:
+    def concat(group: bool) -> Setup:
         kv = _ConcatAllocator(size)
 
         def setup() -> Callable[[], object]:
@@ -171,7 +203,7 @@ def _run(quick: bool) -> dict:
 
         return setup
 
-    def alloc_loop() -> Callable[[], Callable[[], object]]:
+    def alloc_loop() -> Setup:
         kv = TokenKVAllocator(size)
         held: list[torch.Tensor] = []
 
@@ -190,17 +222,27 @@ def _run(quick: bool) -> dict:
 
     uniform = [tokens] * n_req
     mixed = mixed_lengths.tolist()
-    release = {
-        "per_request": _median_ms(per_request(True), reps),
-        "free_group": _median_ms(free_group(), reps),
-        "batched": _median_ms(batched(True, uniform), reps),
-        "batched_mixed_lengths": _median_ms(batched(True, mixed), reps),
-    }
-    no_bitmap = {
-        "per_request": _median_ms(per_request(False), reps),
-        "batched": _median_ms(batched(False, uniform), reps),
-        "batched_mixed_lengths": _median_ms(batched(False, mixed), reps),
-    }
+    # Each figure and its no-bitmap twin are timed interleaved (see the module docstring).
+    times = _timed(
+        {
+            "per_request": per_request(True),
+            "per_request_off": per_request(False),
+        },
+        reps,
+    )
+    times |= _timed(
+        {
+            "batched": batched(True, uniform),
+            "batched_off": batched(False, uniform),
+            "batched_mixed_lengths": batched(True, mixed),
+            "batched_mixed_lengths_off": batched(False, mixed),
+            "free_group": free_group(),
+        },
+        reps,
+    )
+    med = {k: statistics.median(v) for k, v in times.items()}
+    release = {k: med[k] for k in ("per_request", "free_group", "batched", "batched_mixed_lengths")}
+    no_bitmap = {k: med[k + "_off"] for k in ("per_request", "batched", "batched_mixed_lengths")}
     baseline = {
         "per_request": _median_ms(concat(False), max(1, reps // 4), warmup=1),
         "free_group": _median_ms(concat(True), reps),
@@ -218,12 +260,16 @@ def _run(quick: bool) -> dict:
         "threads": 1,
         "release_ms": release,
         "release_ms_no_bitmap": no_bitmap,
+        "release_ms_min": {k: min(times[k]) for k in release},
+        "release_ms_no_bitmap_min": {k: min(times[k + "_off"]) for k in no_bitmap},
+        "timed_calls": reps,
         "baseline_concat_release_ms": baseline,
         "speedup_vs_concat": {
             "per_request": baseline["per_request"] / release["per_request"],
             "free_group": baseline["free_group"] / release["free_group"],
         },
         "bitmap_overhead_pct": pct(release["batched"], no_bitmap["batched"]),
+        "bitmap_cost_us": (release["batched"] - no_bitmap["batched"]) * 1e3,
         "bitmap_overhead_pct_mixed_lengths": pct(
             release["batched_mixed_lengths"], no_bitmap["batched_mixed_lengths"]
         ),
@@ -260,7 +306,10 @@ def table(result: dict) -> list[tuple[str, str]]:
             f"{result['speedup_vs_concat']['free_group']:.1f}x",
         ),
         ("batched release without bitmap", f"{off['batched']:.3f} ms"),
-        ("bitmap overhead, batched release", f"{result['bitmap_overhead_pct']:.1f} %"),
+        (
+            "bitmap overhead, batched release",
+            f"{result['bitmap_overhead_pct']:.1f} % ({result['bitmap_cost_us']:.0f} us)",
+        ),
         (
             "bitmap overhead, batched, mixed lengths",
             f"{result['bitmap_overhead_pct_mixed_lengths']:.1f} %",
