@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import DoubleFree, MambaStatePool, ReqToTokenTable, TokenKVAllocator, release_batch
+from kernels.batched import gather_kv
 
 
 class Counting:
@@ -93,6 +94,38 @@ def test_releasing_a_request_twice_is_a_double_free():
         release_batch(slots, table, kv, mamba)
 
 
+def test_a_token_shared_by_two_released_rows_is_named_by_check():
+    kv, table, mamba, slots = setup([3, 3], strict=False)
+    shared = int(table.req_to_token[slots[0], 1])
+    table.req_to_token[slots[1], 2] = shared  # a second owner of one token (a bug upstream)
+    release_batch(slots, table, kv, mamba)  # one free call, the token in it twice
+    with pytest.raises(DoubleFree, match=rf"double free of \[{shared}\]"):
+        kv.check()
+
+
+def test_strict_batch_with_a_shared_token_raises_before_freeing_anything():
+    kv, table, mamba, slots = setup([4, 2])
+    shared = int(table.req_to_token[slots[0], 0])
+    table.req_to_token[slots[1], 1] = shared
+    before = kv.available
+    with pytest.raises(DoubleFree, match=rf"double free of \[{shared}\]"):
+        release_batch(slots, table, kv, mamba)
+    assert kv.available == before
+
+
+def test_releasing_a_request_twice_lazily_is_named_by_both_checks():
+    kv, table, mamba, slots = setup([2, 3], strict=False)
+    tokens = table.tokens(int(slots[0])).clone()
+    release_batch(slots[:1], table, kv, mamba)
+    table.lengths[slots[0]] = 2  # a stale row released again
+    table.req_to_token[slots[0], :2] = tokens
+    release_batch(slots[:1], table, kv)
+    with pytest.raises(DoubleFree, match=rf"double free of \[{int(tokens[0])}, {int(tokens[1])}\]"):
+        kv.check()
+    with pytest.raises(DoubleFree, match=rf"double free of \[{int(slots[0])}\]"):
+        table.check()
+
+
 def test_empty_batch_releases_nothing():
     kv, table, mamba, _ = setup([2])
     out = release_batch(torch.empty(0, dtype=torch.int64), table, kv, mamba)
@@ -131,3 +164,29 @@ def test_any_batch_returns_everything_and_leaves_the_rest(lengths, page_size, da
     release_batch(rest, table, kv, mamba)
     for pool in (kv, table, mamba):
         pool.assert_full()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_gather_kv_returns_each_rows_owned_columns_in_order(data):
+    rows, width = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 9))
+    table = ReqToTokenTable(rows, width)
+    table.req_to_token.copy_(torch.arange(rows * width, dtype=torch.int32).view(rows, width))
+    lengths = data.draw(st.lists(st.integers(0, width), min_size=rows, max_size=rows))
+    table.lengths.copy_(torch.tensor(lengths, dtype=torch.int32))
+    slots = data.draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=rows, unique=True))
+    starts = data.draw(
+        st.none() | st.lists(st.integers(0, width), min_size=len(slots), max_size=len(slots))
+    )
+    got = gather_kv(
+        table,
+        torch.tensor(slots),
+        None if starts is None else torch.tensor(starts, dtype=torch.int32),
+    )
+    want = [
+        s * width + c
+        for i, s in enumerate(slots)
+        for c in range(0 if starts is None else starts[i], lengths[s])
+    ]
+    assert got.dtype == torch.int32
+    assert got.tolist() == want

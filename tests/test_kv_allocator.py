@@ -95,6 +95,45 @@ def test_lazy_double_free_is_recorded_without_raising_and_check_names_it():
         kv.check()
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_lazy_duplicate_inside_one_free_is_named_by_check(dtype):
+    kv = TokenKVAllocator(8)
+    got = kv.alloc(3)
+    assert got is not None
+    kv.free(torch.stack((got[0], got[1], got[0])).to(dtype))  # no host sync here
+    with pytest.raises(DoubleFree, match=rf"double free of \[{int(got[0])}\]"):
+        kv.check()
+
+
+def test_lazy_duplicate_inside_one_large_free_is_named_by_check():
+    kv = TokenKVAllocator(1 << 12)
+    got = kv.alloc(1 << 11)
+    assert got is not None
+    twice = got.clone()
+    twice[-1] = got[5]  # one batched free of 2,048 indices, one of them twice
+    kv.free(twice.to(torch.int32))
+    with pytest.raises(DoubleFree, match=rf"double free of \[{int(got[5])}\]"):
+        kv.check()
+
+
+def test_duplicate_inside_one_free_handed_out_again_is_still_reported():
+    kv = TokenKVAllocator(4)
+    got = kv.alloc(4)
+    assert got is not None
+    kv.free(torch.stack((got[2], got[2])))
+    assert kv.alloc(2) is not None  # both copies of the one slot handed out
+    with pytest.raises(DoubleFree, match=rf"double free of \[{int(got[2])}\]"):
+        kv.check()
+
+
+def test_lazy_negative_index_is_named_by_check():
+    kv = TokenKVAllocator(8)
+    kv.alloc(4)
+    kv.free(torch.tensor([-5], dtype=torch.int32))
+    with pytest.raises(ForeignIndex, match=r"foreign index \[-5\]"):
+        kv.check()
+
+
 def test_lazy_foreign_free_is_named_by_check():
     kv = TokenKVAllocator(8)
     kv.alloc(4)
