@@ -290,3 +290,50 @@ def test_fan_out_mismatch_releases_the_references_instead_of_leaking_them():
         await s.finish_clean()
 
     run(main())
+
+
+def test_a_group_aborted_before_its_preparation_ran_acquires_nothing_and_streams_one_abort():
+    async def main():
+        s = await make_side()
+        task = asyncio.create_task(s.side.submit_batch(["one", "two"], "a", n=3, rid="g"))
+        await asyncio.sleep(0)  # submit_batch registers the group; its preparation is queued
+        g = s.side.get("g")
+        assert g is not None and g.state == "created"
+        assert s.side.abort("g")
+        assert g.state == "aborted"
+        assert await task == [g]  # the queued preparation finds it terminal and returns
+        assert s.registry.counts() == {s.adapters["a"]: 0, s.adapters["b"]: 0}
+        assert s.ledger.released == 0 and s.ledger.late_released == 0
+        assert s.tokenizer.calls == 0 and s.scheduler.sent == {}
+        assert g.warmups == [] and g.children == []
+        assert list(s.sink.outputs) == ["g"] and s.sink.outcome("g") == "aborted"
+        assert s.side.live == {}
+        await s.finish_clean()  # counters zero, and each adapter's unload completes
+
+    run(main())
+
+
+def test_a_parent_aborted_before_its_preparation_ran_lets_its_sibling_fan_out():
+    async def main():
+        s = await make_side()
+        a = s.adapters["a"]
+        task = asyncio.create_task(s.side.submit_batch(["one", "two"], "a", n=2,
+                                                       parent_rids=["p0", "p1"]))
+        await asyncio.sleep(0)
+        p1 = s.side.get("p1")
+        assert p1 is not None and p1.state == "created"
+        s.side.abort("p1")
+        p0, p1_again = await task
+        assert p1_again is p1 and p1.state == "aborted" and s.ledger.owned(p1) == []
+        assert s.registry.count(a) == 2  # only p0's n references were ever taken
+        assert [w.key for w in p0.warmups] == ["p0-warmup-0"] and p1.warmups == []
+        finish_warmups(s, [p0])
+        assert p0.state == "fanned_out" and len(s.side.children("p0")) == 2
+        for c in s.side.children("p0"):
+            s.side.on_finish(c.key)
+        assert s.sink.outcome("p1") == "aborted"
+        assert sorted(s.sink.outputs) == ["p0-0", "p0-1", "p1"]
+        assert s.registry.count(a) == 0
+        await s.finish_clean()
+
+    run(main())
