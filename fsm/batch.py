@@ -128,7 +128,7 @@ class Batch:
         packed = self._packed.index_select(0, idx)
         lo, hi = (int(v) for v in packed.aminmax()) if packed.numel() else (0, 0)
         if _obs.recorder() is not None or self.machine._sinks:
-            self._observe(idx, events, packed)
+            self._observe(idx, events, packed, rejected=lo < 0)
         if lo < 0:
             self._reject(events, packed)
         if hi >> _NEWLY_SHIFT:
@@ -152,9 +152,13 @@ class Batch:
         raise TransitionNotAllowed(m.name, m.states[s], m.event_names[e], reason,
                                    instance=i)
 
-    def _observe(self, idx: torch.Tensor, events: torch.Tensor, packed: torch.Tensor) -> None:
+    def _observe(self, idx: torch.Tensor, events: torch.Tensor, packed: torch.Tensor,
+                 rejected: bool) -> None:
         m = self.machine
-        counts = torch.bincount(idx.cpu(), minlength=self._packed.numel())
+        # A rejected step changes nothing: the only decisions made are the errors that
+        # rejected it; every other row's transition never happened.
+        made = packed < 0 if rejected else events >= 0
+        counts = torch.bincount(idx[made].cpu(), minlength=self._packed.numel())
         nz = counts.nonzero().squeeze(1).tolist()
         by_cell: Counter[tuple[int, int, int]] = Counter()
         for flat in nz:
@@ -171,7 +175,7 @@ class Batch:
             import time
 
             states = self.states
-            for i in (events >= 0).nonzero().squeeze(1).tolist():
+            for i in made.nonzero().squeeze(1).tolist():
                 s, e = int(states[i]), int(events[i])
                 p = int(packed[i])
                 t = ((p & _BASE_MASK) - 1) // self._w if p >= 0 else s

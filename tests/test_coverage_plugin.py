@@ -183,3 +183,28 @@ def test_a_bad_machine_reference_is_a_usage_error(pytester: pytest.Pytester) -> 
     assert r.ret == pytest.ExitCode.USAGE_ERROR
     r.stdout.fnmatch_lines(["fsm coverage: cannot load the machines to gate: module "
                             "'machines' has no attribute 'NOPE'*"])
+
+
+def test_a_rejected_batch_step_records_only_the_errors_that_rejected_it() -> None:
+    from fsm import TransitionNotAllowed, observe
+    from fsm.coverage import CoverageRecorder
+    from tests.machines import TOGGLE, Go, Stop
+
+    rec = CoverageRecorder()
+    previous = observe.set_recorder(rec)
+    try:
+        b = TOGGLE.batch(2)
+        b.step(b.event_ids([Stop, None]))  # row 0: idle -> finished
+        with pytest.raises(TransitionNotAllowed, match="'Stop' is not allowed in state "
+                           "'finished'"):
+            b.step(b.event_ids([Stop, Go]))  # row 0 errs, so row 1 never goes busy
+        assert b.states.tolist() == [TOGGLE.state_id("finished"), TOGGLE.state_id("idle")]
+        b.step(b.event_ids([None, Stop]))
+    finally:
+        observe.set_recorder(previous)
+    toggle = rec.report().machines["toggle"]
+    assert toggle.decisions == {"transition": 2, "ignore": 0, "error": 1}
+    assert [(t.source, t.event) for t in toggle.transitions.missing] == [
+        ("idle", "Go"), ("busy", "Go"), ("busy", "Stop")]
+    assert [(p.state, p.event) for p in toggle.pairs.missing] == [
+        ("idle", "Go"), ("busy", "Go"), ("busy", "Stop"), ("finished", "Go")]
