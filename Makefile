@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(BIN)/terminus diagrams --check
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -n 2 -q --fsm-coverage
+	$(BIN)/python -m pytest -n 2 -q --fsm-coverage-fail-under 100
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
