@@ -266,10 +266,15 @@ def table(r: dict[str, Any]) -> list[tuple[str, str]]:
     rows += [
         (f"fire(), dict table, {n:,} live", f"{f['dict_table']:.0f} ns"),
         ("speedup vs transitions", f"{r['speedup_vs_transitions']:.0f}x"),
+        *([("speedup vs python-statemachine", f"{f['statemachine'] / f['terminus']:.0f}x")]
+          if f["statemachine"] is not None else []),
+        ("cost vs the bare dict table", f"{f['terminus'] / f['dict_table']:.2f}x"),
         (f"bytes per instance, {n:,} live", f"{r['bytes_per_instance']:.0f} B"),
         ("bytes per instance, 1k live", f"{r['bytes_per_instance_1k']:.0f} B"),
         (f"create, {n:,} live", f"{r['create_us']:.2f} µs"),
         ("create, 1k live", f"{r['create_us_1k']:.2f} µs"),
         (f"batched step, {n:,} instances, CPU", f"{r['batch_step_ns_per_instance']:.2f} ns/inst"),
+        ("batched vs scalar, per instance",
+         f"{f['terminus'] / r['batch_step_ns_per_instance']:.0f}x"),
     ]
     return rows

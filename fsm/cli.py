@@ -99,10 +99,13 @@ def bench_main(argv: list[str]) -> int:
     if a.json:
         write_json(a.json, {})  # fail on an unwritable path before minutes of work
     results: dict[str, Any] = {}
+    rows: list[tuple[str, str]] = []
     for n in names:
         mod = importlib.import_module(benches[n].value)
         results[n] = mod.run(quick=a.quick)
-        print_table(f"terminus bench {n}", mod.table(results[n]))
+        rows += [(f"{n}: {k}" if len(names) > 1 else k, v) for k, v in mod.table(results[n])]
+    title = "terminus bench " + (names[0] if len(names) == 1 else "(" + ", ".join(names) + ")")
+    print_table(title, rows)
     if a.json:
         write_json(a.json, results[names[0]] if len(names) == 1 else results)
     return 0

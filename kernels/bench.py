@@ -305,6 +305,7 @@ def table(result: dict) -> list[tuple[str, str]]:
             "speedup vs concatenating, free group",
             f"{result['speedup_vs_concat']['free_group']:.1f}x",
         ),
+        ("per-request vs batched release", f"{r['per_request'] / r['batched']:.1f}x"),
         ("batched release without bitmap", f"{off['batched']:.3f} ms"),
         (
             "bitmap overhead, batched release",

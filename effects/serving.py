@@ -1,0 +1,682 @@
+"""The reference serving loop: every machine of `states/` driven on one workload.
+
+    client ──► TokenizerSide (REQUEST, SAMPLING; LoRA registry)
+                   │ send / abort                    ▲ on_output / on_finish / on_error
+                   ▼                                 │
+               SimScheduler ── rows of a RunningBatch (SEQUENCE) over KV / Mamba / slots
+                   │   chunked prefill, two chunks in flight, batched decode steps,
+                   │   one batched release per plan per step
+                   ├─► DisaggPrefill (DISAGG_PREFILL, CHUNK) over a fake KV sender
+                   └─► SimulatedRanks (PREFETCH) host pages across attention ranks
+
+Nothing here frees a resource: the loop delivers events, and only the machines'
+terminal transitions release what the ledger (or the batch row) owns. A real engine
+replaces the fakes at the edges (tokenizer, transport, model) and keeps the rest.
+
+The loop lives in `effects/` because it allocates from `kernels/`; `states/` holds the
+machines and the workload (`states.workload`), which know no pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import torch
+
+from fsm import Ledger, TransitionRecord
+from kernels import HostPagePool, LoRARegistry
+from kernels.collective import grid_partitions
+from states.sequence import Abort as SeqAbort
+from states.sequence import (
+    Admit,
+    ChunkDone,
+    ChunkLaunched,
+    Fail,
+    Finish,
+    LastChunkDone,
+    Token,
+)
+from states.workload import RequestSpec
+
+from .disagg import DisaggPools, DisaggPrefill
+from .prefetch import PrefetchSite, SimulatedRanks
+from .request import RequestResources, TerminalOutput, lora_ledger
+from .sequence import RunningBatch, SchedulerPools
+from .tokenizer import InvalidRequest, TokenizerSide
+from .transport import FakeTransport
+
+__all__ = ["ServingLoop", "SimConfig", "StreamCounter"]
+
+_STATUS = {"scheduler_400": 400, "scheduler_500": 500, "scheduler_503": 503}
+
+LEAK_KEYS = ("kv_tokens", "mamba_slots", "request_slots", "metadata_slots", "host_pages",
+             "prefetch_tokens", "lora_refs", "lora_underflows", "ledger_handles",
+             "missing_streams", "duplicate_streams", "collective_deadlocks")
+"""The leak audit's resources, in the order the summary prints them."""
+
+
+class SimConfig(msgspec.Struct, frozen=True):
+    """Sizes of the simulated engine (not of the workload)."""
+
+    rows: int = 512
+    kv_tokens: int = 1 << 18
+    mamba_slots: int = 512
+    max_context_len: int = 512
+    chunk_size: int = 64
+    device: str = "cpu"
+    strict: bool = False
+    disagg_rows: int = 64
+    disagg_kv_tokens: int = 1 << 15
+    ranks: int = 4
+    tp: int = 2
+    host_pages: int = 4096
+
+
+class StreamCounter:
+    """The client side: counts terminal outputs per request id (an OutputSink)."""
+
+    def __init__(self) -> None:
+        self.count: Counter[Any] = Counter()
+        self.outcomes: Counter[str] = Counter()
+
+    def put(self, output: TerminalOutput) -> None:
+        """Record one terminal output."""
+        self.count[output.rid] += 1
+        self.outcomes[output.outcome] += 1
+
+
+class FakeTokenizer:
+    """Tokenizes a prompt (its length) and rejects the prompts marked invalid."""
+
+    def __init__(self) -> None:
+        self.invalid: set[Any] = set()
+
+    async def tokenize(self, prompt: Any) -> Any:
+        """`prompt` is (rid, length); the tokens are just the length."""
+        rid, length = prompt
+        if rid in self.invalid:
+            raise InvalidRequest(f"prompt of {rid!r} is not valid UTF-8", 400)
+        return length
+
+
+class _Seq:
+    """The scheduler's view of one sequence: its spec, progress and row."""
+
+    __slots__ = ("aborted", "chunks_left", "fail", "generated", "in_flight", "max_new",
+                 "prompt", "rid", "row", "status")
+
+    def __init__(self, rid: Any, prompt: int, max_new: int, fail: str | None) -> None:
+        self.rid = rid
+        self.prompt = prompt
+        self.max_new = max_new
+        self.fail = fail
+        self.row = -1
+        self.chunks_left = 0
+        self.in_flight: deque[bool] = deque()  # True for the final chunk
+        self.generated = 0
+        self.aborted = False
+        self.status = 0
+
+
+class SimScheduler:
+    """The scheduler process: a SchedulerLink for the tokenizer, rows for sequences."""
+
+    def __init__(self, running: RunningBatch, cfg: SimConfig,
+                 spec_of: Callable[[Any], RequestSpec]) -> None:
+        self.running = running
+        self.cfg = cfg
+        self.spec_of = spec_of
+        self.tokenizer: TokenizerSide | None = None
+        self.queue: deque[_Seq] = deque()
+        self.by_row: dict[int, _Seq] = {}
+        self.by_rid: dict[Any, _Seq] = {}
+        self.aborts: list[Any] = []
+        self.dispatch_failures: set[Any] = set()
+        running.on_retired = self._retired
+
+    # -- SchedulerLink ----------------------------------------------------------------
+
+    def send(self, rid: Any, tokens: Any, lora_id: int | None) -> None:
+        """Queue a tokenized request; a dispatch fault raises as a broken socket would."""
+        spec = self.spec_of(rid)
+        if spec.rid in self.dispatch_failures:
+            raise ConnectionError("scheduler socket closed")
+        warmup = "-warmup-" in str(rid)
+        seq = _Seq(rid, int(tokens), 1 if warmup else spec.max_new_tokens,
+                   None if warmup else spec.fault)
+        self.queue.append(seq)
+        self.by_rid[rid] = seq
+
+    def abort(self, rid: Any) -> None:
+        """Abort `rid` at the next step (it is answered with an abort echo)."""
+        self.aborts.append(rid)
+
+    # -- one scheduler step ---------------------------------------------------------------
+
+    def step(self, now: int) -> None:
+        """Aborts, admission, chunk results, launches, decode, finishes and faults."""
+        rb = self.running
+        self._apply_aborts()
+        self._admit()
+        # Chunk results of the chunks launched last step (one result per row per step).
+        done: list[int] = []
+        last: list[int] = []
+        for seq in self.by_row.values():
+            if seq.in_flight:
+                (last if seq.in_flight.popleft() else done).append(seq.row)
+        self._fire(done, ChunkDone)
+        self._fire(last, LastChunkDone)
+        # Launch chunks: up to two in flight per row (the next overlapped).
+        for _ in range(2):
+            rows = [seq.row for seq in self.by_row.values()
+                    if seq.chunks_left and not seq.aborted and len(seq.in_flight) < 2]
+            if not rows:
+                break
+            rows_t = torch.tensor(rows, dtype=torch.int64, device=rb.batch.device)
+            if not rb.append_kv(rows_t, self._chunk_sizes(rows)):
+                break  # KV is short: the chunks wait for pages to come back
+            for r in rows:
+                seq = self.by_row[r]
+                seq.chunks_left -= 1
+                seq.in_flight.append(seq.chunks_left == 0)
+            self._fire(rows, ChunkLaunched)
+        # Decode: every decoding row gets one token (one KV slot each, one alloc).
+        decoding = rb.rows_in("decoding")
+        if decoding.numel():
+            rows = decoding.tolist()
+            failing = [r for r in rows if self.by_row[r].fail in _STATUS
+                       and self.by_row[r].generated >= self.by_row[r].max_new // 2]
+            for r in failing:
+                self.by_row[r].status = _STATUS[str(self.by_row[r].fail)]
+            self._fire(failing, Fail)
+            rows = [r for r in rows if r not in set(failing)]
+            if rows and rb.append_kv(torch.tensor(rows, dtype=torch.int64),
+                                     torch.ones(len(rows), dtype=torch.int64)):
+                self._fire(rows, Token)
+                finished = []
+                for r in rows:
+                    seq = self.by_row[r]
+                    seq.generated += 1
+                    if seq.generated == 1 and self.tokenizer is not None:
+                        self.tokenizer.on_output(seq.rid)
+                    if seq.generated >= seq.max_new:
+                        finished.append(r)
+                self._fire(finished, Finish)
+
+    def _chunk_sizes(self, rows: list[int]) -> torch.Tensor:
+        """Tokens of each row's next chunk: full chunks, then the remainder."""
+        c = self.cfg.chunk_size
+        sizes = []
+        for r in rows:
+            seq = self.by_row[r]
+            launched = -(-seq.prompt // c) - seq.chunks_left
+            sizes.append(max(1, min(c, seq.prompt - launched * c)))
+        return torch.tensor(sizes, dtype=torch.int64)
+
+    def _fire(self, rows: list[int], event: type) -> None:
+        if rows:
+            self.running.fire(torch.tensor(rows, dtype=torch.int64,
+                                           device=self.running.batch.device), event)
+
+    def _admit(self) -> None:
+        rb = self.running
+        while self.queue:
+            k = min(len(self.queue), rb.pools.table.available)
+            if k == 0:
+                return
+            # One admission per Mamba/no-Mamba run at the head of the queue.
+            mamba = self.spec_of(self.queue[0].rid).mamba
+            batch: list[_Seq] = []
+            while self.queue and len(batch) < k and self.spec_of(
+                    self.queue[0].rid).mamba == mamba:
+                batch.append(self.queue.popleft())
+            rows = rb.admit(len(batch), mamba)
+            if rows is None:
+                self.queue.extendleft(reversed(batch))
+                return
+            for seq, r in zip(batch, rows.tolist(), strict=True):
+                seq.row = r
+                seq.chunks_left = max(1, -(-seq.prompt // self.cfg.chunk_size))
+                self.by_row[r] = seq
+            rb.fire(rows, Admit)
+
+    def _apply_aborts(self) -> None:
+        rows = []
+        for rid in self.aborts:
+            seq = self.by_rid.get(rid)
+            if seq is None or seq.aborted:
+                continue  # already retired, or a duplicate: the echo went out
+            seq.aborted = True
+            if seq.row < 0:  # still queued: it never owned a row
+                self.queue.remove(seq)
+                del self.by_rid[rid]
+                self._echo(seq, "aborted")
+            else:
+                rows.append(seq.row)
+        self.aborts.clear()
+        self._fire(rows, SeqAbort)
+
+    def _retired(self, rows: torch.Tensor, state: str) -> None:
+        for r in rows.tolist():
+            seq = self.by_row.pop(r)
+            self.by_rid.pop(seq.rid, None)
+            self._echo(seq, state)
+
+    def _echo(self, seq: _Seq, state: str) -> None:
+        tok = self.tokenizer
+        if tok is None:
+            return
+        if state == "finished":
+            tok.on_finish(seq.rid, "length")
+        elif state == "failed" or (state == "aborted" and seq.status):
+            tok.on_error(seq.rid, seq.status or 500, "scheduler failed the request")
+        else:
+            tok.on_finish(seq.rid, "abort")  # the abort echo: absorbed by the request
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, running or waiting to be aborted."""
+        return not self.queue and not self.by_row and not self.aborts
+
+
+class SimDisagg:
+    """Disaggregated-prefill requests over a fake KV sender that fails on cue."""
+
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.transport = FakeTransport(auto_complete=True)
+        pools = DisaggPools.make(kv_tokens=cfg.disagg_kv_tokens, requests=cfg.disagg_rows,
+                                 mamba_slots=cfg.disagg_rows, metadata_slots=cfg.disagg_rows,
+                                 host_pages=cfg.host_pages,
+                                 max_context_len=cfg.max_context_len, device=cfg.device,
+                                 strict=cfg.strict)
+        self.engine = DisaggPrefill(pools, transport=self.transport)
+        self.live: dict[str, deque[int]] = {}  # rid -> chunks in flight, oldest first
+
+    def add(self, spec: RequestSpec) -> None:
+        """A new request; its fault (if any) is armed on the transport."""
+        rid = spec.rid
+        if spec.fault == "bootstrap":
+            self.transport.fail("bootstrap", rid, times=1)
+        elif spec.fault == "transport":
+            self.transport.fail("send", rid, times=1)
+        elif spec.fault == "sender_abort":
+            self.transport.fail("abort", rid)
+        self.engine.add(rid, spec.prompt_len, chunk_size=self.cfg.chunk_size,
+                        host_pages=min(spec.prefetch_pages, 4))
+        self.live[rid] = deque()
+
+    @property
+    def pools(self) -> DisaggPools:
+        """The disaggregated-prefill server's pools."""
+        return self.engine.pools
+
+    @property
+    def stream(self) -> Any:
+        """Its terminal-output stream."""
+        return self.engine.stream
+
+    def abort(self, rid: str) -> None:
+        """The client aborts `rid` (absorbed when it already ended)."""
+        if rid in self.engine.requests:
+            self.engine.abort(rid, "aborted by client")
+
+    def step(self) -> None:
+        """Bootstrap, results of last step's chunks, new chunks, transfers."""
+        e = self.engine
+        kv: Any = e.pools.kv  # our TokenKVAllocator; the protocol has no capacity
+        if kv.available < kv.capacity // 4:
+            e.cache.evict_all()  # type: ignore[attr-defined]
+        done = []
+        for rid, in_flight in self.live.items():
+            req = e.req(rid)
+            if req.state == "bootstrapping":
+                e.bootstrap(rid)
+                if req.state == "bootstrapping":
+                    continue  # no metadata slot free yet: poll again next step
+            if in_flight:
+                e.result(rid, in_flight.popleft())
+            while len(in_flight) < 2:
+                chunk = e.schedule(rid)
+                if chunk is None:
+                    break
+                in_flight.append(chunk.index)
+            e.poll_transfer(rid)
+            if req.terminal and not in_flight:
+                done.append(rid)
+        for rid in done:
+            del self.live[rid]
+
+    @property
+    def idle(self) -> bool:
+        """No request is live."""
+        return not self.live
+
+    def terminal_states(self) -> Counter[str]:
+        """Requests by terminal state."""
+        return Counter(r.state for r in self.engine)
+
+    def leaks(self) -> dict[str, int]:
+        """Units missing from each pool once the cache is evicted."""
+        self.engine.cache.evict_all()  # type: ignore[attr-defined]
+        p = self.engine.pools
+        return {
+            "kv_tokens": p.kv.capacity - p.kv.available,  # type: ignore[attr-defined]
+            "mamba_slots": p.mamba.capacity - p.mamba.available,  # type: ignore[attr-defined]
+            "request_slots": p.table.capacity - p.table.available,
+            "metadata_slots": p.metadata.capacity - p.metadata.available,
+            "host_pages": p.host.occupied,
+            "ledger_handles": self.engine.ledger.count(),
+        }
+
+
+class SimPrefetch:
+    """Storage prefetches of prompt prefixes into host pages on every attention rank.
+
+    Ranks progress at different speeds (as they do: their I/O queues differ), so an
+    abort finds them in different local states; the abort runs the rank-collective
+    protocol on simulated ranks (lockstep, deterministic).
+    """
+
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cache: dict[tuple[int, Any], torch.Tensor] = {}
+        self.sites = [PrefetchSite(HostPagePool(cfg.host_pages, cfg.device), rank=r,
+                                   insert=self._inserter(r)) for r in range(cfg.ranks)]
+        self.ranks = SimulatedRanks(self.sites, grid_partitions(cfg.ranks, cfg.tp))
+        self.live: dict[Any, tuple[int, int]] = {}  # rid -> (start step, pages)
+        self.deadlocks = 0
+        self.aborts = 0
+
+    def _inserter(self, rank: int) -> Callable[[Any, torch.Tensor], None]:
+        def insert(rid: Any, pages: torch.Tensor) -> None:
+            self.cache[(rank, rid)] = pages  # the host cache owns them now
+
+        return insert
+
+    def add(self, rid: Any, pages: int, now: int) -> None:
+        """Queue the prefetch of `pages` pages of `rid` on every rank."""
+        for s in self.sites:
+            s.queue(rid)
+        self.live[rid] = (now, pages)
+
+    def step(self, now: int) -> None:
+        """Start (rank r waits r steps), transfer one page a step, complete."""
+        done = []
+        for rid, (t0, pages) in self.live.items():
+            finished = 0
+            for s in self.sites:
+                inst = s.requests[rid]
+                if inst.state == "pending" and now >= t0 + s.rank:
+                    s.start(rid, pages)
+                elif inst.state == "active" and s.transfer(rid, 1) >= pages:
+                    s.complete(rid)
+                finished += inst.terminal
+            if finished == len(self.sites):
+                done.append(rid)
+        for rid in done:
+            del self.live[rid]
+        # Cache eviction under pressure, as a real host cache does.
+        if any(s.host.available < s.host.capacity // 4 for s in self.sites):
+            self.evict()
+
+    def abort(self, rid: Any, naive: bool = False) -> None:
+        """Abort `rid` on every rank together (a no-op once every rank completed)."""
+        if rid not in self.live:
+            return
+        del self.live[rid]
+        self.aborts += 1
+        outcomes = self.ranks.abort(rid, naive=naive)
+        if any(isinstance(o, BaseException) for o in outcomes):
+            self.deadlocks += 1
+
+    def evict(self) -> None:
+        """The host cache drops every prefix it holds."""
+        for (rank, _), pages in self.cache.items():
+            self.sites[rank].host.free(pages)
+        self.cache.clear()
+
+    @property
+    def idle(self) -> bool:
+        """No prefetch is live."""
+        return not self.live
+
+    def leaks(self) -> dict[str, int]:
+        """Host pages and prefetch tokens still held after the cache is evicted."""
+        self.evict()
+        return {
+            "host_pages": sum(s.host.occupied for s in self.sites),
+            "prefetch_tokens": sum(s.occupancy_tokens for s in self.sites),
+            "ledger_handles": sum(s.ledger.count() for s in self.sites),
+        }
+
+
+class ServingLoop:
+    """Runs a workload through the machines over real pools; see the module docstring."""
+
+    def __init__(self, workload: list[RequestSpec], cfg: SimConfig | None = None, *,
+                 adapters: tuple[str, ...] = ("sql-lora", "chat-lora", "code-lora"),
+                 naive: bool = False,
+                 trace: Callable[[TransitionRecord], None] | None = None,
+                 progress: Callable[[int], None] | None = None) -> None:
+        self.cfg = cfg or SimConfig()
+        self.workload = workload
+        self.adapters = adapters
+        self.naive = naive
+        self.trace = trace
+        self.progress = progress
+        self.specs = {s.rid: s for s in workload}
+        self.pools = SchedulerPools(rows=self.cfg.rows,
+                                    max_context_len=self.cfg.max_context_len,
+                                    kv_tokens=self.cfg.kv_tokens,
+                                    mamba_slots=self.cfg.mamba_slots,
+                                    device=self.cfg.device, strict=self.cfg.strict)
+        self.running = RunningBatch(self.pools)
+        self.registry = LoRARegistry()
+        self.sink = StreamCounter()
+        self.tokenizer_fake = FakeTokenizer()
+        self.prefetch = SimPrefetch(self.cfg)
+        self.ledger: Ledger | None = None
+        self.tokenizer: Any
+        self.disagg: Any
+        if naive:
+            from .naive import NaiveDisagg, NaiveScheduler, NaiveTokenizer
+
+            self.scheduler: SimScheduler = NaiveScheduler(self.running, self.cfg,
+                                                          self.spec_of)
+            self.tokenizer = NaiveTokenizer(self.registry, self.tokenizer_fake,
+                                            self.scheduler, self.sink)
+            self.disagg = NaiveDisagg(self.cfg, [s for s in workload if s.kind == "disagg"])
+        else:
+            self.scheduler = SimScheduler(self.running, self.cfg, self.spec_of)
+            self.ledger = lora_ledger(RequestResources(self.registry, self.sink,
+                                                       self.scheduler))
+            self.tokenizer = TokenizerSide(self.registry, self.tokenizer_fake,
+                                           self.scheduler, self.sink, ledger=self.ledger,
+                                           retain_terminal=1 << 30)
+            self.disagg = SimDisagg(self.cfg)
+        self.scheduler.tokenizer = self.tokenizer
+        self.steps = 0
+        self.seconds = 0.0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._peak: Counter[str] = Counter()
+
+    def spec_of(self, rid: Any) -> RequestSpec:
+        """The workload entry a request id (or a child / warm-up rid) belongs to."""
+        base = str(rid).split("-", 1)[0]
+        return self.specs[base]
+
+    def machines(self) -> list[Any]:
+        """Every bound machine object the loop drives (for traces and counts)."""
+        if self.naive:
+            return []
+        return [self.tokenizer.requests, self.tokenizer.sampling,
+                self.running.batch.machine, self.disagg.engine.requests_machine,
+                self.disagg.engine.chunks_machine,
+                *(site.machine for site in self.prefetch.sites)]
+
+    async def run(self) -> None:
+        """Drive the whole workload to completion."""
+        t0 = time.perf_counter()
+        for name in self.adapters:
+            await self.registry.register(name)
+        if self.trace is not None:
+            for m in self.machines():
+                m.add_sink(self.trace)
+        by_step: dict[int, list[RequestSpec]] = {}
+        for s in self.workload:
+            by_step.setdefault(s.arrival, []).append(s)
+            if s.fault == "invalid_prompt":
+                self.tokenizer_fake.invalid.add(s.rid)
+            if s.fault == "dispatch":
+                self.scheduler.dispatch_failures.add(s.rid)
+        aborts: dict[int, list[str]] = {}
+        for s in self.workload:
+            if s.abort_at is not None:
+                aborts.setdefault(s.arrival + s.abort_at, []).append(s.rid)
+        last_arrival = max(by_step, default=0)
+        done = 0
+        now = 0
+        while True:
+            for spec in by_step.get(now, ()):
+                self._submit(spec, now)
+            await asyncio.sleep(0)  # let acquires and tokenization run
+            for rid in aborts.pop(now, ()):
+                self._abort(rid)
+            self.scheduler.step(now)
+            self.disagg.step()
+            self.prefetch.step(now)
+            self._sample_peaks()
+            await asyncio.sleep(0)
+            now += 1
+            if self.progress is not None:
+                arrived = sum(len(by_step.get(t, ())) for t in range(done, now))
+                done = now
+                if arrived:
+                    self.progress(arrived)
+            if (now > last_arrival and not aborts and not self._tasks
+                    and self.scheduler.idle and self.disagg.idle and self.prefetch.idle
+                    # The naive tokenizer can hold states nothing will ever pop.
+                    and (self.naive or not self.tokenizer.live)):
+                break
+            if now > last_arrival + 10_000:
+                raise RuntimeError(f"the simulation did not drain: {self._stuck()}")
+        await self.tokenizer.drain()
+        self.steps = now
+        self.seconds = time.perf_counter() - t0
+        if self.trace is not None:
+            for m in self.machines():
+                m.remove_sink(self.trace)
+
+    def _stuck(self) -> str:
+        sch = self.scheduler
+        parts = {
+            "queued": [q.rid for q in list(sch.queue)[:5]],
+            "running": [(q.rid, self.running.batch.machine.states[
+                int(self.running.batch.states[q.row])]) for q in list(sch.by_row.values())[:5]],
+            "disagg": [(r, self.disagg.engine.req(r).state) for r in list(self.disagg.live)[:5]]
+            if not self.naive else list(self.disagg.live)[:5],
+            "prefetch": list(self.prefetch.live)[:5],
+            "tokenizer": [(k, v.state) for k, v in list(self.tokenizer.live.items())[:5]]
+            if not self.naive else [],
+            "tasks": len(self._tasks),
+        }
+        return ", ".join(f"{k}={v}" for k, v in parts.items() if v)
+
+    def _sample_peaks(self) -> None:
+        p, d = self.pools, self.disagg.pools
+        now = {
+            "kv_tokens": p.kv.capacity - p.kv.available + d.kv.capacity - d.kv.available,
+            "request_rows": p.table.capacity - p.table.available
+            + d.table.capacity - d.table.available,
+            "mamba_slots": p.mamba.capacity - p.mamba.available
+            + d.mamba.capacity - d.mamba.available,
+            "metadata_slots": d.metadata.capacity - d.metadata.available,
+            "host_pages": sum(s.host.occupied for s in self.prefetch.sites)
+            + d.host.occupied,
+            "live_requests": len(self.tokenizer.live),
+        }
+        peak = self._peak
+        for k, v in now.items():
+            if v > peak[k]:
+                peak[k] = v
+
+    def peaks(self) -> dict[str, int]:
+        """The most of each pool in use at once during the run."""
+        return {k: int(self._peak[k]) for k in ("kv_tokens", "request_rows", "mamba_slots",
+                                                "metadata_slots", "host_pages",
+                                                "live_requests")}
+
+    def _abort(self, rid: str) -> None:
+        kind = self.specs[rid].kind
+        if kind == "disagg":
+            self.disagg.abort(rid)
+            return
+        if kind == "prefetch":
+            self.prefetch.abort(rid, naive=self.naive)
+        self.tokenizer.abort(rid)
+
+    def _submit(self, spec: RequestSpec, now: int) -> None:
+        if spec.kind == "disagg":
+            self.disagg.add(spec)
+            return
+        if spec.kind == "prefetch":
+            self.prefetch.add(spec.rid, spec.prefetch_pages, now)
+        prompt = (spec.rid, spec.prompt_len)
+        if spec.n > 1:
+            coro: Any = self.tokenizer.submit_batch([prompt], spec.lora, n=spec.n,
+                                                    rid=spec.rid)
+        else:
+            coro = self.tokenizer.submit(prompt, spec.lora, rid=spec.rid)
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- the audit --------------------------------------------------------------------
+
+    def leaks(self) -> dict[str, int]:
+        """What is missing after the run: one number per resource, 0 when nothing leaked."""
+        out: Counter[str] = Counter(self.pools.leaks())
+        for k, v in self.disagg.leaks().items():
+            out[k] += v
+        for k, v in self.prefetch.leaks().items():
+            out[k] += v
+        counts = self.registry.counts().values()
+        out["lora_refs"] = sum(abs(c) for c in counts)
+        out["lora_underflows"] = getattr(self.tokenizer, "underflows", 0)
+        if self.ledger is not None:
+            out["ledger_handles"] += self.ledger.count()
+        streams = self.stream_counts()
+        out["missing_streams"] = sum(1 for rid in self._expected_streams()
+                                     if not self._streamed(rid, streams))
+        out["duplicate_streams"] = sum(max(0, c - 1) for c in streams.values())
+        out["collective_deadlocks"] = self.prefetch.deadlocks
+        return {k: int(out[k]) for k in LEAK_KEYS}
+
+    def stream_counts(self) -> Counter[Any]:
+        """Terminal outputs per request id, both paths."""
+        c = Counter(self.sink.count)
+        c.update(self.disagg.stream.counts)
+        return c
+
+    def _expected_streams(self) -> list[Any]:
+        return [s.rid for s in self.workload]
+
+    def _streamed(self, rid: Any, streams: Counter[Any]) -> bool:
+        # A sampling group streams through its children once it fanned out.
+        spec = self.specs[rid]
+        return streams[rid] > 0 or any(streams[f"{rid}-{k}"] for k in range(spec.n))
+
+    def max_streams_per_request(self) -> int:
+        """The most terminal outputs any one request id streamed (1 is right)."""
+        return max(self.stream_counts().values(), default=0)
+
+    def terminal_states(self) -> Counter[str]:
+        """Terminal outputs by state (a sampling group's children count one each)."""
+        c: Counter[str] = Counter(self.sink.outcomes)
+        c.update(self.disagg.terminal_states())
+        return c
