@@ -80,7 +80,7 @@ def print_table(title: str, rows: Sequence[tuple[str, str]]) -> None:
     t.add_column("value", justify="right")
     for k, v in rows:
         t.add_row(k, v)
-    Console().print(t)
+    Console(width=None if sys.stdout.isatty() else 110).print(t)
 
 
 def bench_main(argv: list[str]) -> int:
@@ -92,7 +92,10 @@ def bench_main(argv: list[str]) -> int:
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     a = p.parse_args(argv)
-    names = a.names or sorted(benches)
+    # Engine first, then the layers built on it; a user's own benchmarks after.
+    order = ["engine", "kernels", "e2e"]
+    names = a.names or sorted(benches, key=lambda n: (order.index(n) if n in order
+                                                      else len(order), n))
     for n in names:
         if n not in benches:
             raise CliError(f"unknown benchmark {n!r}; benchmarks: {', '.join(sorted(benches))}")
