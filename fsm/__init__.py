@@ -5,7 +5,8 @@ Declare with `Spec`, build (validate + compile) with `Spec.build()`, bind releas
 and a ledger with `Machine.bind()`, then `create()` instances and `fire()` events.
 """
 
-from .batch import Batch, BatchStep
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     DoubleRelease,
     FsmError,
@@ -29,6 +30,19 @@ from .plan import (
     release_effect,
 )
 from .spec import ANY, ERROR, IGNORE, Event, Go, Spec, State, go
+
+if TYPE_CHECKING:
+    from .batch import Batch, BatchStep
+
+
+def __getattr__(name: str) -> Any:
+    # Batched stepping needs torch; declaring and firing machines does not, so
+    # `import fsm` (and `states`, which imports only fsm) stays free of torch.
+    if name in ("Batch", "BatchStep"):
+        from . import batch
+
+        return getattr(batch, name)
+    raise AttributeError(f"module 'fsm' has no attribute {name!r}")
 
 __all__ = [
     "ANY",

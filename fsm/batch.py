@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import observe as _obs
-from .errors import TransitionNotAllowed
-from .plan import _ENGINE, ReleaseContext, _require_effect
+from .errors import ReleaseFailed, TransitionNotAllowed
+from .plan import _ENGINE, EffectError, ReleaseContext, _require_effect
 from .spec import DECISIONS, ERRORED, IGNORED
 
 if TYPE_CHECKING:
@@ -80,6 +80,11 @@ class Batch:
                 raise KeyError(f"machine {machine.name!r} runs no plan {name!r}; its plans: "
                                f"{', '.join(machine.plan_names) or 'none'}")
             _require_effect(fn, f"batched plan {name!r}")
+        missing = [p for p in machine.plan_names if self._plans and p not in self._plans]
+        if missing:  # a row entering that plan's state would never be released
+            raise KeyError(f"machine {machine.name!r}: batched plans given for "
+                           f"{', '.join(sorted(self._plans))} but not for "
+                           f"{', '.join(missing)}; pass an effect for every plan")
         t = machine.tables
         S, E = len(t.next), len(machine.events)
         self._w = W = E + 1
@@ -97,6 +102,7 @@ class Batch:
         dec = torch.full((S, W), IGNORED, dtype=torch.int64)
         dec[:, 1:] = torch.tensor(t.decision, dtype=torch.int64).reshape(S, E)
         self._packed = packed.reshape(-1).to(self.device)
+        self._terminal = term.to(self.device)
         self._decision = dec.reshape(-1)
         self._base = torch.full((n,), machine.initial * W + 1, dtype=torch.int64,
                                 device=self.device)
@@ -190,16 +196,24 @@ class Batch:
 
     def _run_plans(self, result: BatchStep) -> None:
         m = self.machine
+        errors: list[Exception] = []
         for name, idx in result.by_plan(m).items():
             fn = self._plans.get(name)
-            if fn is None:
+            if fn is None:  # an edge without a plan: nothing to run
                 continue
             ctx = ReleaseContext(_ENGINE, m.name, self, None, name, "*", "*", m.ledger)
             try:
                 fn(ctx, idx)
+            except Exception as e:  # every plan still runs: its rows are terminal now
+                errors.append(EffectError(m.name, name, getattr(fn, "__name__", name),
+                                          False, e))
             finally:
                 ctx._live = False
             m.stats.plans_run[name] += int(idx.numel())
+        if errors:
+            m.stats.effect_errors += len(errors)
+            raise ReleaseFailed(f"machine {m.name!r}: {len(errors)} batched plan(s) raised; "
+                                "every other plan ran", errors, result)
 
     def recycle(self, rows: torch.Tensor) -> None:
         """Start new instances in `rows`, which must be terminal or still initial.
@@ -210,8 +224,7 @@ class Batch:
         """
         m = self.machine
         states = self.states.index_select(0, rows)
-        term = torch.tensor(m.terminal, dtype=torch.bool, device=self.device)
-        ok = term[states] | (states == m.initial)
+        ok = self._terminal[states] | (states == m.initial)
         if not bool(ok.all()):
             i = int(rows[(~ok).nonzero()[0]])
             raise TransitionNotAllowed(

@@ -71,6 +71,7 @@ class Ledger:
         self._observers: dict[int, list[Any]] = {}
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Future[Any]] = set()
+        self._in_plan: set[int] = set()  # id() of instances whose plan is running
         self.errors: list[EffectError] = []
         """Errors of async steps and of late releases, in the order they happened."""
         self.released = 0
@@ -98,7 +99,7 @@ class Ledger:
             )
         h = Handle(next(self._ids), kind, value, owner)
         self._owned.setdefault(owner, {})[h.hid] = h
-        if owner.terminal and not owner.busy:
+        if owner.terminal and id(owner) not in self._in_plan:
             self._release_late(h)
         return h
 
@@ -111,7 +112,7 @@ class Ledger:
         src = self._owned.get(handle.owner)
         if src is None or handle.hid not in src:
             raise OwnershipError(f"{handle!r} is not in the ledger")
-        if handle.owner.terminal and not handle.owner.busy:
+        if handle.owner.terminal and id(handle.owner) not in self._in_plan:
             raise OwnershipError(
                 f"cannot transfer {handle!r}: its owner is terminal and has released it"
             )
@@ -120,7 +121,7 @@ class Ledger:
             del self._owned[handle.owner]
         handle.owner = to
         self._owned.setdefault(to, {})[handle.hid] = handle
-        if to.terminal and not to.busy:
+        if to.terminal and id(to) not in self._in_plan:
             self._release_late(handle)
 
     def observe(self, handle: Handle, observer: Instance) -> None:

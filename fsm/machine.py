@@ -367,6 +367,10 @@ class Machine:
         ctx = ReleaseContext(_ENGINE, self.name, inst, event, pname, self.states[src],
                              self.states[dst], ledger)
         report = PlanReport(self.name, inst, pname)
+        # While the plan runs, a handle acquired for the instance is the plan's to
+        # release (its leftover sweep below); once it ended, the ledger releases it.
+        if ledger is not None:
+            ledger._in_plan.add(id(inst))
         try:
             for step in plan.steps:
                 if isinstance(step, Release):
@@ -383,6 +387,8 @@ class Machine:
                     ledger._release(ctx, h, None, report, f"release {h.kind}", False)
         finally:
             ctx._live = False
+            if ledger is not None:
+                ledger._in_plan.discard(id(inst))
         self.stats.plans_run[pname] += 1
         if report.errors:
             self.stats.effect_errors += len(report.errors)

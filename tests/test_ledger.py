@@ -120,3 +120,25 @@ def test_acquiring_a_kind_without_a_releaser_is_refused_before_it_is_owned(kv, l
 def test_a_releaser_must_be_a_release_effect():
     with pytest.raises(TypeError, match=r"decorate it with @fsm\.release_effect"):
         Ledger({"kv": lambda ctx, h: None})
+
+
+def test_a_handle_acquired_after_the_plan_ran_but_while_events_drain_is_released(kv, ledger):
+    from fsm import Action
+
+    @release_effect
+    def echo_abort(ctx):
+        ctx.instance.fire(Abort())  # queued: handled after the plan, while still busy
+
+    m = LIFECYCLE.bind({"release_aborted": Plan(Action(echo_abort), Release("kv")),
+                        "release_finished": Plan(Release("kv"))}, ledger)
+    job = m.create("r1")
+    late = []
+
+    def acquire_while_draining(record):
+        if record.event == "Abort" and record.decision == "ignore":
+            late.append(ledger.acquire(job, "kv", kv.alloc(4)))
+
+    m.add_sink(acquire_while_draining)
+    job.fire(Abort())
+    assert len(late) == 1 and late[0].released
+    assert ledger.late_released == 1
