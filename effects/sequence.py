@@ -68,7 +68,6 @@ class RunningBatch:
         self.on_retired = on_retired
         self.retired = {name: 0 for name in _TERMINAL_OF_PLAN.values()}
         self.released_tokens = 0
-        self.peak_rows = 0
         effect = self._make_effect()
         self.batch = SEQUENCE.batch(pools.table.capacity, pools.table.device,
                                     plans=dict.fromkeys(_TERMINAL_OF_PLAN, effect))
@@ -105,7 +104,6 @@ class RunningBatch:
             assert slots is not None
             pools.table.mamba_slots.index_copy_(0, rows, slots.to(torch.int64))
         self.batch.recycle(rows)
-        self.peak_rows = max(self.peak_rows, pools.table.capacity - pools.table.available)
         return rows
 
     def append_kv(self, rows: torch.Tensor, counts: torch.Tensor) -> bool:
@@ -120,7 +118,7 @@ class RunningBatch:
         idx = kv.alloc(total)
         if idx is None:
             return False
-        counts = counts.to(torch.int64)
+        counts = counts.to(device=rows.device, dtype=torch.int64)
         # which[i] = the position in `rows` of the i-th new token (the index form of
         # repeat_interleave is the fast one on CPU).
         which = torch.repeat_interleave(counts)

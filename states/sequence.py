@@ -4,7 +4,7 @@ One row of a scheduler's running batch, from admission to retirement. Its reques
 (the row of the request-to-token table), its KV tokens and its Mamba state are owned by
 the row and released in one batched call per step when the row turns terminal.
 
-    waiting ─Admit─► prefill ─ChunkLaunched─► prefill_1 ─ChunkLaunched─► prefill_2
+    vacant ─Admit─► prefill ─ChunkLaunched─► prefill_1 ─ChunkLaunched─► prefill_2
                         ▲  ◄────ChunkDone────────┘  ◄──────ChunkDone───────┘
                         │        │ LastChunkDone
                         │        ▼
@@ -15,7 +15,9 @@ the row and released in one batched call per step when the row turns terminal.
 Every guard a scalar machine would use ("is a chunk still in flight?") is a state here:
 the number of chunks in flight (0, 1 or 2, the overlap depth) is part of the state, so
 the whole machine is unguarded and a scheduler steps all its rows with one gather (I8:
-the wait for an overlapped chunk is a declared state, not a flag). A failure with
+the wait for an overlapped chunk is a declared state, not a flag). Rows start vacant
+and own nothing until `Admit`, which the scheduler fires in the same call that gives
+the row its slot, Mamba state and KV. A failure with
 nothing in flight ends `failed`; a failure or abort with chunks in flight drains them
 first and ends `aborted`, whose release never inserts into the prefix cache.
 """
@@ -76,7 +78,8 @@ SEQUENCE = Spec(
     "sequence",
     doc="Scheduler-side sequence: chunked overlapped prefill, decode, batched release.",
     states=(
-        State("waiting", initial=True, doc="queued for admission; owns nothing yet"),
+        State("vacant", initial=True,
+              doc="a free row: owns nothing, so nothing but an admission is allowed"),
         State("prefill", doc="admitted, no chunk in flight"),
         State("prefill_1", doc="one prefill chunk in flight"),
         State("prefill_2", doc="two chunks in flight (the next overlapped)"),
@@ -89,10 +92,10 @@ SEQUENCE = Spec(
     ),
     events=(Admit, ChunkLaunched, ChunkDone, LastChunkDone, Token, Finish, Abort, Fail),
     table={
-        "waiting": {
+        # A vacant row owns nothing: an abort or failure aimed at it is a scheduler
+        # bug (releasing it would free a request slot someone else may hold).
+        "vacant": {
             Admit: go("prefill"),
-            Abort: _RELEASE_ABORTED,
-            Fail: _RELEASE_FAILED,
             ANY: ERROR,
         },
         "prefill": {

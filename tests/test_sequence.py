@@ -145,3 +145,49 @@ def test_every_transition_and_pair_of_the_sequence_machine_on_a_real_batch(pools
             rb.fire(rows, step.event)
         assert [s for _, s in log] == [path.final], str(path)
         pools.assert_full()
+
+
+def test_a_failing_batched_plan_does_not_skip_the_other_plans_rows(pools):
+    from fsm import ReleaseFailed
+
+    def on_retired(rows, state):
+        if state == "aborted":
+            raise ConnectionError("client stream closed")
+
+    rb = RunningBatch(pools, on_retired)
+    rows = rb.admit(2, mamba=True)
+    rb.fire(rows, Admit)
+    assert rb.append_kv(rows, torch.tensor([3, 3]))
+    ev = torch.full((rb.batch.n,), -1, dtype=torch.int64)
+    ev[rows[0]] = rb.event[Abort]
+    ev[rows[1]] = rb.event[Fail]
+    with pytest.raises(ReleaseFailed) as info:
+        rb.step(ev)
+    assert [type(e.error) for e in info.value.exceptions] == [ConnectionError]
+    # Both rows went back: the aborted row's release ran before its stream failed,
+    # and the failed row's plan still ran.
+    assert rb.retired == {"finished": 0, "aborted": 1, "failed": 1}
+
+
+def test_an_abort_aimed_at_a_vacant_row_is_an_error_and_frees_nothing(pools):
+    rb = RunningBatch(pools)
+    rows = rb.admit(1, mamba=False)
+    rb.fire(rows, Admit)
+    vacant = torch.tensor([int(r) for r in range(pools.table.capacity)
+                           if r != int(rows[0])][:1])
+    free_before = pools.table.available
+    with pytest.raises(TransitionNotAllowed, match="state 'vacant'"):
+        rb.fire(vacant, Abort)
+    assert pools.table.available == free_before
+    rb.fire(rows, Abort)
+
+
+def test_a_batch_given_some_plans_must_be_given_all_of_them():
+    from fsm import release_effect
+
+    @release_effect
+    def noop(ctx, rows):
+        pass
+
+    with pytest.raises(KeyError, match="not for release_failed, release_finished"):
+        SEQUENCE.batch(2, plans={"release_aborted": noop})
