@@ -22,8 +22,9 @@ The protocol on every rank, for one aborted request (I7)::
 
 A barrier that times out raises `PrefetchAbortTimeout` naming the request, the rank and
 the group; the instance is then `stalled` and keeps, for a retry, everything the
-request owned: the completed host pages (the I/O is already drained), the lock reference
-on its anchor pages and its prefetch occupancy; the outstanding barrier is kept as a
+request owned: its reserved host pages (the I/O is stopped; the pages it never wrote are
+freed with the completed ones, after the barrier), the lock reference on its anchor
+pages and its prefetch occupancy; the outstanding barrier is kept as a
 ticket. `retry(rid, ...)` waits on that same barrier again; `close_group(rid)` releases
 after the caller tore the group down (no peer can still be in it). A reduction that
 times out leaves the request in `abort_requested` with nothing decided and nothing
@@ -77,10 +78,14 @@ __all__ = [
 
 @release_effect
 def free_completed_pages(ctx: ReleaseContext, handle: Any) -> None:
-    """Abort: free exactly the completed prefix; the I/O already gave back the rest."""
+    """Abort, after the barrier: free the pages the stopped I/O never wrote, then the
+    completed prefix."""
     site: PrefetchSite = ctx.resources
     p: Prefetch = handle.value
-    p.terminate()  # a no-op after the drain; stops the I/O if a plan ever runs first
+    if not p.terminated:  # the pages the stopped I/O never wrote go back first
+        tail = p.pages.numel() - p.completed
+        p.terminate()
+        site.trace.append(("free_tail", ctx.instance.key, tail))
     n = p.release()
     site.trace.append(("free_prefix", ctx.instance.key, n))
 
@@ -93,8 +98,13 @@ def hand_to_cache(ctx: ReleaseContext, handle: Any) -> None:
     p.terminate()
     pages = p.take()
     site.trace.append(("insert", ctx.instance.key, pages.numel()))
-    assert site.insert is not None  # complete() checks it before firing
-    site.insert(ctx.instance.key, pages)
+    if site.insert is None:  # complete() checks it before firing
+        raise ValueError("PrefetchSite(insert=...) is needed to complete a prefetch")
+    try:
+        site.insert(ctx.instance.key, pages)
+    except BaseException:
+        site.host.free(pages)  # the cache did not take them: nobody else owns them
+        raise
 
 
 @release_effect
@@ -187,7 +197,8 @@ class PrefetchSite:
     ``trace`` records, in order, every collective entered and every local action and
     release: ``("reduce", rid, group)``, ``("revoke", rid)``, ``("drain", rid,
     unwritten_pages)``, ``("barrier_enter", rid, group)``, ``("barrier_exit", rid,
-    group)``, ``("free_prefix", rid, pages)``, ``("unlock", rid, pages)``,
+    group)``, ``("free_tail", rid, pages)`` (pages the stopped I/O never wrote),
+    ``("free_prefix", rid, pages)``, ``("unlock", rid, pages)``,
     ``("insert", rid, pages)``.
     """
 
@@ -306,7 +317,7 @@ class PrefetchSite:
             p = self.prefetch_of(rid)
             assert p is not None  # an active prefetch owns its transfer
             unwritten = p.pages.numel() - p.completed
-            p.terminate()
+            p.stop()  # nothing is freed before the barrier: the terminal plan frees it
             self.trace.append(("drain", rid, unwritten))
             inst.fire(Drained())
         if inst.state in ("revoked", "drained"):
@@ -566,7 +577,8 @@ def simulate_abort(classes: Sequence[int], *, tp: int | None = None, naive: bool
         kinds = [t[0] for t in site.trace]
         if "barrier_exit" in kinds:
             last = max(i for i, k in enumerate(kinds) if k == "barrier_exit")
-            after &= all(i > last for i, k in enumerate(kinds) if k in ("free_prefix", "unlock"))
+            after &= all(i > last for i, k in enumerate(kinds)
+                         if k in ("free_tail", "free_prefix", "unlock"))
         if site.requests["rid"].state in ("stalled", "abort_requested"):
             site.close_group("rid")
         site.assert_released()

@@ -139,19 +139,30 @@ class Prefetch:
         self.pages = pages
         self.anchor = anchor
         self.completed = 0
+        self.stopped = False
         self.terminated = False
         self.retired = False
 
     def advance(self, k: int) -> int:
         """Record ``k`` more pages transferred; returns the completed count."""
-        if self.terminated:
-            raise KernelError("Prefetch.advance() after terminate(): the I/O was stopped")
+        if self.stopped:
+            raise KernelError("Prefetch.advance() after stop()/terminate(): the I/O was stopped")
         self.completed = min(self.pages.numel(), self.completed + k)
+        return self.completed
+
+    def stop(self) -> int:
+        """Stop the I/O (a drain) without freeing anything; returns ``completed``.
+
+        The pages it never wrote stay held until ``terminate()``: an abort that must
+        wait for its peers frees nothing before the barrier.
+        """
+        self.stopped = True
         return self.completed
 
     def terminate(self) -> int:
         """Stop the I/O; free the pages it never started. Idempotent; returns ``completed``."""
         if not self.terminated:
+            self.stopped = True
             self.terminated = True
             self.pool.free(self.pages[self.completed :])
         return self.completed

@@ -160,3 +160,16 @@ def test_any_sequence_keeps_accounting_and_never_hands_out_twice(ops):
         assert h.available + len(held) == h.capacity
     h.free(held)
     h.assert_full()
+
+
+def test_stopping_a_prefetch_frees_nothing_and_ends_its_io():
+    pool = HostPagePool(8)
+    p = pool.prefetch(5)
+    p.advance(2)
+    assert p.stop() == 2
+    assert pool.available == 3  # the unwritten tail is still held
+    with pytest.raises(KernelError, match="after stop"):
+        p.advance(1)
+    assert p.terminate() == 2 and pool.available == 6
+    assert p.release() == 2
+    pool.assert_full()

@@ -250,7 +250,8 @@ def test_active_rank_keeps_its_pages_and_locks_until_every_rank_arrived() -> Non
     assert gens[0].send(2) == BarrierOp(0, None)
     assert site.requests["rid"].state == "in_barrier"
     assert site.host.locked_pages() == ANCHOR
-    assert site.host.available == 32 - ANCHOR - DONE  # the unwritten tail went back
+    # Nothing goes back before the barrier, not even the tail the I/O never wrote.
+    assert site.host.available == 32 - ANCHOR - PAGES
     assert site.occupancy_tokens == PAGES
     assert not events(site, "free_prefix")
     gens[1].send(2)  # rank 1 (missing) only joins
