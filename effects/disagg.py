@@ -329,6 +329,11 @@ class DisaggPrefill:
         if prompt_len < 1 or chunk_size < 1:
             raise ValueError(f"request {rid!r}: prompt_len ({prompt_len}) and chunk_size "
                              f"({chunk_size}) must be >= 1")
+        limit = self.pools.table.max_context_len
+        if prompt_len > limit:
+            raise ValueError(f"request {rid!r}: prompt_len {prompt_len} exceeds the "
+                             f"request table's max_context_len {limit}; cut the prompt or "
+                             "raise max_context_len")
         req = PrefillRequest(self.requests_machine, rid, prompt_len, chunk_size)
         self.requests[rid] = req
         if host_pages > 0:
@@ -406,25 +411,27 @@ class DisaggPrefill:
         if req.state not in ("waiting", "prefilling") or k >= req.n_chunks:
             return None
         pools = self.pools
-        slot = mamba = None
+        kv_pool: Any = pools.kv  # ours report `available`; the protocol has available_size
+        mamba_pool: Any = pools.mamba
+        # All or nothing, decided before taking anything: every unit taken below has
+        # an owner in the ledger at once, so nothing is ever given back by hand.
+        if kv_pool.available_size() < req.chunk_len(k) or (k == 0 and (
+                pools.table.available < 1
+                or mamba_pool.available < self.mamba_per_request)):
+            return None
         if k == 0:
             slot = pools.table.alloc(1)
             mamba = pools.mamba.alloc(self.mamba_per_request)
-        kv = pools.kv.alloc(req.chunk_len(k))
-        if kv is None or (k == 0 and (slot is None or mamba is None)):
-            # All or nothing: a short pool leaves nothing taken.
-            for pool, got in ((pools.table, slot), (pools.mamba, mamba), (pools.kv, kv)):
-                if got is not None:
-                    pool.free(got)
-            return None
-        if slot is not None and mamba is not None:
+            assert slot is not None and mamba is not None  # checked just above
             self.ledger.acquire(req, "req_slot", slot)
             self.ledger.acquire(req, "mamba", mamba)
-        row = self.ledger.owned(req, "req_slot")[0].value
-        pools.table.write(int(row[0]), k * req.chunk_size, kv)
+        kv = pools.kv.alloc(req.chunk_len(k))
+        assert kv is not None  # checked just above
         chunk = Chunk(self.chunks_machine, (rid, k), parent=req, index=k,
                       last=k == req.n_chunks - 1)
         self.ledger.acquire(chunk, "kv", kv)
+        row = self.ledger.owned(req, "req_slot")[0].value
+        pools.table.write(int(row[0]), k * req.chunk_size, kv)
         for prev in req.chunks:
             if prev.state == "running":
                 prev.fire(NextLaunched())

@@ -44,7 +44,7 @@ from states.sequence import (
 from states.workload import RequestSpec
 
 from .disagg import DisaggPools, DisaggPrefill
-from .prefetch import PrefetchSite, SimulatedRanks
+from .prefetch import PrefetchAbortTimeout, PrefetchSite, SimulatedRanks
 from .request import RequestResources, TerminalOutput, lora_ledger
 from .sequence import RunningBatch, SchedulerPools
 from .tokenizer import InvalidRequest, TokenizerSide
@@ -158,7 +158,7 @@ class SimScheduler:
 
     # -- one scheduler step ---------------------------------------------------------------
 
-    def step(self, now: int) -> None:
+    def step(self) -> None:
         """Aborts, admission, chunk results, launches, decode, finishes and faults."""
         rb = self.running
         self._apply_aborts()
@@ -194,9 +194,11 @@ class SimScheduler:
             for r in failing:
                 self.by_row[r].status = _STATUS[str(self.by_row[r].fail)]
             self._fire(failing, Fail)
-            rows = [r for r in rows if r not in set(failing)]
-            if rows and rb.append_kv(torch.tensor(rows, dtype=torch.int64),
-                                     torch.ones(len(rows), dtype=torch.int64)):
+            gone = set(failing)
+            rows = [r for r in rows if r not in gone]
+            dev = rb.batch.device
+            if rows and rb.append_kv(torch.tensor(rows, dtype=torch.int64, device=dev),
+                                     torch.ones(len(rows), dtype=torch.int64, device=dev)):
                 self._fire(rows, Token)
                 finished = []
                 for r in rows:
@@ -216,7 +218,7 @@ class SimScheduler:
             seq = self.by_row[r]
             launched = -(-seq.prompt // c) - seq.chunks_left
             sizes.append(max(1, min(c, seq.prompt - launched * c)))
-        return torch.tensor(sizes, dtype=torch.int64)
+        return torch.tensor(sizes, dtype=torch.int64, device=self.running.batch.device)
 
     def _fire(self, rows: list[int], event: type) -> None:
         if rows:
@@ -431,7 +433,11 @@ class SimPrefetch:
         del self.live[rid]
         self.aborts += 1
         outcomes = self.ranks.abort(rid, naive=naive)
-        if any(isinstance(o, BaseException) for o in outcomes):
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        for e in errors:
+            if not isinstance(e, PrefetchAbortTimeout):
+                raise e  # a bug, not a peer that never came: fail loudly
+        if errors:
             self.deadlocks += 1
 
     def evict(self) -> None:
@@ -547,7 +553,7 @@ class ServingLoop:
             await asyncio.sleep(0)  # let acquires and tokenization run
             for rid in aborts.pop(now, ()):
                 self._abort(rid)
-            self.scheduler.step(now)
+            self.scheduler.step()
             self.disagg.step()
             self.prefetch.step(now)
             self._sample_peaks()

@@ -300,6 +300,9 @@ def test_bad_input_names_what_was_wrong():
     e.add("r", 4, chunk_size=4)
     with pytest.raises(ValueError, match="request 'r' already exists"):
         e.add("r", 4, chunk_size=4)
+    with pytest.raises(ValueError, match="request 'long': prompt_len 5000 exceeds the "
+                       "request table's max_context_len 4096"):
+        e.add("long", 5000, chunk_size=4)  # refused before anything is taken
     with pytest.raises(KeyError, match="no disaggregated-prefill request 'x'; add\\(\\) it"):
         e.abort("x")
     with pytest.raises(ValueError, match="request 'r' has no chunk 0 in flight"):
