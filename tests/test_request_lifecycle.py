@@ -9,9 +9,9 @@ import gc
 
 import pytest
 
-from effects.request import LORA, TerminalOutput, bind_request, lora_ledger
+from effects.request import LORA, TerminalOutput, bind_request
 from effects.tokenizer import TokenizerSide
-from fsm import TransitionNotAllowed
+from fsm import Ledger, TransitionNotAllowed
 from kernels.errors import UnloadTimeout
 from states.request import REQUEST, Abort, Finished, Output, Request, SchedulerError
 from tests.tokenizer_side import make_side, settle
@@ -402,9 +402,9 @@ def test_bad_arguments_are_refused_with_what_to_do():
 def test_a_shared_ledger_gets_the_lora_releaser():
     async def main():
         s = await make_side()
-        shared = lora_ledger(s.side.ledger.resources)
+        shared = Ledger(resources=s.side.ledger.resources)  # no "lora" kind yet
         side = TokenizerSide(s.registry, s.tokenizer, s.scheduler, s.sink, ledger=shared)
-        assert side.ledger is shared
+        assert side.ledger is shared and "lora" in shared._releasers
         await side.submit("hello", "a", rid="q1")
         side.on_finish("q1")
         shared.assert_empty()
