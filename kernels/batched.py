@@ -17,9 +17,13 @@ given slots own, so a slot must appear here once, and only for a request that ow
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import ExceptionGroup
 
 from kernels._stack import IdsLike, as_ids
 from kernels.protocols import KVAllocator, MambaPool, ReqSlots
@@ -110,15 +114,30 @@ def release_batch(
     if ids.numel() == 0:
         return BatchRelease(0, 0, 0)
     tokens = gather_kv(table, ids, kv_start)
-    kv.free(tokens)
-    freed_mamba = 0
-    if mamba is not None:
-        m = table.mamba_slots.index_select(0, ids)
+    m = table.mamba_slots.index_select(0, ids) if mamba is not None else None
+    if m is not None:
         m = m[m > 0]
-        freed_mamba = m.numel()
-        if freed_mamba:
-            mamba.free(m)
+    # Each pool's free runs even when an earlier one raised (a strict pool naming a
+    # double free): one refusal must not leak what the other pools hold.
+    errors: list[Exception] = []
+    try:
+        kv.free(tokens)
+    except Exception as e:
+        errors.append(e)
+    if mamba is not None and m is not None:
+        if m.numel():
+            try:
+                mamba.free(m)
+            except Exception as e:
+                errors.append(e)
         table.mamba_slots.index_fill_(0, ids, 0)
     table.lengths.index_fill_(0, ids, 0)
-    (req_slots if req_slots is not None else table).free(ids)
-    return BatchRelease(ids.numel(), tokens.numel(), freed_mamba)
+    try:
+        (req_slots if req_slots is not None else table).free(ids)
+    except Exception as e:
+        errors.append(e)
+    if errors:
+        if len(errors) == 1:
+            raise errors[0]
+        raise ExceptionGroup("release_batch: several pools refused their frees", errors)
+    return BatchRelease(ids.numel(), tokens.numel(), 0 if m is None else m.numel())

@@ -190,3 +190,13 @@ def test_gather_kv_returns_each_rows_owned_columns_in_order(data):
     ]
     assert got.dtype == torch.int32
     assert got.tolist() == want
+
+
+def test_a_pool_refusing_its_free_does_not_keep_the_other_pools_from_theirs():
+    kv, table, mamba, slots = setup([4, 2])
+    shared = int(table.req_to_token[slots[0], 0])
+    table.req_to_token[slots[1], 1] = shared  # strict KV will refuse the whole free
+    with pytest.raises(DoubleFree, match=rf"double free of \[{shared}\]"):
+        release_batch(slots, table, kv, mamba)
+    mamba.assert_full()  # the Mamba states and request slots still went back
+    table.assert_full()
