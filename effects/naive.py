@@ -46,7 +46,8 @@ class NaiveTokenizer:
         self.sink = sink
         self.rid_to_state: dict[Any, dict[str, Any]] = {}
         self.underflows = 0
-        self.streamed: set[Any] = set()
+        self.orphans = 0
+        """References acquired that no state will ever release."""
 
     # what ServingLoop reads
     @property
@@ -84,7 +85,8 @@ class NaiveTokenizer:
                 self._pop(rid, "rejected", 400)
                 return
             if rid not in self.rid_to_state:
-                return  # aborted while acquiring: the id is orphaned (the seed's race)
+                self.orphans += 1  # aborted while acquiring: the seed's race
+                return
             st["lora_id"] = lora_id
         try:
             tokens = await self.tokenizer.tokenize(prompt)
@@ -111,7 +113,8 @@ class NaiveTokenizer:
                 self._pop(rid, "rejected", 400)
                 return
             if rid not in self.rid_to_state:
-                return  # orphaned: n references
+                self.orphans += n  # aborted while acquiring: all n orphaned
+                return
             self.rid_to_state[rid]["lora_id"] = ids[0]  # the parent remembers one
         try:
             tokens = await self.tokenizer.tokenize(prompt)
@@ -119,6 +122,7 @@ class NaiveTokenizer:
             # Fails before fan-out: the parent releases the one id it remembers.
             self.rid_to_state[rid]["stream"] = True
             self._pop(rid, "rejected", 400)
+            self.orphans += max(0, len(ids) - 1)
             return
         self.rid_to_state[rid]["tokens"] = tokens
         self.rid_to_state[rid]["ids"] = ids

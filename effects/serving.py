@@ -77,6 +77,15 @@ class SimConfig(msgspec.Struct, frozen=True):
     host_pages: int = 4096
 
 
+class _RegistryWithLatency(LoRARegistry):
+    """The real registry, whose acquire yields to the event loop once first, as a
+    registry behind a lock or an RPC does, so aborts can overtake it."""
+
+    async def acquire(self, names: Any) -> Any:
+        await asyncio.sleep(0)
+        return await super().acquire(names)
+
+
 class StreamCounter:
     """The client side: counts terminal outputs per request id (an OutputSink)."""
 
@@ -482,7 +491,7 @@ class ServingLoop:
                                     mamba_slots=self.cfg.mamba_slots,
                                     device=self.cfg.device, strict=self.cfg.strict)
         self.running = RunningBatch(self.pools)
-        self.registry = LoRARegistry()
+        self.registry = _RegistryWithLatency()
         self.sink = StreamCounter()
         self.tokenizer_fake = FakeTokenizer()
         self.prefetch = SimPrefetch(self.cfg)
@@ -550,7 +559,9 @@ class ServingLoop:
         while True:
             for spec in by_step.get(now, ()):
                 self._submit(spec, now)
-            await asyncio.sleep(0)  # let acquires and tokenization run
+            # New requests start and wait in their LoRA acquire; an abort due now
+            # races it (I6: the reference it then gets is returned at once).
+            await asyncio.sleep(0)
             for rid in aborts.pop(now, ()):
                 self._abort(rid)
             self.scheduler.step()
@@ -651,8 +662,11 @@ class ServingLoop:
             out[k] += v
         for k, v in self.prefetch.leaks().items():
             out[k] += v
+        # References not returned: what the registry still counts, plus references a
+        # loop dropped with no owner left to return them (the naive loop's orphans;
+        # the machines have none: a late acquire is released at once).
         counts = self.registry.counts().values()
-        out["lora_refs"] = sum(abs(c) for c in counts)
+        out["lora_refs"] = sum(abs(c) for c in counts) + getattr(self.tokenizer, "orphans", 0)
         out["lora_underflows"] = getattr(self.tokenizer, "underflows", 0)
         if self.ledger is not None:
             out["ledger_handles"] += self.ledger.count()

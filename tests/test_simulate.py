@@ -38,6 +38,7 @@ def test_the_naive_baseline_shows_each_seeds_leak_on_the_same_workload(small_run
     assert leaks["kv_tokens"] > 0 and leaks["mamba_slots"] > 0  # disagg / scheduler seed
     assert leaks["request_slots"] > 0
     assert leaks["lora_underflows"] > 0  # LoRA seed: warm-ups release what they don't own
+    assert leaks["lora_refs"] > 0  # ...and an abort that overtakes an acquire orphans it
     assert leaks["collective_deadlocks"] > 0  # prefetch seed: ranks skip the barrier
     assert naive["requests"] == machines["requests"]
 
