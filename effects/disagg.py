@@ -203,11 +203,11 @@ def insert_kv_into_cache(ctx: ReleaseContext) -> None:
     parts = res.staged.pop(ctx.instance, [])
     if not parts:
         return
-    kv = torch.cat(parts)
     try:
-        res.cache.insert(ctx.instance.key, kv)
+        res.cache.insert(ctx.instance.key, torch.cat(parts))
     except BaseException:
-        res.pools.kv.free(kv)  # the cache did not take them: they are still ours to free
+        for kv in parts:  # the cache did not take them: they are still ours to free
+            res.pools.kv.free(kv)
         raise
 
 

@@ -280,11 +280,6 @@ class FreeStack:
             ids = [g.reshape(-1).to(self._device) for g in group] if self.strict else group
             self.push(ids[0] if len(ids) == 1 else torch.cat(ids))
 
-    @property
-    def in_group(self) -> bool:
-        """Whether a free group is open."""
-        return self._group is not None
-
     # -- snapshots -----------------------------------------------------------------------
 
     def _save_for_snapshot(self) -> None:

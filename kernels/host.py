@@ -33,7 +33,6 @@ class HostPagePool:
         self._free = FreeStack("HostPagePool", 0, num_pages, device, strict=True, unit="pages")
         self.lock_refs = torch.zeros(num_pages, dtype=torch.int32, device=self._free.device)
         self._prefetching = 0
-        self._live: set[int] = set()
 
     @property
     def device(self) -> torch.device:

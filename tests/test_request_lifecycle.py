@@ -13,7 +13,7 @@ from effects.request import LORA, TerminalOutput, bind_request
 from effects.tokenizer import TokenizerSide
 from fsm import Ledger, TransitionNotAllowed
 from kernels.errors import UnloadTimeout
-from states.request import REQUEST, Abort, Finished, Output, Request, SchedulerError
+from states.request import Abort, Finished, Output, Request, SchedulerError
 from tests.tokenizer_side import make_side, settle
 
 
@@ -419,12 +419,17 @@ def test_machine_level_terminal_states_absorb_late_events_and_refuse_resubmissio
         m = bind_request(s.ledger)
         req = Request(m, "m1", prompt="x")
         req.fire(Abort())
+        runs = dict(m.stats.plans_run)
         for ev in (Output(), Finished(), SchedulerError(500), Abort()):
             assert req.fire(ev) is None
+            assert req.state == "aborted"
+        assert dict(m.stats.plans_run) == runs  # absorbed: no plan ran again
+        assert sum(m.stats.ignored[("aborted", n)] for n in
+                   ("Output", "Finished", "SchedulerError", "Abort")) == 4
+        from states.request import Submitted
+
         with pytest.raises(TransitionNotAllowed, match="'Submitted' is not allowed"):
-            from states.request import Submitted
             req.fire(Submitted())
-        assert REQUEST.name == "request"
         await s.finish_clean()
 
     run(main())
