@@ -4,9 +4,10 @@ Layout (capacity C, ids handed out are ``lo .. lo+C-1``)::
 
     _stack  int64[C]   ids ─┬─ [0, top)      free, the next alloc pops from the top end
                             └─ [top, C)      stale (ids currently allocated)
-    _count  int32[C+2] slot 0 │ 1 .. C                 │ C+1
+    _count  uint8[C+2] slot 0 │ 1 .. C                 │ C+1
                        below  │ copies of id lo+i-1    │ above
                        range  │ in the free list       │ range
+                       (2 + copies of foreign ids)      (2 + copies)
 
 ``alloc(n)`` is a slice of the top (no copy of the rest); ``free(ids)`` writes the ids at
 ``top`` (O(number freed), never O(free ids) as a concatenating free list is).
@@ -19,6 +20,11 @@ next alloc, ``check()``, a snapshot, or the end of a free group. So N single fre
 slice writes and one scatter, and the bitmap is never observed stale. Out-of-range ids are
 clamped onto the two sentinel slots, so a bad free can never index out of bounds on a
 device (a CUDA device-side assert would kill the process instead of raising).
+
+The counts are kept modulo 256 (uint8): a quarter of the memory traffic of int32, which is
+what a fold of 64k ids costs on a CPU. Wraparound cannot hide a violation: a count is the
+number of copies of its id in the free list (never negative), so the counts sum to ``top``
+exactly unless some id has 256 copies or more, and ``check()`` compares that sum too.
 
 ``_bad`` is sticky: an id popped by alloc while its count was not exactly 1 (a double-freed
 id handed out, or a foreign one) is flagged there, so the evidence survives the alloc.
@@ -34,6 +40,13 @@ import torch
 from kernels.errors import DoubleFree, ForeignIndex, KernelError, LeakError, StaleSnapshot
 
 IdsLike = torch.Tensor | int | Sequence[int]
+
+# Element type of the free-list counts (see the module docstring: kept modulo 256).
+_COUNT = torch.uint8
+# What the two sentinel counts hold with no foreign id folded: not 0 or 1, so that popping
+# a foreign id (its count then >= 3) is flagged by the same ``count != 1`` test as a
+# double-freed one, even when it was the only foreign id in the free list.
+_SENTINEL_BASE = 2
 
 
 def as_ids(ids: IdsLike, device: torch.device) -> torch.Tensor:
@@ -92,13 +105,14 @@ class FreeStack:
         # Maps an id onto its _count slot: lo -> 1.
         self._off = 1 - lo
         self._cpu = self._device.type == "cpu"
-        self._plus = torch.ones(1, dtype=torch.int32, device=self._device)
-        self._minus = -self._plus
+        self._plus = torch.ones(1, dtype=_COUNT, device=self._device)
+        self._minus = torch.full((1,), 255, dtype=_COUNT, device=self._device)  # -1 mod 256
         # A dense source of ones for scatter_add_: on CPU it runs ~40 % faster than the
         # stride-0 ``_plus.expand(n)``, and folding a batched free is the bitmap's cost.
         self._ones = self._plus
         self._stack = torch.empty(capacity, dtype=torch.int64, device=self._device)
-        self._count = torch.zeros(capacity + 2, dtype=torch.int32, device=self._device)
+        self._count = torch.zeros(capacity + 2, dtype=_COUNT, device=self._device)
+        self._sentinels = torch.tensor([0, capacity + 1], device=self._device)
         self._bad = torch.zeros(capacity + 2, dtype=torch.bool, device=self._device)
         # Clamped copies of ids go here: a fresh tensor per sync would be a fresh mmap
         # (and page faults) per call for large frees with glibc's allocator.
@@ -114,6 +128,7 @@ class FreeStack:
         torch.arange(self.lo, self.hi, out=self._stack)
         self._count.zero_()
         self._count[1 : self._cap + 1] = 1
+        self._count[self._sentinels] = _SENTINEL_BASE
         self._bad.zero_()
         self._top = self._cap
         self._synced = self._cap
@@ -153,11 +168,11 @@ class FreeStack:
         return torch.clamp(ids, 0, self._cap + 1, out=p)
 
     def _ones_n(self, n: int) -> torch.Tensor:
-        """``n`` ones (int32, contiguous), from a buffer grown to the largest fold so far."""
+        """``n`` ones (uint8, contiguous), from a buffer grown to the largest fold so far."""
         if self._ones.numel() < n:
             self._ones = torch.ones(
                 max(n, min(2 * self._ones.numel(), self._cap)),
-                dtype=torch.int32,
+                dtype=_COUNT,
                 device=self._device,
             )
         return self._ones[:n]
@@ -179,6 +194,7 @@ class FreeStack:
     def _rebuild_counts(self) -> None:
         """Recount the free list from scratch (O(capacity); only after a foreign id)."""
         self._count.zero_()
+        self._count[self._sentinels] = _SENTINEL_BASE
         if self._top:
             p = self._slots(self._stack[: self._top])
             self._count.scatter_add_(0, p, self._ones_n(p.numel()))
@@ -343,24 +359,37 @@ class FreeStack:
     def check(self) -> None:
         """Raise ``ForeignIndex`` or ``DoubleFree`` for any violation recorded so far.
 
-        One host sync. Foreign ids still in the free list are named exactly; ones already
-        handed out again are reported by the sentinel they hit.
+        One host sync when nothing is wrong. Foreign ids still in the free list are named
+        exactly; ones already handed out again are reported by the sentinel they hit.
         """
         if not self.detect:
             return
         self._sync()
         free = self._stack[: self._top]
         outside = (free < self.lo) | (free >= self.hi)
-        foreign = free[outside].tolist()
-        c, b = self._count, self._bad
-        hits = [int(c[0]) + int(b[0]), int(c[self._cap + 1]) + int(b[self._cap + 1])]
-        if foreign or hits[0] or hits[1]:
+        c, b, hi = self._count, self._bad, self._cap + 1
+        inner = (c[1:hi] > 1) | b[1:hi]
+        n_out, below, above, n_inner, total = torch.stack(
+            (
+                outside.sum(),
+                c[0].long() - _SENTINEL_BASE + b[0].long(),
+                c[hi].long() - _SENTINEL_BASE + b[hi].long(),
+                inner.sum(),
+                c.sum(dtype=torch.int64) - 2 * _SENTINEL_BASE,
+            )
+        ).tolist()
+        if n_out or below or above:
+            foreign = free[outside].tolist()
             if not foreign:
-                foreign = [self.lo - 1] if hits[0] else [self.hi]
+                foreign = [self.lo - 1] if below else [self.hi]
             raise ForeignIndex(self.name, sorted(set(foreign)), self.valid_range())
-        inner = (c[1 : self._cap + 1] > 1) | b[1 : self._cap + 1]
-        dbl = torch.nonzero(inner).flatten()
-        if dbl.numel():
+        if n_inner:
+            raise DoubleFree(self.name, (torch.nonzero(inner).flatten() + self.lo).tolist())
+        if total != self._top:
+            # Some id has 256 copies or more in the free list (its count wrapped): count
+            # the free list exactly to name it.
+            exact = torch.bincount(self._slots(free), minlength=hi + 1)
+            dbl = torch.nonzero(exact[1:hi] > 1).flatten()
             raise DoubleFree(self.name, (dbl + self.lo).tolist())
 
     def held(self, limit: int = 16) -> list[int]:

@@ -1,0 +1,75 @@
+"""Edge cases of the free list every id pool shares (kernels/_stack.py): the sentinel slots
+that foreign ids land on, and counts kept modulo 256."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import DoubleFree, ForeignIndex, ReqToTokenTable, TokenKVAllocator
+
+
+@pytest.mark.parametrize("foreign", [[100], [9], [0], [100, 101]])
+def test_a_single_foreign_id_handed_out_again_is_still_reported(foreign):
+    # Freed lazily, then popped by the next alloc before any check(): the only evidence
+    # left is the sentinel it was counted on.
+    kv = TokenKVAllocator(8)
+    held = kv.alloc(8)
+    assert held is not None
+    kv.free(torch.tensor(foreign))
+    got = kv.alloc(len(foreign))
+    assert got is not None and sorted(got.tolist()) == sorted(foreign)
+    with pytest.raises(ForeignIndex, match="foreign index"):
+        kv.check()
+    kv.clear()
+    kv.assert_full()
+
+
+def test_a_foreign_slot_below_a_zero_based_range_is_reported_after_reuse():
+    # Request slots start at 0, so -1 maps onto sentinel slot 0 without any bounds error.
+    table = ReqToTokenTable(4, 4)
+    held = table.alloc(4)
+    assert held is not None
+    table.free([-1])
+    assert table.alloc(1) is not None
+    with pytest.raises(ForeignIndex, match=r"foreign index \[-1\]"):
+        table.check()
+    table._free.clear()
+    table.assert_full()
+
+
+@pytest.mark.parametrize("copies", [2, 255, 256, 257, 512, 513])
+def test_many_copies_of_one_id_are_named_even_when_its_count_wraps(copies):
+    kv = TokenKVAllocator(1024)
+    held = kv.alloc(1024)
+    assert held is not None
+    kv.free(torch.full((copies,), 5))
+    with pytest.raises(DoubleFree, match=r"double free of \[5\]"):
+        kv.check()
+    kv.clear()
+    kv.assert_full()
+
+
+def test_wrapped_copies_popped_back_out_are_still_reported():
+    # 257 copies: the count reads 1 (mod 256), so popping one copy looks clean; the 256
+    # left in the free list make the counts' sum disagree with the free list's length.
+    kv = TokenKVAllocator(1024)
+    held = kv.alloc(1024)
+    assert held is not None
+    kv.free(torch.full((257,), 7))
+    assert kv.alloc(1) is not None
+    with pytest.raises(DoubleFree, match=r"double free of \[7\]"):
+        kv.check()
+    kv.clear()
+    kv.assert_full()
+
+
+def test_a_clean_pool_passes_check_after_many_cycles():
+    kv = TokenKVAllocator(300)
+    for _ in range(3):
+        parts = [kv.alloc(100) for _ in range(3)]
+        for p in parts:
+            assert p is not None
+            kv.free(p)
+        kv.check()
+    kv.assert_full()
