@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -84,13 +85,16 @@ def print_table(title: str, rows: Sequence[tuple[str, str]]) -> None:
 
 
 def bench_main(argv: list[str]) -> int:
-    """`terminus bench [NAME...] [--quick] [--json PATH]`: run benchmarks, print figures."""
+    """`terminus bench [NAME...] [--quick] [--json PATH] [--device DEV]`: print figures."""
     benches = _group("terminus.benchmarks")
     p = parser("terminus bench", "Run benchmarks and print one table of figures each.")
     p.add_argument("names", nargs="*", metavar="NAME",
                    help=f"benchmarks to run (default: all of {', '.join(sorted(benches))})")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    p.add_argument("--device", metavar="DEVICE",
+                   help="where the benchmarks that take a device (kernels) put their "
+                        "tensors: cpu (default) or cuda[:N]")
     a = p.parse_args(argv)
     # Engine first, then the layers built on it; a user's own benchmarks after.
     order = ["engine", "kernels", "e2e"]
@@ -99,13 +103,25 @@ def bench_main(argv: list[str]) -> int:
     for n in names:
         if n not in benches:
             raise CliError(f"unknown benchmark {n!r}; benchmarks: {', '.join(sorted(benches))}")
+    mods = {n: importlib.import_module(benches[n].value) for n in names}
+    on_device = [n for n in names if "device" in inspect.signature(mods[n].run).parameters]
+    if a.device not in (None, "cpu") and len(on_device) < len(names):
+        cpu_only = [n for n in names if n not in on_device]
+        verb = "runs" if len(cpu_only) == 1 else "run"
+        raise CliError(f"--device {a.device}: {', '.join(cpu_only)} {verb} on the CPU only; "
+                       f"name the benchmarks that take a device: {', '.join(on_device) or 'none'}")
     if a.json:
         write_json(a.json, {})  # fail on an unwritable path before minutes of work
     results: dict[str, Any] = {}
     rows: list[tuple[str, str]] = []
-    for n in names:
-        mod = importlib.import_module(benches[n].value)
-        results[n] = mod.run(quick=a.quick)
+    for n, mod in mods.items():
+        kwargs: dict[str, Any] = {"device": a.device} if a.device and n in on_device else {}
+        try:
+            results[n] = mod.run(quick=a.quick, **kwargs)
+        except ValueError as e:
+            if not kwargs:
+                raise
+            raise CliError(f"{n}: {e}") from None
         rows += [(f"{n}: {k}" if len(names) > 1 else k, v) for k, v in mod.table(results[n])]
     title = "terminus bench " + (names[0] if len(names) == 1 else "(" + ", ".join(names) + ")")
     print_table(title, rows)

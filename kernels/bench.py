@@ -1,11 +1,13 @@
 """``terminus bench kernels``: release costs of the KV allocator, with and without bitmap.
 
 Every figure is the median of many timed calls (``release_ms_min`` holds the minimum), with
-torch single-threaded. The double-free bitmap is on unless a figure says otherwise, and
-each timed region includes folding its frees into the bitmaps (the KV pool's and the
-request table's), so nothing is deferred past the clock. For comparison, a concatenating
-allocator (``free`` = ``torch.cat`` onto the whole free list, as SGLang's
-``TokenToKVPoolAllocator`` does) runs the same frees.
+torch single-threaded. ``run(device=...)`` puts every pool on that device; on a GPU each
+timed call ends with ``torch.cuda.synchronize()``, so a figure is the wall time until the
+device finished, not the time to queue kernels. The double-free bitmap is on unless a
+figure says otherwise, and each timed region includes folding its frees into the bitmaps
+(the KV pool's and the request table's), so nothing is deferred past the clock. For
+comparison, a concatenating allocator (``free`` = ``torch.cat`` onto the whole free list,
+as SGLang's ``TokenToKVPoolAllocator`` does) runs the same frees.
 
 What is *not* charged to a release is the setup's own debris: the untimed setup (1,000
 allocations and table writes) leaves thousands of small freed blocks behind, and both
@@ -36,8 +38,8 @@ __all__ = ["run", "table"]
 class _ConcatAllocator:
     """The concatenating design, for comparison only: free copies the whole free list."""
 
-    def __init__(self, size: int) -> None:
-        self.free_pages = torch.arange(1, size + 1, dtype=torch.int64)
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.free_pages = torch.arange(1, size + 1, dtype=torch.int64, device=device)
         self.group: list[torch.Tensor] | None = None
 
     def alloc(self, n: int) -> torch.Tensor | None:
@@ -75,12 +77,19 @@ def _settle() -> None:
 Setup = Callable[[], Callable[[], object]]
 
 
-def _timed(setups: dict[str, Setup], reps: int, warmup: int = 2) -> dict[str, list[float]]:
+def _no_wait() -> None:
+    pass
+
+
+def _timed(
+    setups: dict[str, Setup], reps: int, warmup: int = 2, wait: Callable[[], None] = _no_wait
+) -> dict[str, list[float]]:
     """Wall times (ms) of ``reps`` calls per variant, the variants interleaved call by call.
 
     Each call's untimed ``setup`` refills its pool. The pools persist across calls (as in a
     serving loop), so the first ``warmup`` calls, which pay page faults of fresh buffers,
-    are discarded.
+    are discarded. ``wait`` blocks until the device has finished queued work (a no-op on
+    CPU); it runs before the clock starts and before it stops.
     """
     times: dict[str, list[float]] = {name: [] for name in setups}
     enabled = gc.isenabled()
@@ -89,9 +98,11 @@ def _timed(setups: dict[str, Setup], reps: int, warmup: int = 2) -> dict[str, li
             for name, setup in setups.items():
                 body = setup()
                 _settle()
+                wait()
                 gc.disable()  # a collection of the setup's garbage is not a release cost
                 t0 = time.perf_counter_ns()
                 body()
+                wait()
                 t1 = time.perf_counter_ns()
                 if enabled:
                     gc.enable()
@@ -103,22 +114,45 @@ def _timed(setups: dict[str, Setup], reps: int, warmup: int = 2) -> dict[str, li
     return times
 
 
-def _median_ms(setup: Setup, reps: int, warmup: int = 2) -> float:
-    """Median wall time (ms) of ``reps`` timed calls of one variant."""
-    return statistics.median(_timed({"x": setup}, reps, warmup)["x"])
+def run(quick: bool = False, device: str = "cpu") -> dict:
+    """Run the kernel benchmark on ``device``; returns the JSON object (see ``table``).
 
-
-def run(quick: bool = False) -> dict:
-    """Run the kernel benchmark; returns the JSON object (see ``table`` for the figures)."""
+    Raises ValueError naming the device when torch cannot use it here.
+    """
+    dev = _usable_device(device)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run(quick)
+        return _run(quick, dev)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(quick: bool) -> dict:
+def _usable_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {device!r} ({e}); use cpu or cuda[:N]") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device {device!r}: torch.cuda.is_available() is false here; "
+            "run on a machine with a GPU, or use --device cpu"
+        )
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: this benchmark runs on cpu or cuda only")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here"
+        )
+    return dev
+
+
+def _run(quick: bool, dev: torch.device) -> dict:
+    wait = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else _no_wait
+
+    def median_ms(setup: Setup, reps: int, warmup: int = 2) -> float:
+        return statistics.median(_timed({"x": setup}, reps, warmup, wait)["x"])
+
     size = 1 << 16 if quick else 1 << 20
     n_req, tokens = (100, 64) if quick else (1000, 64)
     reps = 2 if quick else 41
@@ -134,7 +168,7 @@ def _run(quick: bool) -> dict:
         return out
 
     def per_request(detect: bool) -> Setup:
-        kv = TokenKVAllocator(size, detect=detect)
+        kv = TokenKVAllocator(size, device=dev, detect=detect)
 
         def setup() -> Callable[[], object]:
             reqs = requests(kv, [tokens] * n_req)
@@ -149,7 +183,7 @@ def _run(quick: bool) -> dict:
         return setup
 
     def free_group() -> Setup:
-        kv = TokenKVAllocator(size)
+        kv = TokenKVAllocator(size, device=dev)
 
         def setup() -> Callable[[], object]:
             reqs = requests(kv, [tokens] * n_req)
@@ -166,7 +200,7 @@ def _run(quick: bool) -> dict:
         return setup
 
     def batched(detect: bool, lengths: list[int]) -> Setup:
-        kv = TokenKVAllocator(size, detect=detect)
+        kv = TokenKVAllocator(size, device=dev, detect=detect)
         tab = ReqToTokenTable(n_req, max(lengths), kv.device)
 
         def setup() -> Callable[[], object]:
@@ -185,7 +219,7 @@ def _run(quick: bool) -> dict:
         return setup
 
     def concat(group: bool) -> Setup:
-        kv = _ConcatAllocator(size)
+        kv = _ConcatAllocator(size, dev)
 
         def setup() -> Callable[[], object]:
             reqs = [kv.alloc(tokens) for _ in range(n_req)]
@@ -204,7 +238,7 @@ def _run(quick: bool) -> dict:
         return setup
 
     def alloc_loop() -> Setup:
-        kv = TokenKVAllocator(size)
+        kv = TokenKVAllocator(size, device=dev)
         held: list[torch.Tensor] = []
 
         def setup() -> Callable[[], object]:
@@ -229,6 +263,7 @@ def _run(quick: bool) -> dict:
             "per_request_off": per_request(False),
         },
         reps,
+        wait=wait,
     )
     times |= _timed(
         {
@@ -239,15 +274,16 @@ def _run(quick: bool) -> dict:
             "free_group": free_group(),
         },
         reps,
+        wait=wait,
     )
     med = {k: statistics.median(v) for k, v in times.items()}
     release = {k: med[k] for k in ("per_request", "free_group", "batched", "batched_mixed_lengths")}
     no_bitmap = {k: med[k + "_off"] for k in ("per_request", "batched", "batched_mixed_lengths")}
     baseline = {
-        "per_request": _median_ms(concat(False), max(1, reps // 4), warmup=1),
-        "free_group": _median_ms(concat(True), reps),
+        "per_request": median_ms(concat(False), max(1, reps // 4), warmup=1),
+        "free_group": median_ms(concat(True), reps),
     }
-    alloc_ms = _median_ms(alloc_loop(), reps)
+    alloc_ms = median_ms(alloc_loop(), reps)
 
     def pct(on: float, off: float) -> float:
         return (on - off) / off * 100.0
@@ -257,6 +293,8 @@ def _run(quick: bool) -> dict:
         "requests": n_req,
         "tokens_per_request": tokens,
         "mixed_lengths_total_tokens": int(mixed_lengths.sum()),
+        "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "threads": 1,
         "release_ms": release,
         "release_ms_no_bitmap": no_bitmap,
@@ -291,6 +329,7 @@ def table(result: dict) -> list[tuple[str, str]]:
     )
     what = f"release {n} x {t} tokens, {result['pool_slots']:,}-slot pool"
     return [
+        ("device", result["device_name"] if result["device"] != "cpu" else "cpu, 1 torch thread"),
         (f"{what}: one free per request", f"{r['per_request']:.3f} ms"),
         (f"{what}: free group", f"{r['free_group']:.3f} ms"),
         (f"{what}: batched release", f"{r['batched']:.3f} ms"),

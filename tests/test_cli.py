@@ -47,6 +47,28 @@ def test_bench_engine_writes_the_documented_json_keys(tmp_path):
     assert r["fire_ns"]["terminus"] < r["fire_ns"]["transitions"]
 
 
+def test_device_for_a_cpu_only_benchmark_is_refused_before_running(capsys):
+    assert main(["bench", "engine", "kernels", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("terminus bench: --device cuda: engine runs on the CPU only; name the "
+                   "benchmarks that take a device: kernels\n")
+
+
+def test_an_unusable_device_is_one_line_naming_it(capsys):
+    assert main(["bench", "kernels", "--device", "tpu9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("terminus bench: kernels: unknown device 'tpu9'")
+    assert err.count("\n") == 1
+
+
+def test_bench_kernels_on_cpu_writes_the_device_keys(tmp_path):
+    out = tmp_path / "kernels.json"
+    assert main(["bench", "kernels", "--quick", "--device", "cpu", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["device"] == "cpu" and r["device_name"] == "cpu"
+    assert r["release_ms"]["batched"] > 0
+
+
 def test_help_lists_the_commands(capsys):
     assert main([]) == 2
     out = capsys.readouterr().out

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import kernels.bench as bench
 
 
@@ -17,3 +19,19 @@ def test_quick_run_reports_every_figure_as_json():
     rows = bench.table(result)
     assert rows and all(isinstance(k, str) and isinstance(v, str) for k, v in rows)
     assert any(" ms" in v for _, v in rows)
+
+
+def test_a_device_torch_cannot_use_here_is_named():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is usable here")
+    with pytest.raises(ValueError, match=r"device 'cuda': torch.cuda.is_available\(\) is false"):
+        bench.run(quick=True, device="cuda")
+
+
+@pytest.mark.gpu
+def test_quick_run_on_cuda_reports_its_device():
+    result = bench.run(quick=True, device="cuda")
+    assert result["device"].startswith("cuda") and result["device_name"] != "cpu"
+    assert all(v > 0 for v in result["release_ms"].values())
