@@ -234,11 +234,12 @@ class FreeStack:
 
         This is the hot path of per-request frees: one slice write, nothing else.
         """
-        if self._group is not None:
-            self._group.append(ids)
-            return
         if ids.dim() != 1:
             ids = ids.reshape(-1)
+        if self._group is not None:
+            # group_end concatenates the parts: keep them on one device.
+            self._group.append(ids if ids.device == self._device else ids.to(self._device))
+            return
         n = ids.numel()
         if n == 0:
             return
@@ -293,8 +294,7 @@ class FreeStack:
             raise KernelError(f"{self.name}: free_group_end() without free_group_begin()")
         self._group = None
         if group:
-            ids = [g.reshape(-1).to(self._device) for g in group] if self.strict else group
-            self.push(ids[0] if len(ids) == 1 else torch.cat(ids))
+            self.push(group[0] if len(group) == 1 else torch.cat(group))
 
     # -- snapshots -----------------------------------------------------------------------
 

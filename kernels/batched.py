@@ -57,6 +57,8 @@ def gather_kv(
     (two host syncs on a device; ``masked_select`` over the padded rows costs ~1.6x this
     on CPU).
     """
+    if slots.device != table.device:
+        slots = slots.to(table.device)
     lengths = table.lengths.index_select(0, slots)
     if start is None:
         lo, hi = _host_ints(torch.aminmax(lengths))

@@ -1,5 +1,5 @@
 """Shared test configuration: one torch thread per process; tests marked ``gpu`` run only
-where CUDA is present."""
+where CUDA is present; the ``device`` fixture runs a kernel test on CPU and on CUDA."""
 
 from __future__ import annotations
 
@@ -10,6 +10,18 @@ import torch
 # intra-op pool (one thread per core) in each worker the cores are oversubscribed, and
 # the small-tensor ops these tests make slow down 10-100x waiting on each other.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request: pytest.FixtureRequest) -> str:
+    """The device a kernel pool is built on: ``"cpu"``, then ``"cuda"``.
+
+    The ``cuda`` variant is marked ``gpu``, so it is collected everywhere and skipped
+    where CUDA is absent (see ``pytest_collection_modifyitems``); on a GPU machine
+    ``pytest -m gpu`` runs exactly the CUDA variants. A plain string, so it is safe to
+    share across the examples of a Hypothesis ``@given`` test.
+    """
+    return request.param
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernels import DoubleFree, MambaStatePool, ReqToTokenTable, TokenKVAllocator, release_batch
@@ -26,10 +26,10 @@ class Counting:
         return getattr(self.inner, name)
 
 
-def setup(lengths, page_size=1, strict=True):
-    kv = TokenKVAllocator(256, page_size=page_size, strict=strict)
-    table = ReqToTokenTable(8, 64, strict=strict)
-    mamba = MambaStatePool(8, 1, 4, 2, 1, 2, 2, strict=strict)
+def setup(lengths, device, page_size=1, strict=True):
+    kv = TokenKVAllocator(256, page_size=page_size, device=device, strict=strict)
+    table = ReqToTokenTable(8, 64, device, strict=strict)
+    mamba = MambaStatePool(8, 1, 4, 2, 1, 2, 2, device, strict=strict)
     slots = table.alloc(len(lengths))
     assert slots is not None
     for s, n in zip(slots.tolist(), lengths, strict=True):
@@ -42,8 +42,8 @@ def setup(lengths, page_size=1, strict=True):
     return kv, table, mamba, slots
 
 
-def test_releases_every_pool_with_one_free_call_each():
-    kv, table, mamba, slots = setup([3, 1, 5])
+def test_releases_every_pool_with_one_free_call_each(device):
+    kv, table, mamba, slots = setup([3, 1, 5], device)
     ckv, cmamba, ctab = Counting(kv), Counting(mamba), Counting(table)
     out = release_batch(slots, table, ckv, cmamba, req_slots=ctab)
     assert (ckv.frees, cmamba.frees, ctab.frees) == (1, 1, 1)
@@ -52,8 +52,8 @@ def test_releases_every_pool_with_one_free_call_each():
         pool.assert_full()
 
 
-def test_releases_only_the_given_requests():
-    kv, table, mamba, slots = setup([2, 4, 6])
+def test_releases_only_the_given_requests(device):
+    kv, table, mamba, slots = setup([2, 4, 6], device)
     keep = int(slots[1])
     release_batch(slots[[0, 2]], table, kv, mamba)
     assert kv.available == kv.capacity - 4
@@ -64,38 +64,38 @@ def test_releases_only_the_given_requests():
     kv.assert_full()
 
 
-def test_uniform_and_mixed_lengths_free_exactly_the_owned_tokens():
+def test_uniform_and_mixed_lengths_free_exactly_the_owned_tokens(device):
     for lengths in ([4, 4, 4], [1, 7, 0, 3]):
-        kv, table, mamba, slots = setup(lengths)
+        kv, table, mamba, slots = setup(lengths, device)
         release_batch(slots, table, kv, mamba)
         kv.assert_full()
         mamba.assert_full()
 
 
-def test_kv_start_leaves_a_shared_prefix_to_its_owner():
-    kv, table, mamba, slots = setup([5, 3])
+def test_kv_start_leaves_a_shared_prefix_to_its_owner(device):
+    kv, table, mamba, slots = setup([5, 3], device)
     prefix = [table.tokens(int(s))[:2].clone() for s in slots]
-    release_batch(slots, table, kv, mamba, kv_start=torch.tensor([2, 2]))
+    release_batch(slots, table, kv, mamba, kv_start=torch.tensor([2, 2], device=device))
     assert kv.available == kv.capacity - 4
     kv.free(torch.cat(prefix))
     kv.assert_full()
 
 
-def test_paged_pool_frees_each_page_once_even_when_lengths_end_mid_page():
-    kv, table, mamba, slots = setup([5, 3, 8], page_size=4)
+def test_paged_pool_frees_each_page_once_even_when_lengths_end_mid_page(device):
+    kv, table, mamba, slots = setup([5, 3, 8], device, page_size=4)
     release_batch(slots, table, kv, mamba)
     kv.assert_full()
 
 
-def test_releasing_a_request_twice_is_a_double_free():
-    kv, table, mamba, slots = setup([2])
+def test_releasing_a_request_twice_is_a_double_free(device):
+    kv, table, mamba, slots = setup([2], device)
     release_batch(slots, table, kv, mamba)
     with pytest.raises(DoubleFree):
         release_batch(slots, table, kv, mamba)
 
 
-def test_a_token_shared_by_two_released_rows_is_named_by_check():
-    kv, table, mamba, slots = setup([3, 3], strict=False)
+def test_a_token_shared_by_two_released_rows_is_named_by_check(device):
+    kv, table, mamba, slots = setup([3, 3], device, strict=False)
     shared = int(table.req_to_token[slots[0], 1])
     table.req_to_token[slots[1], 2] = shared  # a second owner of one token (a bug upstream)
     release_batch(slots, table, kv, mamba)  # one free call, the token in it twice
@@ -103,8 +103,8 @@ def test_a_token_shared_by_two_released_rows_is_named_by_check():
         kv.check()
 
 
-def test_strict_batch_with_a_shared_token_raises_before_freeing_anything():
-    kv, table, mamba, slots = setup([4, 2])
+def test_strict_batch_with_a_shared_token_raises_before_freeing_anything(device):
+    kv, table, mamba, slots = setup([4, 2], device)
     shared = int(table.req_to_token[slots[0], 0])
     table.req_to_token[slots[1], 1] = shared
     before = kv.available
@@ -113,8 +113,8 @@ def test_strict_batch_with_a_shared_token_raises_before_freeing_anything():
     assert kv.available == before
 
 
-def test_releasing_a_request_twice_lazily_is_named_by_both_checks():
-    kv, table, mamba, slots = setup([2, 3], strict=False)
+def test_releasing_a_request_twice_lazily_is_named_by_both_checks(device):
+    kv, table, mamba, slots = setup([2, 3], device, strict=False)
     tokens = table.tokens(int(slots[0])).clone()
     release_batch(slots[:1], table, kv, mamba)
     table.lengths[slots[0]] = 2  # a stale row released again
@@ -126,37 +126,37 @@ def test_releasing_a_request_twice_lazily_is_named_by_both_checks():
         table.check()
 
 
-def test_empty_batch_releases_nothing():
-    kv, table, mamba, _ = setup([2])
-    out = release_batch(torch.empty(0, dtype=torch.int64), table, kv, mamba)
+def test_empty_batch_releases_nothing(device):
+    kv, table, mamba, _ = setup([2], device)
+    out = release_batch(torch.empty(0, dtype=torch.int64, device=device), table, kv, mamba)
     assert out.requests == 0
     assert kv.available == kv.capacity - 2
 
 
-@pytest.mark.gpu
-def test_batched_release_runs_on_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    kv = TokenKVAllocator(256, device="cuda")
-    table = ReqToTokenTable(4, 32, device="cuda")
+def test_lazy_pools_without_a_mamba_pool_release_mixed_lengths(device):
+    kv = TokenKVAllocator(256, device=device)
+    table = ReqToTokenTable(4, 32, device)
     slots = table.alloc(3)
     assert slots is not None
     for s, n in zip(slots.tolist(), [3, 5, 7], strict=True):
         got = kv.alloc(n)
         assert got is not None
         table.write(s, 0, got)
-    release_batch(slots, table, kv)
+    out = release_batch(slots, table, kv)
+    assert (out.requests, out.kv_tokens, out.mamba_slots) == (3, 15, 0)
     kv.assert_full()
     table.assert_full()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(st.lists(st.integers(0, 20), min_size=1, max_size=8), st.sampled_from([1, 4]), st.data())
-def test_any_batch_returns_everything_and_leaves_the_rest(lengths, page_size, data):
-    kv, table, mamba, slots = setup(lengths, page_size=page_size)
+def test_any_batch_returns_everything_and_leaves_the_rest(device, lengths, page_size, data):
+    kv, table, mamba, slots = setup(lengths, device, page_size=page_size)
     pick = data.draw(st.lists(st.booleans(), min_size=len(lengths), max_size=len(lengths)))
-    first = slots[torch.tensor(pick, dtype=torch.bool)]
-    rest = slots[~torch.tensor(pick, dtype=torch.bool)]
+    mask = torch.tensor(pick, dtype=torch.bool, device=device)
+    first, rest = slots[mask], slots[~mask]
     release_batch(first, table, kv, mamba)
     held = sum(-(-n // page_size) * page_size for n, p in zip(lengths, pick, strict=True) if not p)
     assert kv.available + held == kv.capacity
@@ -166,11 +166,13 @@ def test_any_batch_returns_everything_and_leaves_the_rest(lengths, page_size, da
         pool.assert_full()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(st.data())
-def test_gather_kv_returns_each_rows_owned_columns_in_order(data):
+def test_gather_kv_returns_each_rows_owned_columns_in_order(device, data):
     rows, width = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 9))
-    table = ReqToTokenTable(rows, width)
+    table = ReqToTokenTable(rows, width, device)
     table.req_to_token.copy_(torch.arange(rows * width, dtype=torch.int32).view(rows, width))
     lengths = data.draw(st.lists(st.integers(0, width), min_size=rows, max_size=rows))
     table.lengths.copy_(torch.tensor(lengths, dtype=torch.int32))
@@ -180,8 +182,8 @@ def test_gather_kv_returns_each_rows_owned_columns_in_order(data):
     )
     got = gather_kv(
         table,
-        torch.tensor(slots),
-        None if starts is None else torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(slots, device=device),
+        None if starts is None else torch.tensor(starts, dtype=torch.int32, device=device),
     )
     want = [
         s * width + c
@@ -189,11 +191,21 @@ def test_gather_kv_returns_each_rows_owned_columns_in_order(data):
         for c in range(0 if starts is None else starts[i], lengths[s])
     ]
     assert got.dtype == torch.int32
+    assert got.device.type == device
     assert got.tolist() == want
 
 
-def test_a_pool_refusing_its_free_does_not_keep_the_other_pools_from_theirs():
-    kv, table, mamba, slots = setup([4, 2])
+def test_gather_kv_takes_slots_and_starts_from_the_host(device):
+    table = ReqToTokenTable(3, 4, device)
+    table.req_to_token.copy_(torch.arange(12, dtype=torch.int32).view(3, 4))
+    table.lengths.copy_(torch.tensor([4, 2, 3], dtype=torch.int32))
+    assert gather_kv(table, torch.tensor([2, 0])).tolist() == [8, 9, 10, 0, 1, 2, 3]
+    got = gather_kv(table, torch.tensor([0, 1]), torch.tensor([1, 0]))
+    assert got.device.type == device and got.tolist() == [1, 2, 3, 4, 5]
+
+
+def test_a_pool_refusing_its_free_does_not_keep_the_other_pools_from_theirs(device):
+    kv, table, mamba, slots = setup([4, 2], device)
     shared = int(table.req_to_token[slots[0], 0])
     table.req_to_token[slots[1], 1] = shared  # strict KV will refuse the whole free
     with pytest.raises(DoubleFree, match=rf"double free of \[{shared}\]"):

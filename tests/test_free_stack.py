@@ -10,13 +10,13 @@ from kernels import DoubleFree, ForeignIndex, ReqToTokenTable, TokenKVAllocator
 
 
 @pytest.mark.parametrize("foreign", [[100], [9], [0], [100, 101]])
-def test_a_single_foreign_id_handed_out_again_is_still_reported(foreign):
+def test_a_single_foreign_id_handed_out_again_is_still_reported(device, foreign):
     # Freed lazily, then popped by the next alloc before any check(): the only evidence
     # left is the sentinel it was counted on.
-    kv = TokenKVAllocator(8)
+    kv = TokenKVAllocator(8, device=device)
     held = kv.alloc(8)
     assert held is not None
-    kv.free(torch.tensor(foreign))
+    kv.free(torch.tensor(foreign, device=device))
     got = kv.alloc(len(foreign))
     assert got is not None and sorted(got.tolist()) == sorted(foreign)
     with pytest.raises(ForeignIndex, match="foreign index"):
@@ -25,9 +25,9 @@ def test_a_single_foreign_id_handed_out_again_is_still_reported(foreign):
     kv.assert_full()
 
 
-def test_a_foreign_slot_below_a_zero_based_range_is_reported_after_reuse():
+def test_a_foreign_slot_below_a_zero_based_range_is_reported_after_reuse(device):
     # Request slots start at 0, so -1 maps onto sentinel slot 0 without any bounds error.
-    table = ReqToTokenTable(4, 4)
+    table = ReqToTokenTable(4, 4, device)
     held = table.alloc(4)
     assert held is not None
     table.free([-1])
@@ -39,24 +39,24 @@ def test_a_foreign_slot_below_a_zero_based_range_is_reported_after_reuse():
 
 
 @pytest.mark.parametrize("copies", [2, 255, 256, 257, 512, 513])
-def test_many_copies_of_one_id_are_named_even_when_its_count_wraps(copies):
-    kv = TokenKVAllocator(1024)
+def test_many_copies_of_one_id_are_named_even_when_its_count_wraps(device, copies):
+    kv = TokenKVAllocator(1024, device=device)
     held = kv.alloc(1024)
     assert held is not None
-    kv.free(torch.full((copies,), 5))
+    kv.free(torch.full((copies,), 5, device=device))
     with pytest.raises(DoubleFree, match=r"double free of \[5\]"):
         kv.check()
     kv.clear()
     kv.assert_full()
 
 
-def test_wrapped_copies_popped_back_out_are_still_reported():
+def test_wrapped_copies_popped_back_out_are_still_reported(device):
     # 257 copies: the count reads 1 (mod 256), so popping one copy looks clean; the 256
     # left in the free list make the counts' sum disagree with the free list's length.
-    kv = TokenKVAllocator(1024)
+    kv = TokenKVAllocator(1024, device=device)
     held = kv.alloc(1024)
     assert held is not None
-    kv.free(torch.full((257,), 7))
+    kv.free(torch.full((257,), 7, device=device))
     assert kv.alloc(1) is not None
     with pytest.raises(DoubleFree, match=r"double free of \[7\]"):
         kv.check()
@@ -64,8 +64,8 @@ def test_wrapped_copies_popped_back_out_are_still_reported():
     kv.assert_full()
 
 
-def test_a_clean_pool_passes_check_after_many_cycles():
-    kv = TokenKVAllocator(300)
+def test_a_clean_pool_passes_check_after_many_cycles(device):
+    kv = TokenKVAllocator(300, device=device)
     for _ in range(3):
         parts = [kv.alloc(100) for _ in range(3)]
         for p in parts:

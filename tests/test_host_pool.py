@@ -4,30 +4,31 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernels import DoubleFree, ForeignIndex, HostPagePool, KernelError, LeakError, PageLocked
 
 
-def test_alloc_and_free_account_for_occupancy():
-    h = HostPagePool(8)
+def test_alloc_and_free_account_for_occupancy(device):
+    h = HostPagePool(8, device)
     a = h.alloc(3)
     assert a is not None
     assert (h.occupied, h.available, h.capacity) == (3, 5, 8)
+    assert a.device.type == h.device.type == h.lock_refs.device.type == device
     h.free(a)
     h.assert_full()
 
 
-def test_alloc_when_short_returns_none():
-    h = HostPagePool(2)
+def test_alloc_when_short_returns_none(device):
+    h = HostPagePool(2, device)
     assert h.alloc(3) is None
     assert h.prefetch(3) is None
     assert h.available == 2
 
 
-def test_locked_pages_cannot_be_freed_until_every_lock_is_dropped():
-    h = HostPagePool(4)
+def test_locked_pages_cannot_be_freed_until_every_lock_is_dropped(device):
+    h = HostPagePool(4, device)
     a = h.alloc(2)
     assert a is not None
     h.lock(a[:1])
@@ -44,8 +45,8 @@ def test_locked_pages_cannot_be_freed_until_every_lock_is_dropped():
     h.assert_full()
 
 
-def test_unlock_below_zero_raises_and_changes_nothing():
-    h = HostPagePool(4)
+def test_unlock_below_zero_raises_and_changes_nothing(device):
+    h = HostPagePool(4, device)
     a = h.alloc(1)
     assert a is not None
     with pytest.raises(KernelError, match=rf"unlock of pages \[{int(a)}\] that are not locked"):
@@ -53,8 +54,8 @@ def test_unlock_below_zero_raises_and_changes_nothing():
     assert h.locked_pages() == 0
 
 
-def test_double_and_foreign_frees_raise_at_the_free():
-    h = HostPagePool(4)
+def test_double_and_foreign_frees_raise_at_the_free(device):
+    h = HostPagePool(4, device)
     a = h.alloc(2)
     assert a is not None
     h.free(a[:1])
@@ -66,8 +67,8 @@ def test_double_and_foreign_frees_raise_at_the_free():
         h.free(4)
 
 
-def test_released_prefetch_frees_only_its_completed_prefix():
-    h = HostPagePool(8)
+def test_released_prefetch_frees_only_its_completed_prefix(device):
+    h = HostPagePool(8, device)
     p = h.prefetch(5)
     assert p is not None
     assert h.prefetch_occupied == 5
@@ -79,8 +80,8 @@ def test_released_prefetch_frees_only_its_completed_prefix():
     h.assert_full()
 
 
-def test_taken_prefetch_hands_its_prefix_to_the_caller():
-    h = HostPagePool(8)
+def test_taken_prefetch_hands_its_prefix_to_the_caller(device):
+    h = HostPagePool(8, device)
     p = h.prefetch(4)
     assert p is not None
     p.advance(3)
@@ -92,16 +93,16 @@ def test_taken_prefetch_hands_its_prefix_to_the_caller():
     h.assert_full()
 
 
-def test_prefetch_cannot_be_released_while_its_io_is_active():
-    h = HostPagePool(4)
+def test_prefetch_cannot_be_released_while_its_io_is_active(device):
+    h = HostPagePool(4, device)
     p = h.prefetch(2)
     assert p is not None
     with pytest.raises(KernelError, match=r"release\(\) while its I/O may still write"):
         p.release()
 
 
-def test_prefetch_released_twice_raises():
-    h = HostPagePool(4)
+def test_prefetch_released_twice_raises(device):
+    h = HostPagePool(4, device)
     p = h.prefetch(2)
     assert p is not None
     p.advance(2)
@@ -111,8 +112,8 @@ def test_prefetch_released_twice_raises():
         p.release()
 
 
-def test_prefetch_locks_its_anchor_until_released():
-    h = HostPagePool(8)
+def test_prefetch_locks_its_anchor_until_released(device):
+    h = HostPagePool(8, device)
     anchor = h.alloc(2)
     assert anchor is not None
     p = h.prefetch(2, anchor=anchor)
@@ -125,22 +126,24 @@ def test_prefetch_locks_its_anchor_until_released():
     h.assert_full()
 
 
-def test_assert_full_reports_live_prefetches_and_locks():
-    h = HostPagePool(4)
+def test_assert_full_reports_live_prefetches_and_locks(device):
+    h = HostPagePool(4, device)
     p = h.prefetch(1)
     assert p is not None
     with pytest.raises(LeakError):
         h.assert_full()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     st.lists(
         st.tuples(st.sampled_from(["alloc", "free", "prefetch"]), st.integers(0, 4)), max_size=30
     )
 )
-def test_any_sequence_keeps_accounting_and_never_hands_out_twice(ops):
-    h = HostPagePool(10)
+def test_any_sequence_keeps_accounting_and_never_hands_out_twice(device, ops):
+    h = HostPagePool(10, device)
     held: list[int] = []
     for op, k in ops:
         if op == "alloc":
@@ -156,14 +159,14 @@ def test_any_sequence_keeps_accounting_and_never_hands_out_twice(ops):
                 p.terminate()
                 held += p.take().tolist()
         elif held:
-            h.free(torch.tensor([held.pop(k % len(held))]))
+            h.free(torch.tensor([held.pop(k % len(held))], device=device))
         assert h.available + len(held) == h.capacity
     h.free(held)
     h.assert_full()
 
 
-def test_stopping_a_prefetch_frees_nothing_and_ends_its_io():
-    pool = HostPagePool(8)
+def test_stopping_a_prefetch_frees_nothing_and_ends_its_io(device):
+    pool = HostPagePool(8, device)
     p = pool.prefetch(5)
     p.advance(2)
     assert p.stop() == 2

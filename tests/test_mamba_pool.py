@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernels import DoubleFree, ForeignIndex, LeakError, MambaStatePool
@@ -17,15 +17,17 @@ def pool(size: int = 4, **kw) -> MambaStatePool:
     )
 
 
-def test_state_shapes_have_one_padding_slot_and_configurable_dtypes():
-    p = pool(conv_dtype=torch.float16, ssm_dtype=torch.float64)
+def test_state_shapes_have_one_padding_slot_and_configurable_dtypes(device):
+    p = pool(device=device, conv_dtype=torch.float16, ssm_dtype=torch.float64)
     assert [c.shape for c in p.conv] == [(2, 5, 6, 3), (2, 5, 3, 3)]
     assert p.temporal.shape == (2, 5, 2, 3, 5)
     assert p.conv[0].dtype == torch.float16 and p.temporal.dtype == torch.float64
+    assert p.device.type == device
+    assert {t.device.type for t in [*p.conv, p.temporal]} == {device}
 
 
-def test_alloc_zeroes_reused_slots_in_every_layer_and_leaves_others():
-    p = pool()
+def test_alloc_zeroes_reused_slots_in_every_layer_and_leaves_others(device):
+    p = pool(device=device)
     a = p.alloc(4)
     assert a is not None and 0 not in a.tolist()
     for t in [*p.conv, p.temporal]:
@@ -38,8 +40,8 @@ def test_alloc_zeroes_reused_slots_in_every_layer_and_leaves_others():
         assert bool((t[:, a[2:]] == 7).all())
 
 
-def test_alloc_zeroes_with_one_op_per_tensor(monkeypatch):
-    p = pool()
+def test_alloc_zeroes_with_one_op_per_tensor(monkeypatch, device):
+    p = pool(device=device)
     calls = []
     orig = torch.Tensor.index_fill_
 
@@ -52,14 +54,14 @@ def test_alloc_zeroes_with_one_op_per_tensor(monkeypatch):
     assert len(calls) == 3  # two conv tensors + the temporal state, all slots and layers
 
 
-def test_alloc_when_short_returns_none():
-    p = pool(2)
+def test_alloc_when_short_returns_none(device):
+    p = pool(2, device=device)
     assert p.alloc(3) is None
     assert p.available == 2
 
 
-def test_copy_from_and_fork_copy_every_state():
-    p = pool()
+def test_copy_from_and_fork_copy_every_state(device):
+    p = pool(device=device)
     a = p.alloc(1)
     assert a is not None
     p.temporal[:, a] = 3.0
@@ -71,14 +73,14 @@ def test_copy_from_and_fork_copy_every_state():
     p.assert_full()
 
 
-def test_copy_from_needs_one_source_per_destination():
-    p = pool()
+def test_copy_from_needs_one_source_per_destination(device):
+    p = pool(device=device)
     with pytest.raises(ValueError, match="2 sources for 1 destinations"):
         p.copy_from([1, 2], [3])
 
 
-def test_double_free_and_padding_slot_are_detected():
-    p = pool(strict=True)
+def test_double_free_and_padding_slot_are_detected(device):
+    p = pool(device=device, strict=True)
     a = p.alloc(2)
     assert a is not None
     p.free(a[:1])
@@ -88,8 +90,8 @@ def test_double_free_and_padding_slot_are_detected():
         p.free(0)
 
 
-def test_assert_full_names_held_slots():
-    p = pool()
+def test_assert_full_names_held_slots(device):
+    p = pool(device=device)
     a = p.alloc(1)
     with pytest.raises(LeakError, match=rf"e\.g\. \[{int(a)}\]"):
         p.assert_full()
@@ -99,23 +101,14 @@ def test_our_pool_satisfies_the_protocol():
     assert isinstance(pool(), MambaPool)
 
 
-@pytest.mark.gpu
-def test_pool_runs_on_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    p = pool(device="cuda")
-    a = p.alloc(2)
-    assert a is not None and p.temporal.is_cuda
-    p.free(a)
-    p.assert_full()
-
-
-@settings(max_examples=40, deadline=None)
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     st.lists(st.tuples(st.sampled_from(["alloc", "free", "fork"]), st.integers(0, 3)), max_size=30)
 )
-def test_any_sequence_keeps_accounting_and_never_hands_out_twice(ops):
-    p = pool(6, strict=True)
+def test_any_sequence_keeps_accounting_and_never_hands_out_twice(device, ops):
+    p = pool(6, device=device, strict=True)
     held: list[int] = []
     for op, k in ops:
         if op == "alloc" or (op == "fork" and not held):

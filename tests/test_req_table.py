@@ -4,53 +4,55 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernels import DoubleFree, ForeignIndex, LeakError, ReqToTokenTable
 
 
-def test_table_is_int32_size_by_max_context_len():
-    t = ReqToTokenTable(4, 16)
+def test_table_is_int32_size_by_max_context_len(device):
+    t = ReqToTokenTable(4, 16, device)
     assert t.req_to_token.shape == (4, 16)
     assert t.req_to_token.dtype == torch.int32
+    assert t.device.type == device
+    assert {x.device.type for x in (t.req_to_token, t.lengths, t.mamba_slots)} == {device}
     assert t.capacity == t.available == 4
 
 
-def test_write_sets_tokens_and_length():
-    t = ReqToTokenTable(2, 8)
+def test_write_sets_tokens_and_length(device):
+    t = ReqToTokenTable(2, 8, device)
     slot = t.alloc()
     assert slot is not None
-    t.write(int(slot), 0, torch.tensor([5, 6, 7]))
-    t.write(int(slot), 3, torch.tensor([9]))
+    t.write(int(slot), 0, torch.tensor([5, 6, 7], device=device))
+    t.write(int(slot), 3, torch.tensor([9], device=device))
     assert t.tokens(int(slot)).tolist() == [5, 6, 7, 9]
     assert int(t.lengths[slot]) == 4
 
 
-def test_write_past_max_context_len_says_what_to_do():
-    t = ReqToTokenTable(1, 4)
+def test_write_past_max_context_len_says_what_to_do(device):
+    t = ReqToTokenTable(1, 4, device)
     with pytest.raises(ValueError, match="5 tokens do not fit max_context_len 4"):
-        t.write(0, 2, torch.arange(3))
+        t.write(0, 2, torch.arange(3, device=device))
 
 
-def test_alloc_when_short_returns_none():
-    t = ReqToTokenTable(2, 4)
+def test_alloc_when_short_returns_none(device):
+    t = ReqToTokenTable(2, 4, device)
     assert t.alloc(3) is None
     assert t.available == 2
 
 
-def test_alloc_resets_the_length_of_a_reused_slot():
-    t = ReqToTokenTable(1, 4)
+def test_alloc_resets_the_length_of_a_reused_slot(device):
+    t = ReqToTokenTable(1, 4, device)
     s = t.alloc()
     assert s is not None
-    t.write(0, 0, torch.arange(3))
+    t.write(0, 0, torch.arange(3, device=device))
     t.free(s)
     assert t.alloc() is not None
     assert int(t.lengths[0]) == 0
 
 
-def test_slot_double_free_is_detected():
-    t = ReqToTokenTable(4, 4, strict=True)
+def test_slot_double_free_is_detected(device):
+    t = ReqToTokenTable(4, 4, device, strict=True)
     s = t.alloc(2)
     assert s is not None
     t.free(s[:1])
@@ -58,8 +60,8 @@ def test_slot_double_free_is_detected():
         t.free(s[:1])
 
 
-def test_lazy_slot_double_free_is_named_by_check():
-    t = ReqToTokenTable(4, 4)
+def test_lazy_slot_double_free_is_named_by_check(device):
+    t = ReqToTokenTable(4, 4, device)
     s = t.alloc(3)
     assert s is not None
     t.free(s[:1])
@@ -68,8 +70,8 @@ def test_lazy_slot_double_free_is_named_by_check():
         t.check()
 
 
-def test_foreign_slot_is_detected():
-    t = ReqToTokenTable(4, 4, strict=True)
+def test_foreign_slot_is_detected(device):
+    t = ReqToTokenTable(4, 4, device, strict=True)
     t.alloc(1)
     with pytest.raises(
         ForeignIndex, match=r"foreign index \[4\]: this pool only hands out slots 0..3"
@@ -77,18 +79,20 @@ def test_foreign_slot_is_detected():
         t.free(4)
 
 
-def test_assert_full_names_held_slots():
-    t = ReqToTokenTable(3, 4)
+def test_assert_full_names_held_slots(device):
+    t = ReqToTokenTable(3, 4, device)
     s = t.alloc()
     assert s is not None
     with pytest.raises(LeakError, match=rf"1 slots still held, e.g. \[{int(s)}\]"):
         t.assert_full()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 5)), max_size=40))
-def test_any_sequence_keeps_accounting_and_never_hands_out_twice(ops):
-    t = ReqToTokenTable(8, 4, strict=True)
+def test_any_sequence_keeps_accounting_and_never_hands_out_twice(device, ops):
+    t = ReqToTokenTable(8, 4, device, strict=True)
     held: list[int] = []
     for is_alloc, k in ops:
         if is_alloc:
