@@ -64,6 +64,14 @@ def as_ids(ids: IdsLike, device: torch.device) -> torch.Tensor:
     return torch.tensor(list(ids), dtype=torch.int64, device=device)
 
 
+def _exact(device: torch.device) -> torch.device:
+    """``device`` with its index: tensors report ``cuda:0``, never ``cuda``, so a pool on
+    ``cuda`` compared with its own tensors' device would see a mismatch (and move them)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """An opaque allocator snapshot from ``backup_state()``; valid until the next backup."""
@@ -101,7 +109,7 @@ class FreeStack:
         self.strict = strict
         self.detect = detect
         self._cap = capacity
-        self._device = torch.device(device)
+        self._device = _exact(torch.device(device))
         # Maps an id onto its _count slot: lo -> 1.
         self._off = 1 - lo
         self._cpu = self._device.type == "cpu"
@@ -225,7 +233,10 @@ class FreeStack:
         if self.detect and n:
             p = self._slots(out)
             # Sticky evidence: an id handed out while its count was not exactly 1.
-            self._bad.index_put_((p,), self._count.index_select(0, p).ne(1), accumulate=True)
+            # An OR per slot, duplicates in p included. (index_put_ with accumulate=True
+            # does the same but sorts the indices on CUDA: ~5x the cost of an alloc.)
+            flag = self._count.index_select(0, p).ne(1).view(torch.uint8)
+            self._bad.view(torch.uint8).scatter_reduce_(0, p, flag, reduce="amax")
             self._count.scatter_add_(0, p, self._minus.expand(n))
         return out
 
@@ -234,12 +245,11 @@ class FreeStack:
 
         This is the hot path of per-request frees: one slice write, nothing else.
         """
+        if self._group is not None:
+            self._group.append(ids)
+            return
         if ids.dim() != 1:
             ids = ids.reshape(-1)
-        if self._group is not None:
-            # group_end concatenates the parts: keep them on one device.
-            self._group.append(ids if ids.device == self._device else ids.to(self._device))
-            return
         n = ids.numel()
         if n == 0:
             return
@@ -294,7 +304,13 @@ class FreeStack:
             raise KernelError(f"{self.name}: free_group_end() without free_group_begin()")
         self._group = None
         if group:
-            self.push(group[0] if len(group) == 1 else torch.cat(group))
+            try:
+                ids = torch.cat(group) if len(group) > 1 else group[0].reshape(-1)
+            except RuntimeError:
+                # Parts on different devices, or not all 1-D: flatten and move each one
+                # (only here, so that the common case adds nothing to each grouped free).
+                ids = torch.cat([g.reshape(-1).to(self._device) for g in group])
+            self.push(ids)
 
     # -- snapshots -----------------------------------------------------------------------
 

@@ -144,6 +144,8 @@ def _usable_device(device: str) -> torch.device:
         raise ValueError(
             f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here"
         )
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 

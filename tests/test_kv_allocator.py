@@ -185,6 +185,16 @@ def test_free_group_defers_frees_until_the_end(device):
     kv.assert_full()
 
 
+def test_the_pool_reports_the_exact_device_its_tensors_are_on(device):
+    # "cuda" must come back as "cuda:N": the pool compares its own tensors' device with
+    # its own on every grouped free, and a mismatch would move (copy) each one.
+    kv = TokenKVAllocator(8, device=device)
+    got = kv.alloc(4)
+    assert got is not None and got.device == kv.device
+    kv.free(got)
+    kv.assert_full()
+
+
 @pytest.mark.parametrize("strict", [False, True])
 def test_a_free_group_takes_ids_from_the_host_and_the_device_alike(device, strict):
     kv = TokenKVAllocator(16, device=device, strict=strict)
