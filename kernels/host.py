@@ -159,14 +159,19 @@ class Prefetch:
         return self.completed
 
     def terminate(self) -> int:
-        """Stop the I/O; free the pages it never started. Idempotent; returns ``completed``."""
+        """Stop the I/O; free the pages it never started. Idempotent; returns ``completed``.
+
+        A free that raises (a tail page locked by someone) changes nothing but the stop, so
+        ``terminate()`` can be called again once the lock is gone.
+        """
         if not self.terminated:
             self.stopped = True
-            self.terminated = True
             self.pool.free(self.pages[self.completed :])
+            self.terminated = True
         return self.completed
 
-    def _retire(self, what: str) -> torch.Tensor:
+    def _retirable(self, what: str) -> torch.Tensor:
+        """The completed prefix, if this prefetch may be released or taken now."""
         if not self.terminated:
             raise KernelError(
                 f"Prefetch.{what}() while its I/O may still write the pages; "
@@ -174,16 +179,26 @@ class Prefetch:
             )
         if self.retired:
             raise DoubleFree("Prefetch", self.pages[: self.completed].tolist())
-        self.retired = True
-        self.pool._retire(self)
         return self.pages[: self.completed]
 
+    def _retire(self) -> None:
+        self.retired = True
+        self.pool._retire(self)
+
     def release(self) -> int:
-        """Abort path: free only the completed prefix ``pages[:completed]``; returns its size."""
-        done = self._retire("release")
+        """Abort path: free only the completed prefix ``pages[:completed]``; returns its size.
+
+        The free comes first: if it raises (``PageLocked``: a reader still holds a page),
+        the prefetch is unchanged, anchor locked and prefix held, and ``release()`` can be
+        called again after that reader unlocks.
+        """
+        done = self._retirable("release")
         self.pool.free(done)
+        self._retire()
         return done.numel()
 
     def take(self) -> torch.Tensor:
         """Success path: hand the completed prefix to the caller, who now owns it."""
-        return self._retire("take")
+        done = self._retirable("take")
+        self._retire()
+        return done

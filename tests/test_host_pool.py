@@ -112,6 +112,41 @@ def test_prefetch_released_twice_raises(device):
         p.release()
 
 
+def test_a_release_refused_for_a_locked_page_changes_nothing_and_can_be_retried(device):
+    h = HostPagePool(8, device)
+    anchor = h.alloc(1)
+    assert anchor is not None
+    p = h.prefetch(3, anchor=anchor)
+    assert p is not None
+    p.advance(2)
+    p.terminate()
+    reader = p.pages[1:2]
+    h.lock(reader)  # a reader still holds one completed page
+    with pytest.raises(PageLocked):
+        p.release()
+    assert not p.retired and h.prefetch_occupied == 3
+    assert h.available == 8 - 1 - 2 and h.locked_pages() == 2  # anchor and the read page
+    h.unlock(reader)
+    assert p.release() == 2
+    h.free(anchor)
+    h.assert_full()
+
+
+def test_a_terminate_refused_for_a_locked_tail_page_can_be_retried(device):
+    h = HostPagePool(4, device)
+    p = h.prefetch(3)
+    assert p is not None
+    p.advance(1)
+    h.lock(p.pages[2:])
+    with pytest.raises(PageLocked):
+        p.terminate()
+    assert p.stopped and not p.terminated and h.available == 1
+    h.unlock(p.pages[2:])
+    assert p.terminate() == 1 and h.available == 3
+    p.release()
+    h.assert_full()
+
+
 def test_prefetch_locks_its_anchor_until_released(device):
     h = HostPagePool(8, device)
     anchor = h.alloc(2)
