@@ -423,3 +423,32 @@ class FreeStack:
             raise LeakError(self.name, sum(g.numel() for g in self._group), [], "frees")
         if self._top != self._cap:
             raise LeakError(self.name, self._cap - self._top, self.held(), self.unit)
+
+
+class StackPool:
+    """What every pool built on one ``FreeStack`` (``self._free``) reports the same way."""
+
+    _free: FreeStack
+
+    @property
+    def device(self) -> torch.device:
+        """Where the pool's tensors live."""
+        return self._free.device
+
+    @property
+    def capacity(self) -> int:
+        """Ids the pool hands out at most (padding excluded)."""
+        return self._free.capacity
+
+    @property
+    def available(self) -> int:
+        """Ids free now."""
+        return self._free.available
+
+    def check(self) -> None:
+        """Raise ``DoubleFree`` / ``ForeignIndex`` naming what was wrongly freed (one sync)."""
+        self._free.check()
+
+    def assert_full(self) -> None:
+        """Raise ``LeakError`` naming what is still held."""
+        self._free.assert_full()

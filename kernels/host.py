@@ -20,34 +20,19 @@ from __future__ import annotations
 
 import torch
 
-from kernels._stack import FreeStack, IdsLike, as_ids
+from kernels._stack import FreeStack, IdsLike, StackPool, as_ids
 from kernels.errors import DoubleFree, KernelError, LeakError, PageLocked
 
 __all__ = ["HostPagePool", "Prefetch"]
 
 
-class HostPagePool:
+class HostPagePool(StackPool):
     """``num_pages`` host pages (ids ``0 .. num_pages-1``) with lock reference counts."""
 
     def __init__(self, num_pages: int, device: str | torch.device = "cpu") -> None:
         self._free = FreeStack("HostPagePool", 0, num_pages, device, strict=True, unit="pages")
         self.lock_refs = torch.zeros(num_pages, dtype=torch.int32, device=self._free.device)
         self._prefetching = 0
-
-    @property
-    def device(self) -> torch.device:
-        """Where the page metadata lives."""
-        return self._free.device
-
-    @property
-    def capacity(self) -> int:
-        """Pages in the pool."""
-        return self._free.capacity
-
-    @property
-    def available(self) -> int:
-        """Pages free now."""
-        return self._free.available
 
     @property
     def occupied(self) -> int:
@@ -115,10 +100,6 @@ class HostPagePool:
         self._prefetching -= p.pages.numel()
         if p.anchor is not None:
             self.unlock(p.anchor)
-
-    def check(self) -> None:
-        """Raise ``DoubleFree`` / ``ForeignIndex`` if any were recorded (one sync)."""
-        self._free.check()
 
     def assert_full(self) -> None:
         """Raise ``LeakError`` unless every page is free and unlocked, no prefetch live."""

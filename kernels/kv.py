@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels._stack import FreeStack, IdsLike, Snapshot, as_ids
+from kernels._stack import FreeStack, IdsLike, Snapshot, StackPool, as_ids
 
 __all__ = ["KVSnapshot", "TokenKVAllocator"]
 
 KVSnapshot = Snapshot
 
 
-class TokenKVAllocator:
+class TokenKVAllocator(StackPool):
     """KV slot allocator with O(freed) frees, free groups, snapshots and a free bitmap.
 
     Args:
@@ -70,11 +70,6 @@ class TokenKVAllocator:
         )
         if page_size > 1:
             self._offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
-
-    @property
-    def device(self) -> torch.device:
-        """Where the free list lives."""
-        return self._free.device
 
     @property
     def capacity(self) -> int:
@@ -139,10 +134,6 @@ class TokenKVAllocator:
     def clear(self) -> None:
         """Everything free again; recorded violations wiped; snapshots invalidated."""
         self._free.clear()
-
-    def check(self) -> None:
-        """Raise ``ForeignIndex`` / ``DoubleFree`` naming what was wrongly freed (one sync)."""
-        self._free.check()
 
     def assert_full(self) -> None:
         """Raise ``LeakError`` naming held pages unless everything is free again."""

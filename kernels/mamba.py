@@ -17,12 +17,12 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels._stack import FreeStack, IdsLike, as_ids
+from kernels._stack import FreeStack, IdsLike, StackPool, as_ids
 
 __all__ = ["MambaStatePool"]
 
 
-class MambaStatePool:
+class MambaStatePool(StackPool):
     """Conv and temporal (SSM) states of ``size`` requests; slots zeroed on alloc.
 
     Args:
@@ -65,21 +65,6 @@ class MambaStatePool:
             layers, size + 1, heads, head_dim, state_size, dtype=ssm_dtype, device=dev
         )
 
-    @property
-    def device(self) -> torch.device:
-        """Where the states live."""
-        return self._free.device
-
-    @property
-    def capacity(self) -> int:
-        """Slots handed out at most (padding excluded)."""
-        return self._free.capacity
-
-    @property
-    def available(self) -> int:
-        """Slots free now."""
-        return self._free.available
-
     def _tensors(self) -> list[torch.Tensor]:
         return [*self.conv, self.temporal]
 
@@ -117,10 +102,4 @@ class MambaStatePool:
             self.copy_from(s, dst)
         return dst
 
-    def check(self) -> None:
-        """Raise ``DoubleFree`` / ``ForeignIndex`` for slots wrongly freed (one sync)."""
-        self._free.check()
 
-    def assert_full(self) -> None:
-        """Raise ``LeakError`` naming slots still held."""
-        self._free.assert_full()

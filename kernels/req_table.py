@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels._stack import FreeStack, IdsLike, as_ids
+from kernels._stack import FreeStack, IdsLike, StackPool, as_ids
 
 __all__ = ["ReqToTokenTable"]
 
 
-class ReqToTokenTable:
+class ReqToTokenTable(StackPool):
     """``[size, max_context_len]`` int32 table plus a free list of request slots."""
 
     def __init__(
@@ -37,21 +37,6 @@ class ReqToTokenTable:
         self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int32, device=dev)
         self.lengths = torch.zeros(size, dtype=torch.int32, device=dev)
         self.mamba_slots = torch.zeros(size, dtype=torch.int64, device=dev)
-
-    @property
-    def device(self) -> torch.device:
-        """Where the table lives."""
-        return self._free.device
-
-    @property
-    def capacity(self) -> int:
-        """Number of request slots."""
-        return self._free.capacity
-
-    @property
-    def available(self) -> int:
-        """Request slots free now."""
-        return self._free.available
 
     def alloc(self, n: int = 1) -> torch.Tensor | None:
         """``n`` request slots with length 0, or None when short (never partial)."""
@@ -82,10 +67,4 @@ class ReqToTokenTable:
         """The token slots ``slot`` owns (a view of its row up to its length)."""
         return self.req_to_token[slot, : int(self.lengths[slot])]
 
-    def check(self) -> None:
-        """Raise ``DoubleFree`` / ``ForeignIndex`` for slots wrongly freed (one sync)."""
-        self._free.check()
 
-    def assert_full(self) -> None:
-        """Raise ``LeakError`` naming slots still held."""
-        self._free.assert_full()
