@@ -97,6 +97,7 @@ class Ledger:
                 f"no releaser registered for handle kind {kind!r}; pass "
                 f"releasers={{{kind!r}: effect}} to the Ledger before acquiring"
             )
+        self._require_mine(owner, "acquire for")
         h = Handle(next(self._ids), kind, value, owner)
         self._owned.setdefault(owner, {})[h.hid] = h
         if owner.terminal and id(owner) not in self._in_plan:
@@ -109,6 +110,7 @@ class Ledger:
             raise OwnershipError(f"cannot transfer {handle!r}: it was already released")
         if handle.owner is to:
             return
+        self._require_mine(to, "transfer to")
         src = self._owned.get(handle.owner)
         if src is None or handle.hid not in src:
             raise OwnershipError(f"{handle!r} is not in the ledger")
@@ -123,6 +125,16 @@ class Ledger:
         self._owned.setdefault(to, {})[handle.hid] = handle
         if to.terminal and id(to) not in self._in_plan:
             self._release_late(handle)
+
+    def _require_mine(self, owner: Instance, what: str) -> None:
+        # Only a machine bound to this ledger runs this ledger's releases at its terminal
+        # transition; a handle owned by any other instance would never be released.
+        if owner.machine.ledger is not self:
+            raise OwnershipError(
+                f"cannot {what} {owner!r}: its machine {owner.machine.name!r} is not bound "
+                "to this ledger, so its terminal transition would never release the "
+                "handle; bind the machine with ledger=<this ledger>"
+            )
 
     def observe(self, handle: Handle, observer: Instance) -> None:
         """Record `observer` as a non-owner user of `handle`: its terminal releases nothing."""
@@ -182,10 +194,24 @@ class Ledger:
         release = fn if fn is not None else self._releasers[handle.kind]
         call_step(release, (ctx, handle), report, self, step, best_effort)
 
+    def _release_owned(self, ctx: ReleaseContext, owner: Instance, kind: str | None,
+                       fn: Callable[..., Any] | None, report: PlanReport, step: str | None,
+                       best_effort: bool) -> None:
+        """Release what `owner` owns (of `kind`) inside its plan.
+
+        An earlier release effect may have moved or released a handle of the snapshot
+        (a transfer to a peer): those are skipped, never released twice or for the wrong
+        owner.
+        """
+        for h in self.owned(owner, kind):
+            if h.released or h.owner is not owner:
+                continue
+            self._release(ctx, h, fn, report, step or f"release {h.kind}", best_effort)
+
     def _release_late(self, handle: Handle) -> None:
         owner = handle.owner
         m = owner.machine
-        state = m.states[owner.state_id]
+        state = owner.state
         ctx = ReleaseContext(_ENGINE, m.name, owner, None, "<late acquire>", state, state,
                              self)
         report = PlanReport(m.name, owner, "<late acquire>")

@@ -217,6 +217,12 @@ class Machine:
                         f"pass plans={{{p!r}: Plan(...)}} to bind()")
         for p, plan in plans.items():
             for step in plan.steps:
+                if isinstance(step, Release) and ledger is None:
+                    raise InvalidDefinition(
+                        self.name,
+                        f"plan {p!r} releases kind {step.kind!r} but the machine has no "
+                        "ledger, so it could never own such a handle",
+                        "pass ledger=Ledger(...) to bind(), or drop the Release step")
                 if isinstance(step, Release) and step.fn is None and (
                         ledger is None or step.kind not in ledger._releasers):
                     raise InvalidDefinition(
@@ -305,18 +311,16 @@ class Machine:
         inst._q = q = deque()
         result: PlanReport | None = None
         errors: list[Exception] = []
-        ev = event
         try:
-            while True:
+            try:  # the fired event's own step: its report is what fire() returns
+                result = self._step(inst, event)
+            except Exception as e:
+                errors.append(e)
+            while q:  # events its effects fired at this instance, in order
                 try:
-                    r = self._step(inst, ev)
-                    if ev is event:
-                        result = r
+                    self._step(inst, q.popleft())
                 except Exception as e:
                     errors.append(e)
-                if not q:
-                    break
-                ev = q.popleft()
         finally:
             inst._q = None
         if errors:
@@ -353,11 +357,17 @@ class Machine:
                 self._observe(inst, s, e, k, alt, None)
             return None
         inst._s = alt.target
-        if self._observed:
-            self._observe(inst, s, e, k, alt, alt.plan)
-        if self.terminal[alt.target]:
-            return self._run_plan(inst, alt.plan, event, s, alt.target)
-        return None
+        if not self.terminal[alt.target]:
+            if self._observed:
+                self._observe(inst, s, e, k, alt, alt.plan)
+            return None
+        try:
+            if self._observed:
+                self._observe(inst, s, e, k, alt, alt.plan)
+        finally:
+            # The instance is terminal now: its plan runs even when a sink raised (I1).
+            report = self._run_plan(inst, alt.plan, event, s, alt.target)
+        return report
 
     def _run_plan(self, inst: Instance, name: str | None, event: Any, src: int,
                   dst: int) -> PlanReport:
@@ -375,16 +385,14 @@ class Machine:
             for step in plan.steps:
                 if isinstance(step, Release):
                     if ledger is not None:
-                        for h in ledger.owned(inst, step.kind):
-                            ledger._release(ctx, h, step.fn, report, step.name,
-                                            step.best_effort)
+                        ledger._release_owned(ctx, inst, step.kind, step.fn, report,
+                                              step.name, step.best_effort)
                 else:
                     assert isinstance(step, Action)
                     call_step(step.fn, (ctx,), report, ledger, step.name, step.best_effort)
             # A plan orders releases; it cannot forget one (I3).
             if ledger is not None:
-                for h in ledger.owned(inst):
-                    ledger._release(ctx, h, None, report, f"release {h.kind}", False)
+                ledger._release_owned(ctx, inst, None, None, report, None, False)
         finally:
             ctx._live = False
             if ledger is not None:

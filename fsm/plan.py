@@ -240,8 +240,20 @@ def call_step(
     except Exception as e:  # every step runs; the error is reported, never swallowed
         report.errors.append(EffectError(report.machine, report.plan, step, best_effort, e))
         return
-    if inspect.isawaitable(res):
-        task = asyncio.ensure_future(_as_coro(res))
+    if res is None or not inspect.isawaitable(res):
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError as e:
+        if inspect.iscoroutine(res):
+            res.close()  # never awaited: say so here, not as a warning at collection
+        report.errors.append(EffectError(
+            report.machine, report.plan, step, best_effort,
+            RuntimeError(f"{e}: an async release step needs a running event loop; fire "
+                         "the terminal event from a coroutine, or make the step sync")))
+        return
+    else:
+        task = loop.create_task(_as_coro(res))
         report.tasks.append(task)
         if ledger is not None:
             ledger._keep(task, report, step, best_effort)

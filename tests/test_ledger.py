@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsm import DoubleRelease, Ledger, OwnershipError, Plan, Release, release_effect
+from fsm import Action, DoubleRelease, Ledger, OwnershipError, Plan, Release, release_effect
 from kernels import TokenKVAllocator
 from tests.lifecycle import LIFECYCLE, Abort, Chunk, Finish, Start
 
@@ -142,3 +142,108 @@ def test_a_handle_acquired_after_the_plan_ran_but_while_events_drain_is_released
     job.fire(Abort())
     assert len(late) == 1 and late[0].released
     assert ledger.late_released == 1
+
+
+def test_a_sink_that_raises_does_not_skip_the_terminal_plan(kv, ledger):
+    m = bound(ledger)
+    inst = m.create("r")
+    ledger.acquire(inst, "kv", kv.alloc(8))
+
+    def broken_sink(record):
+        raise RuntimeError("trace backend down")
+
+    m.add_sink(broken_sink)
+    try:
+        with pytest.raises(RuntimeError, match="trace backend down"):
+            inst.fire(Abort())
+    finally:
+        m.remove_sink(broken_sink)
+    assert inst.state == "aborted"
+    assert ledger.owned(inst) == [] and kv.available == kv.capacity
+
+
+def test_a_ledger_refuses_an_owner_bound_to_another_ledger(kv, ledger):
+    other = Ledger({"kv": free_kv}, resources=kv)
+    foreign = bound(other).create("foreign")
+    unbound = LIFECYCLE.create("unbound")
+    pages = kv.alloc(4)
+    for owner in (foreign, unbound):
+        with pytest.raises(OwnershipError, match="not bound to this ledger"):
+            ledger.acquire(owner, "kv", pages)
+    h = ledger.acquire(bound(ledger).create("mine"), "kv", pages)
+    with pytest.raises(OwnershipError, match="not bound to this ledger"):
+        ledger.transfer(h, to=foreign)
+    assert h.owner.fire(Abort()).released == [h]
+    other.assert_empty()
+
+
+def test_binding_a_release_step_without_a_ledger_is_refused():
+    from fsm import InvalidDefinition
+
+    with pytest.raises(InvalidDefinition, match="has no ledger"):
+        LIFECYCLE.bind({"release_aborted": Plan(Release("kv", free_kv)),
+                        "release_finished": Plan()})
+
+
+def test_a_release_that_hands_a_sibling_handle_on_does_not_abort_the_plan(kv, ledger):
+    # The first release effect transfers the instance's other handle to a peer: the
+    # plan must skip it (not release it for the wrong owner, not raise DoubleRelease)
+    # and still run its later steps.
+    m = bound(ledger)
+    peer = m.create("peer")
+    streamed = []
+
+    @release_effect
+    def free_and_hand_on(ctx, handle):
+        ctx.resources.free(handle.value)
+        for other in ledger.owned(ctx.instance, "kv"):
+            ledger.transfer(other, to=peer)
+
+    @release_effect
+    def stream(ctx):
+        streamed.append(ctx.instance.key)
+
+    m2 = LIFECYCLE.bind({
+        "release_aborted": Plan(Release("kv", free_and_hand_on), Action(stream)),
+        "release_finished": Plan(Release("kv"))}, ledger)
+    inst = m2.create("r")
+    first = ledger.acquire(inst, "kv", kv.alloc(4))
+    second = ledger.acquire(inst, "kv", kv.alloc(4))
+    report = inst.fire(Abort())
+    assert report.released == [first] and report.ok
+    assert streamed == ["r"]
+    assert second.owner is peer and not second.released
+    assert peer.fire(Abort()).released == [second]
+
+
+def test_fire_returns_the_report_even_when_a_plan_refires_the_same_event_object(kv, ledger):
+    abort = Abort()
+
+    @release_effect
+    def free_and_echo(ctx, handle):
+        ctx.resources.free(handle.value)
+        ctx.instance.fire(abort)  # absorbed by the terminal state
+
+    m = LIFECYCLE.bind({"release_aborted": Plan(Release("kv", free_and_echo)),
+                        "release_finished": Plan(Release("kv"))}, ledger)
+    inst = m.create("r")
+    h = ledger.acquire(inst, "kv", kv.alloc(4))
+    report = inst.fire(abort)
+    assert report is not None and report.released == [h]
+
+
+def test_an_async_release_step_without_a_running_loop_is_reported_not_lost(kv, ledger):
+    @release_effect
+    async def late(ctx):
+        return None
+
+    m = LIFECYCLE.bind({"release_aborted": Plan(Release("kv"),
+                                                Action(late, best_effort=True)),
+                        "release_finished": Plan(Release("kv"))}, ledger)
+    inst = m.create("r")
+    ledger.acquire(inst, "kv", kv.alloc(4))
+    report = inst.fire(Abort())
+    assert ledger.pending == 0 and report.tasks == []
+    assert len(report.errors) == 1
+    assert "needs a running event loop" in str(report.errors[0])
+    ledger.errors.clear()
