@@ -28,7 +28,7 @@ import torch
 from . import observe as _obs
 from .errors import ReleaseFailed, TransitionNotAllowed
 from .plan import _ENGINE, EffectError, ReleaseContext, _require_effect
-from .spec import DECISIONS, ERRORED, IGNORED
+from .spec import DECISIONS, GUARDED, IGNORED
 
 if TYPE_CHECKING:
     from .machine import Machine
@@ -36,6 +36,14 @@ if TYPE_CHECKING:
 _NEWLY_SHIFT = 40
 _PLAN_SHIFT = 41
 _BASE_MASK = (1 << _NEWLY_SHIFT) - 1
+
+
+def _min_max(t: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of `t` with one host read ((0, 0) when empty)."""
+    if not t.numel():
+        return 0, 0
+    lo, hi = torch.stack(t.aminmax()).tolist()
+    return lo, hi
 
 
 class BatchStep:
@@ -122,9 +130,11 @@ class Batch:
         """Deliver `events[i]` (an event id, -1 for none) to instance i, all at once.
 
         Rejects the whole step, changing nothing, when any instance's (state, event)
-        pair is an error or guarded, naming the first such instance.
+        pair is an error or guarded, naming the first such instance. Ignored events are
+        counted in `machine.stats.ignored` only while a recorder or sink observes the
+        machine (counting them costs a bincount per step).
         """
-        lo, hi = (int(v) for v in events.aminmax()) if events.numel() else (0, 0)
+        lo, hi = _min_max(events)
         if lo < -1 or hi >= self._w - 1:
             bad = int(((events < -1) | (events >= self._w - 1)).nonzero()[0])
             raise IndexError(
@@ -132,7 +142,7 @@ class Batch:
                 f"{bad} is out of range; use Batch.event_ids() or -1 for no event")
         idx = self._base + events
         packed = self._packed.index_select(0, idx)
-        lo, hi = (int(v) for v in packed.aminmax()) if packed.numel() else (0, 0)
+        lo, hi = _min_max(packed)
         if _obs.recorder() is not None or self.machine._sinks:
             self._observe(idx, events, packed, rejected=lo < 0)
         if lo < 0:
@@ -171,7 +181,9 @@ class Batch:
             s, e = divmod(flat, self._w)
             if e == 0:
                 continue
-            by_cell[(s, e - 1, 0)] += int(counts[flat])
+            # A batch rejects a guarded cell without running its guards: no alternative.
+            k = -1 if self._decision[flat] == GUARDED else 0
+            by_cell[(s, e - 1, k)] += int(counts[flat])
             if self._decision[flat] == IGNORED:
                 m.stats.ignored[(m.states[s], m.event_names[e - 1])] += int(counts[flat])
         rec = _obs.recorder()
@@ -189,7 +201,7 @@ class Batch:
                 plan_id = (p >> _PLAN_SHIFT) - 1
                 r = _obs.TransitionRecord(
                     m.name, i, m.states[s], m.event_names[e], m.states[t],
-                    DECISIONS[d] if d != ERRORED else "error",
+                    DECISIONS[d] if p >= 0 else "error",
                     m.plan_names[plan_id] if plan_id >= 0 else None, time.monotonic())
                 for sink in m._sinks:
                     sink(r)

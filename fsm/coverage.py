@@ -160,12 +160,8 @@ class CoverageRecorder:
         """Decisions of one batched step."""
         key = self.learn(machine)
         hits = self.hits[key]
-        for (s, e, k), n in counts.items():
-            alts = machine.cells[s][e]
-            # A batch rejects guarded cells: that is an error decision, not alt 0.
-            if len(alts) > 1 or alts[0].guard is not None:
-                k = -1
-            hits[(s, e, k)] += n
+        for cell, n in counts.items():
+            hits[cell] += n
 
     # -- between processes (pytest-xdist) ------------------------------------------
 

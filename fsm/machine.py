@@ -23,7 +23,7 @@ import msgspec
 from . import observe as _obs
 from .errors import InvalidDefinition, ReleaseFailed, TransitionNotAllowed, UnknownEvent
 from .plan import _ENGINE, EMPTY_PLAN, Action, Plan, PlanReport, Release, ReleaseContext, call_step
-from .spec import DECISIONS, ERRORED, IGNORED, TRANSITION, Alt
+from .spec import DECISIONS, ERRORED, GUARDED, IGNORED, TRANSITION, Alt
 
 if TYPE_CHECKING:
     import torch
@@ -31,9 +31,6 @@ if TYPE_CHECKING:
     from .batch import Batch
     from .ledger import Ledger
     from .spec import Spec
-
-GUARDED = 3
-"""`Tables.decision` code of a cell decided by guards at run time."""
 
 
 class Tables(msgspec.Struct, frozen=True):

@@ -108,6 +108,8 @@ TRANSITION: Final = 0
 IGNORED: Final = 1
 ERRORED: Final = 2
 DECISIONS: Final = ("transition", "ignore", "error")
+GUARDED: Final = 3
+"""`Tables.decision` code of a cell decided by guards at run time (not in DECISIONS)."""
 
 
 class Alt(msgspec.Struct, frozen=True):

@@ -127,6 +127,20 @@ def test_a_batched_step_rejects_a_guarded_pair_and_names_the_instance():
     assert b.states.tolist() == [1, 1, 0]
 
 
+def test_a_sink_sees_a_batched_guarded_rejection_as_an_error_decision():
+    records = []
+    b = LIFECYCLE.batch(2)
+    b.step(b.event_ids([Start, None]))
+    LIFECYCLE.add_sink(records.append)
+    try:
+        with pytest.raises(TransitionNotAllowed, match="the cell is guarded"):
+            b.step(b.event_ids([Chunk, None]))
+    finally:
+        LIFECYCLE.remove_sink(records.append)
+    assert [(r.source, r.event, r.target, r.decision) for r in records] == [
+        ("prefilling", "Chunk", "prefilling", "error")]
+
+
 def test_a_batched_step_runs_one_batched_release_per_plan():
     from fsm import release_effect
     from kernels import TokenKVAllocator
