@@ -97,7 +97,6 @@ class Machine:
     _plans: dict[str, Plan]
     _sinks: list[Any]
     _observed: bool
-    _oracle: Any
 
     _frozen = False
 
@@ -161,7 +160,6 @@ class Machine:
         m.tables = Tables(tuple(nxt), tuple(dec), tuple(pl), terminal, tuple(plan_names))
         m._fast_rows = tuple(fast)
         m._slow_rows = tuple(slow)
-        m._oracle = None
         m._init_runtime(None, None)
         return m
 
