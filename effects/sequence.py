@@ -21,7 +21,7 @@ import torch
 
 from fsm import BatchStep, ReleaseContext, release_effect
 from kernels import MambaStatePool, ReqToTokenTable, TokenKVAllocator, release_batch
-from states.sequence import SEQUENCE
+from states.sequence import SEQUENCE, Admit
 
 __all__ = ["RunningBatch", "SchedulerPools"]
 
@@ -78,19 +78,24 @@ class RunningBatch:
 
         @release_effect
         def release_rows(ctx: ReleaseContext, rows: torch.Tensor) -> None:
-            out = release_batch(rows, pools.table, pools.kv, pools.mamba)
-            self.released_tokens += out.kv_tokens
             state = _TERMINAL_OF_PLAN[ctx.plan]
-            self.retired[state] += out.requests
-            if self.on_retired is not None:
-                self.on_retired(rows, state)
+            try:
+                out = release_batch(rows, pools.table, pools.kv, pools.mamba)
+                self.released_tokens += out.kv_tokens
+            finally:
+                # The rows are terminal whatever a pool said (release_batch frees every
+                # pool before raising): their owners hear of it either way.
+                self.retired[state] += int(rows.numel())
+                if self.on_retired is not None:
+                    self.on_retired(rows, state)
 
         return release_rows
 
     # -- admission and growth --------------------------------------------------------
 
     def admit(self, n: int, mamba: bool) -> torch.Tensor | None:
-        """Rows for `n` new sequences (with a Mamba state each when `mamba`), or None.
+        """Rows for `n` new sequences (with a Mamba state each when `mamba`), admitted
+        (state `prefill`), or None.
 
         All or nothing: when any pool is short, nothing is taken.
         """
@@ -103,7 +108,10 @@ class RunningBatch:
             slots = pools.mamba.alloc(n)
             assert slots is not None
             pools.table.mamba_slots.index_copy_(0, rows, slots.to(torch.int64))
+        # Admitted in the same call: a row that owns resources is never left vacant,
+        # where an abort would be refused and nothing could release them.
         self.batch.recycle(rows)
+        self.fire(rows, Admit)
         return rows
 
     def append_kv(self, rows: torch.Tensor, counts: torch.Tensor) -> bool:

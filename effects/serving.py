@@ -20,6 +20,7 @@ machines and the workload (`states.workload`), which know no pools.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -28,12 +29,14 @@ from typing import Any
 import msgspec
 import torch
 
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import ExceptionGroup
+
 from fsm import Ledger, TransitionRecord
 from kernels import HostPagePool, LoRARegistry
 from kernels.collective import grid_partitions
 from states.sequence import Abort as SeqAbort
 from states.sequence import (
-    Admit,
     ChunkDone,
     ChunkLaunched,
     Fail,
@@ -254,7 +257,6 @@ class SimScheduler:
                 seq.row = r
                 seq.chunks_left = max(1, -(-seq.prompt // self.cfg.chunk_size))
                 self.by_row[r] = seq
-            rb.fire(rows, Admit)
 
     def _apply_aborts(self) -> None:
         rows = []
@@ -273,10 +275,17 @@ class SimScheduler:
         self._fire(rows, SeqAbort)
 
     def _retired(self, rows: torch.Tensor, state: str) -> None:
-        for r in rows.tolist():
-            seq = self.by_row.pop(r)
+        seqs = [self.by_row.pop(r) for r in rows.tolist()]
+        errors: list[Exception] = []
+        for seq in seqs:  # one echo refused (a LoRA release underflowing) stops no other
             self.by_rid.pop(seq.rid, None)
-            self._echo(seq, state)
+            try:
+                self._echo(seq, state)
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0] if len(errors) == 1 else ExceptionGroup(
+                f"{len(errors)} of {len(seqs)} retired sequences' echoes raised", errors)
 
     def _echo(self, seq: _Seq, state: str) -> None:
         tok = self.tokenizer
