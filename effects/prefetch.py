@@ -95,11 +95,11 @@ def hand_to_cache(ctx: ReleaseContext, handle: Any) -> None:
     """Success: the host cache takes the completed prefix (and owns it from now on)."""
     site: PrefetchSite = ctx.resources
     p: Prefetch = handle.value
+    if site.insert is None:  # complete() checks it before firing; never take pages then
+        raise ValueError("PrefetchSite(insert=...) is needed to complete a prefetch")
     p.terminate()
     pages = p.take()
     site.trace.append(("insert", ctx.instance.key, pages.numel()))
-    if site.insert is None:  # complete() checks it before firing
-        raise ValueError("PrefetchSite(insert=...) is needed to complete a prefetch")
     try:
         site.insert(ctx.instance.key, pages)
     except BaseException:

@@ -13,7 +13,9 @@ The two halves have two owners (the I/O side and the request), so each is freed 
 by its owner; freeing all of ``pages`` from the request would double-free the tail.
 
 Host frees are rare next to KV frees, so this pool validates every free and unlock
-eagerly (``strict`` free list): errors are raised at the call that caused them.
+eagerly (``strict`` free list): errors are raised at the call that caused them. A
+prefetch's own release never fails on a reader's lock: a page still locked is freed by
+the unlock that drops its last reference (``free_when_unlocked``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ class HostPagePool(StackPool):
     def __init__(self, num_pages: int, device: str | torch.device = "cpu") -> None:
         self._free = FreeStack("HostPagePool", 0, num_pages, device, strict=True, unit="pages")
         self.lock_refs = torch.zeros(num_pages, dtype=torch.int32, device=self._free.device)
+        # Pages whose owner released them while a reader still held a lock: freed by
+        # the unlock that drops their last lock reference.
+        self._doomed = torch.zeros(num_pages, dtype=torch.bool, device=self._free.device)
         self._prefetching = 0
 
     @property
@@ -57,11 +62,35 @@ class HostPagePool(StackPool):
         ids = as_ids(pages, self.device).long()
         if not ids.numel():
             return
-        self._free.validate(ids)
+        self._validate(ids)
         locked = self.lock_refs.index_select(0, ids) > 0
         if bool(locked.any()):
             raise PageLocked("HostPagePool", ids[locked].tolist())
         self._free.push(ids)
+
+    def _validate(self, ids: torch.Tensor) -> None:
+        self._free.validate(ids)
+        doomed = self._doomed.index_select(0, ids)
+        if bool(doomed.any()):  # released already; its last unlock frees it
+            raise DoubleFree("HostPagePool", ids[doomed].tolist())
+
+    def free_when_unlocked(self, pages: IdsLike) -> int:
+        """Return pages now, except locked ones, which go back at their last unlock.
+
+        For an owner's release, which must not fail because a reader still holds a page
+        (it would have no later chance to free it). Returns how many were deferred.
+        """
+        ids = as_ids(pages, self.device).long()
+        if not ids.numel():
+            return 0
+        self._validate(ids)
+        locked = self.lock_refs.index_select(0, ids) > 0
+        later = ids[locked]
+        self._doomed.index_fill_(0, later, True)
+        now = ids[~locked]
+        if now.numel():
+            self._free.push(now)
+        return later.numel()
 
     def lock(self, pages: IdsLike) -> None:
         """Add one lock reference to each page (a page listed twice gets two)."""
@@ -80,6 +109,11 @@ class HostPagePool(StackPool):
                 "not locked that many times; each lock() has exactly one unlock()"
             )
         self.lock_refs.copy_(after)
+        ready = ids[self._doomed.index_select(0, ids) & (after.index_select(0, ids) == 0)]
+        if ready.numel():
+            ready = torch.unique(ready)
+            self._doomed.index_fill_(0, ready, False)
+            self._free.push(ready)
 
     def prefetch(self, n: int, anchor: IdsLike | None = None) -> Prefetch | None:
         """Reserve ``n`` pages for a storage prefetch, or None when short.
@@ -103,6 +137,10 @@ class HostPagePool(StackPool):
 
     def assert_full(self) -> None:
         """Raise ``LeakError`` unless every page is free and unlocked, no prefetch live."""
+        held = torch.nonzero(self._doomed).flatten()
+        if held.numel():
+            raise LeakError("HostPagePool", held.numel(), held.tolist(),
+                            "released pages still locked by a reader")
         self._free.assert_full()
         held = torch.nonzero(self.lock_refs).flatten()
         if held.numel():
@@ -142,12 +180,11 @@ class Prefetch:
     def terminate(self) -> int:
         """Stop the I/O; free the pages it never started. Idempotent; returns ``completed``.
 
-        A free that raises (a tail page locked by someone) changes nothing but the stop, so
-        ``terminate()`` can be called again once the lock is gone.
+        A tail page someone still has locked goes back at its last unlock.
         """
         if not self.terminated:
             self.stopped = True
-            self.pool.free(self.pages[self.completed :])
+            self.pool.free_when_unlocked(self.pages[self.completed :])
             self.terminated = True
         return self.completed
 
@@ -169,12 +206,11 @@ class Prefetch:
     def release(self) -> int:
         """Abort path: free only the completed prefix ``pages[:completed]``; returns its size.
 
-        The free comes first: if it raises (``PageLocked``: a reader still holds a page),
-        the prefetch is unchanged, anchor locked and prefix held, and ``release()`` can be
-        called again after that reader unlocks.
+        A page a reader still has locked goes back at the reader's last unlock, so the
+        release itself never fails on a lock.
         """
         done = self._retirable("release")
-        self.pool.free(done)
+        self.pool.free_when_unlocked(done)
         self._retire()
         return done.numel()
 

@@ -408,3 +408,18 @@ def test_the_builders_stand_in_every_state_of_the_machine():
     names = {w.split("_")[0] if w.startswith(("prefilling", "draining")) else w
              for w in BUILDERS}
     assert names == set(DISAGG_PREFILL.states)
+
+
+def test_an_abort_while_a_reader_holds_a_prefetched_page_frees_it_at_the_unlock():
+    e, _ = engine()
+    req = started(e, chunks=1)
+    prefetch = e.ledger.owned(req, "hicache")[0].value
+    prefetch.advance(2)
+    reader = prefetch.pages[:1]
+    e.pools.host.lock(reader)  # e.g. a cache lookup still copying the page
+    e.abort("r", "client gone")
+    report = e.result("r", 0)
+    assert report is not None and report.ok and req.state == "aborted"
+    assert e.pools.host.prefetch_occupied == 0 and e.pools.host.occupied == 1
+    e.pools.host.unlock(reader)
+    e.finish()

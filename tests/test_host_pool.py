@@ -112,7 +112,7 @@ def test_prefetch_released_twice_raises(device):
         p.release()
 
 
-def test_a_release_refused_for_a_locked_page_changes_nothing_and_can_be_retried(device):
+def test_a_release_with_a_page_still_read_frees_it_at_the_readers_last_unlock(device):
     h = HostPagePool(8, device)
     anchor = h.alloc(1)
     assert anchor is not None
@@ -121,28 +121,32 @@ def test_a_release_refused_for_a_locked_page_changes_nothing_and_can_be_retried(
     p.advance(2)
     p.terminate()
     reader = p.pages[1:2]
-    h.lock(reader)  # a reader still holds one completed page
-    with pytest.raises(PageLocked):
-        p.release()
-    assert not p.retired and h.prefetch_occupied == 3
-    assert h.available == 8 - 1 - 2 and h.locked_pages() == 2  # anchor and the read page
+    h.lock(reader)
+    h.lock(reader)  # two lock references
+    assert p.release() == 2  # never fails on a reader's lock: nothing left to retry
+    assert p.retired and h.prefetch_occupied == 0
+    assert h.available == 8 - 1 - 1  # the anchor, and the page still being read
+    with pytest.raises(DoubleFree):  # the owner released it; nobody frees it again
+        h.free(reader)
+    with pytest.raises(LeakError, match="still locked by a reader"):
+        h.assert_full()
     h.unlock(reader)
-    assert p.release() == 2
+    assert h.available == 6
+    h.unlock(reader)  # the last reference: the page goes back
+    assert h.available == 7
     h.free(anchor)
     h.assert_full()
 
 
-def test_a_terminate_refused_for_a_locked_tail_page_can_be_retried(device):
+def test_a_terminate_with_a_locked_tail_page_frees_it_at_its_unlock(device):
     h = HostPagePool(4, device)
     p = h.prefetch(3)
     assert p is not None
     p.advance(1)
     h.lock(p.pages[2:])
-    with pytest.raises(PageLocked):
-        p.terminate()
-    assert p.stopped and not p.terminated and h.available == 1
+    assert p.terminate() == 1 and p.terminated and h.available == 2
     h.unlock(p.pages[2:])
-    assert p.terminate() == 1 and h.available == 3
+    assert h.available == 3
     p.release()
     h.assert_full()
 
