@@ -443,10 +443,12 @@ class DisaggPrefill:
     def result(self, rid: str, k: int) -> PlanReport | None:
         """The result of chunk `k` of `rid` reached the scheduler.
 
-        A live request takes the chunk's pages (commit); otherwise the chunk is
-        abandoned and frees them. Then the request learns the chunk settled, which may
-        start the transfer, or end a drain with `release_aborted`. A result for a chunk
-        that already settled, or for a request whose cleanup ran, is ignored.
+        Results come in launch order (an earlier chunk's missing result is a
+        ValueError that changes nothing). A live request takes the chunk's pages
+        (commit); otherwise the chunk is abandoned and frees them. Then the request
+        learns the chunk settled, which may start the transfer, or end a drain with
+        `release_aborted`. A result for a chunk that already settled, or for a request
+        whose cleanup ran, is ignored.
         """
         req = self.req(rid)
         if not 0 <= k < len(req.chunks):
@@ -459,6 +461,13 @@ class DisaggPrefill:
         if chunk.terminal:
             chunk.fire(Result())  # a duplicate: ignored by the chunk
             return None
+        early = [i for i, c in enumerate(req.chunks[:k]) if not c.terminal]
+        if early:
+            # A chunk computes on its predecessors' KV, so its result cannot precede
+            # theirs; settling it first would start the transfer with their KV missing.
+            raise ValueError(
+                f"result of chunk {k} of request {rid!r} arrived before that of chunk(s) "
+                f"{early}; deliver chunk results in launch order")
         chunk.fire(Result())
         if req.state == "prefilling":
             for h in self.ledger.owned(chunk, "kv"):

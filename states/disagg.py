@@ -118,7 +118,8 @@ def drained(inst: DisaggReq, ev: Any) -> bool:
 
 
 def last_chunk(inst: DisaggReq, ev: Any) -> bool:
-    """The chunk that settled was the prompt's final one."""
+    """The chunk that settled was the prompt's final one (results come in launch order,
+    so every earlier chunk has settled too)."""
     return bool(ev.last)
 
 

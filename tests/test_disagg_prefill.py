@@ -423,3 +423,17 @@ def test_an_abort_while_a_reader_holds_a_prefetched_page_frees_it_at_the_unlock(
     assert e.pools.host.prefetch_occupied == 0 and e.pools.host.occupied == 1
     e.pools.host.unlock(reader)
     e.finish()
+
+
+def test_a_final_result_before_an_earlier_ones_is_refused_and_changes_nothing():
+    e, t = engine()
+    req = started(e, prompt=8, chunks=2)  # both chunks of the prompt in flight
+    with pytest.raises(ValueError, match=r"chunk 1 of request 'r' arrived before that of "
+                                         r"chunk\(s\) \[0\]; deliver chunk results in"):
+        e.result("r", 1)
+    assert req.state == "prefilling" and not req.chunks[1].terminal and t.sends["r"] == 0
+    e.result("r", 0)
+    e.result("r", 1)
+    assert req.state == "transferring" and t.sends["r"] == 1
+    e.abort("r", "done with it")
+    e.finish()
