@@ -56,6 +56,7 @@ def test_every_chunk_pair_decides_as_the_oracle_and_frees_its_pages_once(state, 
     ledger.acquire(c, "kv", pools.kv.alloc(4))
     for ev in PATHS[state]:
         c.fire(ev)
+    assert c.state == state  # the path really leads there
     diff = Differential(c)
     diff.model.state = c.state
     before = ledger.released

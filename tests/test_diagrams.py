@@ -174,10 +174,29 @@ def test_cli_writes_then_check_passes_and_names_stale_missing_and_extra_files(
     assert _run(*args, "--check") == 0
 
 
-def test_cli_check_fails_when_a_declaration_changes(tmp_path: Path) -> None:
-    assert _run("--machines", "machines:TOGGLE", "--out", str(tmp_path)) == 0
-    (tmp_path / "toggle.mmd").rename(tmp_path / "job.mmd")  # any byte change is stale
-    assert _run("--machines", "machines:TOGGLE", "--out", str(tmp_path), "--check") == 1
+def test_cli_check_fails_when_a_declaration_changes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert _run("--machines", "machines:JOB", "--out", str(out)) == 0
+    # The same machine name, one event fewer: the committed files are now stale.
+    (tmp_path / "job_v2.py").write_text(
+        "from machines import JOB_SPEC\nfrom fsm import Spec\n"
+        "JOB = Spec('job', states=JOB_SPEC.states, events=JOB_SPEC.events[:3],\n"
+        "           table={k: {e: c for e, c in r.items() if getattr(e, '__name__', '') "
+        "!= 'Poke'} for k, r in JOB_SPEC.table.items()},\n"
+        "           guards=JOB_SPEC.guards).build()\n")
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        capsys.readouterr()
+        assert _run("--machines", "job_v2:JOB", "--out", str(out), "--check") == 1
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("job_v2", None)
+    printed = capsys.readouterr()
+    stale = printed.out + printed.err
+    assert f"stale: {out / 'job.mmd'}" in stale and f"stale: {out / 'job.svg'}" in stale
 
 
 @pytest.mark.parametrize(("spec", "message"), [

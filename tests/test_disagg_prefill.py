@@ -272,7 +272,12 @@ def test_a_short_pool_takes_nothing_and_the_request_waits():
     started(e, "a", prompt=4, chunk=4, chunks=1)
     req = e.add("b", 8, chunk_size=4)
     e.bootstrap("b")
+    def free():
+        return {k: getattr(pools, k).available for k in ("kv", "mamba", "table", "host")}
+
+    before = free()
     assert e.schedule("b") is None  # 2 KV slots left for a 4-token chunk
+    assert free() == before  # nothing taken from any pool
     e.assert_accounted()
     assert req.state == "waiting"
     e.abort("a")
@@ -393,6 +398,7 @@ def test_every_pair_decides_as_the_transitions_oracle_and_ends_with_pools_full(w
     e, t = engine()
     BUILDERS[where](e, t)
     req = e.req("r")
+    assert req.state == _state_of(where)  # the builder really stands there
     ev = EVENTS[event](req)
     if isinstance(ev, ChunkResult) and req.state in ("prefilling", "draining"):
         _settle_first_in_flight(e, req)
@@ -404,10 +410,19 @@ def test_every_pair_decides_as_the_transitions_oracle_and_ends_with_pools_full(w
     _cleanup(e, t)
 
 
+def _state_of(where):
+    return where.split("_")[0] if where.startswith(("prefilling", "draining")) else where
+
+
 def test_the_builders_stand_in_every_state_of_the_machine():
-    names = {w.split("_")[0] if w.startswith(("prefilling", "draining")) else w
-             for w in BUILDERS}
-    assert names == set(DISAGG_PREFILL.states)
+    reached = set()
+    for where, build in BUILDERS.items():
+        e, t = engine()
+        build(e, t)
+        reached.add(e.req("r").state)
+        assert e.req("r").state == _state_of(where), where
+        _cleanup(e, t)
+    assert reached == set(DISAGG_PREFILL.states)
 
 
 def test_an_abort_while_a_reader_holds_a_prefetched_page_frees_it_at_the_unlock():

@@ -51,7 +51,14 @@ def test_unlock_below_zero_raises_and_changes_nothing(device):
     assert a is not None
     with pytest.raises(KernelError, match=rf"unlock of pages \[{int(a)}\] that are not locked"):
         h.unlock(a)
-    assert h.locked_pages() == 0
+    assert h.lock_refs.tolist() == [0, 0, 0, 0]  # no reference left at -1
+    h.lock(a)
+    with pytest.raises(KernelError, match="not locked that many times"):
+        h.unlock(torch.cat((a, a)))  # one reference, two unlocks: refused whole
+    assert h.lock_refs.tolist() == [1 if i == int(a) else 0 for i in range(4)]
+    h.unlock(a)
+    h.free(a)
+    h.assert_full()
 
 
 def test_double_and_foreign_frees_raise_at_the_free(device):
@@ -169,8 +176,21 @@ def test_assert_full_reports_live_prefetches_and_locks(device):
     h = HostPagePool(4, device)
     p = h.prefetch(1)
     assert p is not None
-    with pytest.raises(LeakError):
+    with pytest.raises(LeakError, match="1 pages still held"):
         h.assert_full()
+    p.advance(1)
+    p.terminate()
+    pages = p.take()
+    h.free(pages)
+    h.assert_full()
+    page = h.alloc(1)
+    assert page is not None
+    h.free(page)
+    h.lock(page)  # a lock never dropped (a stale reader): every page is free, yet
+    with pytest.raises(LeakError, match=rf"1 locked pages still held, e.g. \[{int(page)}\]"):
+        h.assert_full()
+    h.unlock(page)
+    h.assert_full()
 
 
 @settings(

@@ -209,6 +209,9 @@ def test_strict_free_group_checks_the_whole_group_at_its_end(device):
     kv.free(got[:1])
     with pytest.raises(DoubleFree, match=rf"\[{int(got[0])}\]"):
         kv.free_group_end()
+    assert kv.available == 6  # the whole group was refused: nothing went back
+    kv.free(got)  # the group is closed; a correct free still works
+    kv.assert_full()
 
 
 def test_free_group_cannot_nest_or_end_twice(device):

@@ -82,6 +82,9 @@ def test_release_below_zero_raises_at_that_release_and_releases_nothing():
         r.release_nowait([a, b])
         with pytest.raises(ReleaseUnderflow, match="count is 0"):
             r.release_nowait(a)
+        assert r.counts() == {a: 0, b: 0}  # the refused release left no -1 behind
+        await r.unload("a", timeout=1)
+        await r.unload("b", timeout=1)
 
     run(main())
 

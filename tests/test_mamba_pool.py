@@ -64,12 +64,16 @@ def test_copy_from_and_fork_copy_every_state(device):
     p = pool(device=device)
     a = p.alloc(1)
     assert a is not None
-    p.temporal[:, a] = 3.0
-    p.conv[1][:, a] = 2.0
+    for i, t in enumerate(p._tensors()):
+        t[:, a] = float(i + 2)
     b = p.fork(a)
     assert b is not None and int(b) != int(a)
-    assert bool((p.temporal[:, b] == 3.0).all()) and bool((p.conv[1][:, b] == 2.0).all())
-    p.free(torch.cat((a, b)))
+    c = p.alloc(1)  # zeroed; then filled by an explicit copy_from
+    assert c is not None
+    p.copy_from(a, c)
+    for i, t in enumerate(p._tensors()):
+        assert bool((t[:, b] == i + 2).all()) and bool((t[:, c] == i + 2).all()), i
+    p.free(torch.cat((a, b, c)))
     p.assert_full()
 
 
@@ -88,6 +92,9 @@ def test_double_free_and_padding_slot_are_detected(device):
         p.free(a[:1])
     with pytest.raises(ForeignIndex, match=r"foreign index \[0\]"):
         p.free(0)
+    assert p.available == 3  # both refusals changed nothing
+    p.free(a[1:])
+    p.assert_full()
 
 
 def test_assert_full_names_held_slots(device):

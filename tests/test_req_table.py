@@ -58,6 +58,9 @@ def test_slot_double_free_is_detected(device):
     t.free(s[:1])
     with pytest.raises(DoubleFree, match=rf"ReqToTokenTable: double free of \[{int(s[0])}\]"):
         t.free(s[:1])
+    assert t.available == 3
+    t.free(s[1:])
+    t.assert_full()
 
 
 def test_lazy_slot_double_free_is_named_by_check(device):
@@ -72,11 +75,14 @@ def test_lazy_slot_double_free_is_named_by_check(device):
 
 def test_foreign_slot_is_detected(device):
     t = ReqToTokenTable(4, 4, device, strict=True)
-    t.alloc(1)
+    held = t.alloc(1)
     with pytest.raises(
         ForeignIndex, match=r"foreign index \[4\]: this pool only hands out slots 0..3"
     ):
         t.free(4)
+    assert t.available == 3
+    t.free(held)
+    t.assert_full()
 
 
 def test_assert_full_names_held_slots(device):

@@ -326,6 +326,16 @@ def test_a_failing_async_step_is_recorded_on_the_ledger(world):
 
 
 def test_a_trace_sink_sees_every_decision_and_costs_nothing_once_removed(world):
+    # Detach a coverage recorder (pytest --fsm-coverage) for this test: otherwise the
+    # machine stays on its observed path whether or not the sink's removal restored it.
+    prev = observe.set_recorder(None)
+    try:
+        _sink_then_removed(world)
+    finally:
+        observe.set_recorder(prev)
+
+
+def _sink_then_removed(world):
     records = []
     m = world.bind()
     m.add_sink(records.append)
@@ -343,8 +353,7 @@ def test_a_trace_sink_sees_every_decision_and_costs_nothing_once_removed(world):
     ]
     assert all(r.machine == "lifecycle" and r.instance == "r1" for r in records)
     m.remove_sink(records.append)
-    # Back on the fast table, unless a coverage recorder (pytest --fsm-coverage) observes.
-    assert m._rows is (m._fast_rows if observe.recorder() is None else m._slow_rows)
+    assert m._rows is m._fast_rows and not m._observed  # back on the fast table
     job2 = world.admit(m, "r2")
     job2.fire(Start())
     job2.fire(Abort())
