@@ -135,6 +135,9 @@ class TokenizerSide:
         self.sampling = bind_sampling(ledger)
         """SAMPLING bound to its plans over `ledger`."""
         self._live: dict[Any, Instance] = {}
+        # rids a live sampling group will give its warm-ups and children (-> group key):
+        # no other request may take one, or it would be orphaned when the group does.
+        self._reserved: dict[Any, Any] = {}
         self._recent: OrderedDict[Any, Instance] = OrderedDict()
         self._retain = retain_terminal
         self._batches: dict[Any, _Batch] = {}
@@ -161,12 +164,18 @@ class TokenizerSide:
     def _new_rid(self, rid: Any, used: set[Any] | None = None) -> Any:
         if rid is None:
             rid = f"req-{next(self._ids)}"
-            while rid in self._live or rid in self._recent:
+            while rid in self._live or rid in self._recent or rid in self._reserved:
                 rid = f"req-{next(self._ids)}"
         if rid in self._live or (used is not None and rid in used):
             raise ValueError(
                 f"request id {rid!r} is already in flight; give every request a distinct "
                 "rid (or pass rid=None to get one)"
+            )
+        if rid in self._reserved:
+            raise ValueError(
+                f"request id {rid!r} belongs to a request of sampling group "
+                f"{self._reserved[rid]!r} (its warm-ups are <group>-warmup-<i>, its "
+                "children <group>-<k>); choose another rid"
             )
         self._recent.pop(rid, None)  # a reused finished rid starts a new life
         return rid
@@ -263,10 +272,19 @@ class TokenizerSide:
         else:
             parents = [SamplingGroup(self.sampling, self._new_rid(rid), prompts=prompts,
                                      loras=per_prompt, n=n)]
+        taken = {p.key for p in parents}
+        for p in parents:
+            for d in _derived_rids(p):
+                if d in self._live or d in self._reserved or d in taken:
+                    raise ValueError(
+                        f"sampling group {p.key!r} would name a request {d!r}, which is "
+                        "already in flight or reserved; choose another group rid")
+                taken.add(d)
         batch = _Batch(parents)
         for p in parents:
             self._live[p.key] = p
             self._batches[p.key] = batch
+            self._reserved.update(dict.fromkeys(_derived_rids(p), p.key))
         await asyncio.gather(*(self._prepare_group(p) for p in parents))
         return list(parents)
 
@@ -317,7 +335,7 @@ class TokenizerSide:
             k = 0
             warmups = []
             for i, (prompt, lora) in enumerate(zip(group.prompts, group.loras, strict=True)):
-                w = Request(self.requests, f"{group.key}-warmup-{i}", prompt=prompt,
+                w = Request(self.requests, _warmup_rid(group.key, i), prompt=prompt,
                             lora=lora, role="warmup", stream=False, parent=group)
                 w.tokens = group.tokens[i]
                 if lora is not None:
@@ -330,6 +348,7 @@ class TokenizerSide:
             group.warmups = warmups
             group.pending_warmups = len(warmups)
             for w in warmups:
+                self._reserved.pop(w.key, None)
                 self._live[w.key] = w
             for w in warmups:
                 if group.terminal:
@@ -360,9 +379,10 @@ class TokenizerSide:
             children = []
             for i, (prompt, lora) in enumerate(zip(group.prompts, group.loras, strict=True)):
                 for j in range(group.n):
-                    c = Request(self.requests, f"{group.key}-{i * group.n + j}",
+                    c = Request(self.requests, _child_rid(group.key, i * group.n + j),
                                 prompt=prompt, lora=lora, role="child", parent=group)
                     c.tokens = group.tokens[i]
+                    self._reserved.pop(c.key, None)
                     self._live[c.key] = c
                     children.append(c)
             group.children = children
@@ -442,6 +462,9 @@ class TokenizerSide:
             while len(self._recent) > self._retain:
                 self._recent.popitem(last=False)
         if isinstance(inst, SamplingGroup):
+            for d in _derived_rids(inst):  # names it never used are free again
+                if self._reserved.get(d) == key:
+                    del self._reserved[d]
             self._group_ended(inst, event)
         elif isinstance(inst, Request) and inst.role == "warmup":
             self._warmup_ended(inst, event)
@@ -481,3 +504,18 @@ class TokenizerSide:
         self._fire(group, BatchFailed(
             status, f"prefix warm-up {w.key!r} ended {w.state}: "
                     f"{getattr(event, 'message', '')}"))
+
+
+def _warmup_rid(group: Any, i: int) -> str:
+    return f"{group}-warmup-{i}"
+
+
+def _child_rid(group: Any, k: int) -> str:
+    return f"{group}-{k}"
+
+
+def _derived_rids(group: SamplingGroup) -> list[str]:
+    """Every rid `group` may give a warm-up (one per prompt) or a child (n per prompt)."""
+    m = len(group.prompts)
+    return ([_warmup_rid(group.key, i) for i in range(m)]
+            + [_child_rid(group.key, k) for k in range(m * group.n)])

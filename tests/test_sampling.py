@@ -337,3 +337,42 @@ def test_a_parent_aborted_before_its_preparation_ran_lets_its_sibling_fan_out():
         await s.finish_clean()
 
     run(main())
+
+
+def test_a_client_rid_cannot_take_a_name_a_live_sampling_group_will_give_a_child():
+    async def main():
+        s = await make_side()
+        a = s.adapters["a"]
+        (group,) = await s.side.submit_batch(["p"], "a", n=2, rid="g")
+        with pytest.raises(ValueError, match=r"'g-1' belongs to a request of sampling group "
+                                             r"'g'"):
+            await s.side.submit("other", "a", rid="g-1")
+        finish_warmups(s, [group])
+        children = s.side.children("g")
+        assert [c.key for c in children] == ["g-0", "g-1"]
+        assert all(s.side.get(c.key) is c for c in children)  # none orphaned
+        for c in children:
+            s.side.on_finish(c.key)
+        assert s.registry.count(a) == 0
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_a_sampling_group_whose_child_name_is_taken_is_refused_before_acquiring():
+    async def main():
+        s = await make_side()
+        a = s.adapters["a"]
+        r = await s.side.submit("first", "a", rid="g-0")
+        with pytest.raises(ValueError, match=r"sampling group 'g' would name a request 'g-0'"):
+            await s.side.submit_batch(["p"], "a", n=2, rid="g")
+        assert s.registry.count(a) == 1 and s.side.get("g") is None
+        s.side.on_finish(r.key)
+        # Once the group has ended, its names are free again.
+        await s.side.submit_batch(["p"], None, n=2, rid="h")
+        s.side.abort("h")
+        await s.side.submit("late", None, rid="h-0")
+        s.side.on_finish("h-0")
+        await s.finish_clean()
+
+    run(main())
