@@ -148,15 +148,6 @@ def client_error(inst: Any, ev: Any) -> bool:
 
 # -- the declaration ---------------------------------------------------------------------
 
-REQUEST_PLANS = (
-    "release_finished",
-    "release_aborted",
-    "release_rejected",
-    "release_errored",
-    "release_dispatch_failed",
-)
-"""The release plans REQUEST's terminal edges name; `effects.request` implements them."""
-
 _aborted = go("aborted", plan="release_aborted")
 _failed = [go("rejected", plan="release_rejected", when="client_error"),
            go("errored", plan="release_errored")]
@@ -225,4 +216,7 @@ SPEC = Spec(
 )
 
 REQUEST: Machine = SPEC.build()
+REQUEST_PLANS = REQUEST.plan_names
+"""The release plans REQUEST's terminal edges name (sorted); `effects.request` implements
+them."""
 """The built request machine (unbound: bind plans and a ledger with `effects.request`)."""

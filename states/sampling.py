@@ -95,9 +95,6 @@ def warmups_pending(inst: Any, ev: Any) -> bool:
     return bool(inst.pending_warmups > 0)
 
 
-SAMPLING_PLANS = ("fan_out", "release_aborted", "release_rejected", "release_errored")
-"""The plans SAMPLING's terminal edges name; `effects.request` implements them."""
-
 _aborted = go("aborted", plan="release_aborted")
 _failed = [go("rejected", plan="release_rejected", when="client_error"),
            go("errored", plan="release_errored")]
@@ -165,4 +162,6 @@ SPEC = Spec(
 )
 
 SAMPLING: Machine = SPEC.build()
+SAMPLING_PLANS = SAMPLING.plan_names
+"""The plans SAMPLING's terminal edges name (sorted); `effects.request` implements them."""
 """The built sampling-group machine (unbound: bind plans with `effects.request`)."""
