@@ -235,12 +235,13 @@ class Batch:
         can never skip a release.
         """
         m = self.machine
-        states = self.states.index_select(0, rows)
+        states = torch.div(self._base.index_select(0, rows) - 1, self._w, rounding_mode="floor")
         ok = self._terminal[states] | (states == m.initial)
         if not bool(ok.all()):
-            i = int(rows[(~ok).nonzero()[0]])
+            bad = int((~ok).nonzero()[0])
+            i = int(rows[bad])
             raise TransitionNotAllowed(
-                m.name, m.states[int(self.states[i])], "<recycle>",
+                m.name, m.states[int(states[bad])], "<recycle>",
                 "only a terminal (or still initial) row can start a new instance; "
                 "finish or abort the live one first", instance=i)
         self._base.index_fill_(0, rows, m.initial * self._w + 1)
