@@ -41,7 +41,8 @@ class DisaggLeak(msgspec.Struct, frozen=True):
     `aborted_cached` / `aborted_sent`: aborted requests inserted into the prefix cache /
     whose KV send started after the abort; `streams_missing` / `streams_duplicated`:
     requests that streamed no terminal output / more than one; `wrong_status`: aborted
-    requests whose terminal output was not an abort.
+    requests whose terminal output was not an abort. `ledger_handles`: handles the
+    machines' ledger still records as owned after the run (the naive loop has none).
     """
 
     loop: str
@@ -61,6 +62,7 @@ class DisaggLeak(msgspec.Struct, frozen=True):
     streams_missing: int
     streams_duplicated: int
     wrong_status: int
+    ledger_handles: int = 0
 
     @property
     def leaked(self) -> bool:
@@ -330,4 +332,5 @@ def disagg_seed(naive: bool, seed: int = 0, *, requests: int = 64, chunk_size: i
         streams_missing=sum(1 for p in plans if p.rid not in outs),
         streams_duplicated=sum(1 for o in outs.values() if len(o) > 1),
         wrong_status=sum(1 for r in aborted if r in outs and outs[r][0].status != "aborted"),
+        ledger_handles=0 if naive else engine.ledger.count(),
     )
