@@ -26,9 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import ExceptionGroup
 
 from fsm import Instance, Ledger
 from kernels.protocols import LoRARegistry
@@ -314,8 +318,17 @@ class TokenizerSide:
                     self._fire(group, AcquireFailed(400 if _unknown_adapter(e) else 500,
                                                     str(e)))
                     return
-                for i in ids:  # owned from this instant; released at once if terminal (I6)
-                    self.ledger.acquire(group, LORA, i)
+                # Owned from this instant; released at once if an abort came first (I6).
+                # Every id is recorded even when one such release raises.
+                errors: list[Exception] = []
+                for i in ids:
+                    try:
+                        self.ledger.acquire(group, LORA, i)
+                    except Exception as e:
+                        errors.append(e)
+                if errors:
+                    raise errors[0] if len(errors) == 1 else ExceptionGroup(
+                        f"{len(errors)} late LoRA releases of {group.key!r} raised", errors)
                 self._fire(group, LoRAAcquired(tuple(ids)))
             if group.terminal:
                 return

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from effects.request import LORA, FanOutMismatch, bind_sampling
-from fsm import ReleaseFailed
+from fsm import EffectError, ReleaseFailed
 from states.request import LoRAAcquired, Request, Submitted, Validated
 from states.sampling import FanOut, SamplingGroup, WarmupFinished
 from tests.tokenizer_side import make_side, settle
@@ -373,6 +373,38 @@ def test_a_sampling_group_whose_child_name_is_taken_is_refused_before_acquiring(
         s.side.abort("h")
         await s.side.submit("late", None, rid="h-0")
         s.side.on_finish("h-0")
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_a_late_release_that_raises_does_not_leave_the_groups_other_ids_unrecorded():
+    async def main():
+        s = await make_side(gated=True)
+        a = s.adapters["a"]
+        s.front.gate = asyncio.Event()
+        refused = []
+        inner = s.registry.release_nowait
+
+        def release_nowait(ids):
+            if not refused:  # the first late release fails (a registry hiccup)
+                refused.append(ids)
+                raise ConnectionError("registry unreachable")
+            inner(ids)
+
+        s.front.release_nowait = release_nowait
+        task = asyncio.create_task(s.side.submit_batch(["p"], "a", n=3, rid="g"))
+        await settle()
+        assert s.side.abort("g")  # the abort overtakes the acquire
+        s.front.gate.set()
+        with pytest.raises(EffectError, match="registry unreachable"):
+            await task
+        # All three ids were recorded and released at once; only the refused one is
+        # still counted by the registry.
+        assert s.ledger.count() == 0 and s.ledger.late_released == 3
+        assert s.registry.count(a) == 1
+        inner(refused[0])
+        s.ledger.errors.clear()
         await s.finish_clean()
 
     run(main())
