@@ -82,6 +82,10 @@ class MambaStatePool(StackPool):
         if ids.numel():
             self._free.push(ids.long())
 
+    def clear(self) -> None:
+        """Every slot free again, recorded violations wiped (states are zeroed on alloc)."""
+        self._free.clear()
+
     def copy_from(self, src: IdsLike, dst: IdsLike) -> None:
         """Copy every state of slots ``src`` into slots ``dst`` (pairwise)."""
         s = as_ids(src, self.device).long()

@@ -52,6 +52,13 @@ class ReqToTokenTable(StackPool):
         if ids.numel():
             self._free.push(ids.long())
 
+    def clear(self) -> None:
+        """Every slot free again with length 0 and no Mamba slot; recorded violations
+        wiped (their KV and Mamba state are the caller's to clear)."""
+        self._free.clear()
+        self.lengths.zero_()
+        self.mamba_slots.zero_()
+
     def write(self, slot: int, start: int, tokens: torch.Tensor) -> None:
         """Store ``tokens`` at ``[slot, start:start+len]`` and set the length to the end."""
         end = start + tokens.numel()

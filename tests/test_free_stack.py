@@ -34,7 +34,7 @@ def test_a_foreign_slot_below_a_zero_based_range_is_reported_after_reuse(device)
     assert table.alloc(1) is not None
     with pytest.raises(ForeignIndex, match=r"foreign index \[-1\]"):
         table.check()
-    table._free.clear()
+    table.clear()
     table.assert_full()
 
 
@@ -73,3 +73,32 @@ def test_a_clean_pool_passes_check_after_many_cycles(device):
             kv.free(p)
         kv.check()
     kv.assert_full()
+
+
+def test_a_correct_free_after_an_unchecked_lazy_double_free_names_the_double_free(device):
+    # The free list is full with one id twice, so the correct free of the last held id
+    # has no room: it is refused naming the earlier double free, not itself.
+    kv = TokenKVAllocator(4, device=device)
+    held = kv.alloc(2)
+    assert held is not None
+    kv.free(held[:1])
+    kv.free(held[:1])
+    with pytest.raises(DoubleFree, match=rf"double free of \[{int(held[0])}\]"):
+        kv.free(held[1:])
+    kv.clear()
+    kv.assert_full()
+
+
+def test_clear_frees_every_slot_of_the_table_and_the_mamba_pool(device):
+    from kernels import MambaStatePool
+
+    table = ReqToTokenTable(4, 4, device)
+    mamba = MambaStatePool(4, 1, 4, 2, 1, 2, 2, device)
+    slots, states = table.alloc(3), mamba.alloc(2)
+    assert slots is not None and states is not None
+    table.write(int(slots[0]), 0, torch.tensor([1, 2], device=device))
+    table.clear()
+    mamba.clear()
+    assert table.lengths.tolist() == [0, 0, 0, 0]
+    table.assert_full()
+    mamba.assert_full()
