@@ -61,15 +61,16 @@ def test_releases_only_the_given_requests(device):
     assert mamba.available == mamba.capacity - 1
     assert int(table.lengths[keep]) == 4
     release_batch([keep], table, kv, mamba)
-    kv.assert_full()
+    for pool in (kv, table, mamba):
+        pool.assert_full()
 
 
 def test_uniform_and_mixed_lengths_free_exactly_the_owned_tokens(device):
     for lengths in ([4, 4, 4], [1, 7, 0, 3]):
         kv, table, mamba, slots = setup(lengths, device)
         release_batch(slots, table, kv, mamba)
-        kv.assert_full()
-        mamba.assert_full()
+        for pool in (kv, table, mamba):
+            pool.assert_full()
 
 
 def test_kv_start_leaves_a_shared_prefix_to_its_owner(device):
@@ -78,13 +79,15 @@ def test_kv_start_leaves_a_shared_prefix_to_its_owner(device):
     release_batch(slots, table, kv, mamba, kv_start=torch.tensor([2, 2], device=device))
     assert kv.available == kv.capacity - 4
     kv.free(torch.cat(prefix))
-    kv.assert_full()
+    for pool in (kv, table, mamba):
+        pool.assert_full()
 
 
 def test_paged_pool_frees_each_page_once_even_when_lengths_end_mid_page(device):
     kv, table, mamba, slots = setup([5, 3, 8], device, page_size=4)
     release_batch(slots, table, kv, mamba)
-    kv.assert_full()
+    for pool in (kv, table, mamba):
+        pool.assert_full()
 
 
 def test_releasing_a_request_twice_is_a_double_free(device):
@@ -92,6 +95,8 @@ def test_releasing_a_request_twice_is_a_double_free(device):
     release_batch(slots, table, kv, mamba)
     with pytest.raises(DoubleFree):
         release_batch(slots, table, kv, mamba)
+    for pool in (kv, table, mamba):  # the refused second release changed nothing
+        pool.assert_full()
 
 
 def test_a_token_shared_by_two_released_rows_is_named_by_check(device):
@@ -101,16 +106,24 @@ def test_a_token_shared_by_two_released_rows_is_named_by_check(device):
     release_batch(slots, table, kv, mamba)  # one free call, the token in it twice
     with pytest.raises(DoubleFree, match=rf"double free of \[{shared}\]"):
         kv.check()
+    table.assert_full()  # the other pools got everything back
+    mamba.assert_full()
+    kv.clear()  # a lazy double free cannot be undone by a free: start the KV pool over
+    kv.assert_full()
 
 
 def test_strict_batch_with_a_shared_token_raises_before_freeing_anything(device):
     kv, table, mamba, slots = setup([4, 2], device)
+    owned = torch.cat([table.tokens(int(s)).clone() for s in slots])
     shared = int(table.req_to_token[slots[0], 0])
     table.req_to_token[slots[1], 1] = shared
     before = kv.available
     with pytest.raises(DoubleFree, match=rf"double free of \[{shared}\]"):
         release_batch(slots, table, kv, mamba)
     assert kv.available == before
+    kv.free(owned)  # the tokens the rows really owned, each once
+    for pool in (kv, table, mamba):
+        pool.assert_full()
 
 
 def test_releasing_a_request_twice_lazily_is_named_by_both_checks(device):
@@ -124,13 +137,26 @@ def test_releasing_a_request_twice_lazily_is_named_by_both_checks(device):
         kv.check()
     with pytest.raises(DoubleFree, match=rf"double free of \[{int(slots[0])}\]"):
         table.check()
+    mamba.free(table.mamba_slots[slots[1]])  # the one pool the second release left intact
+    mamba.assert_full()
+    # Lazy double frees cannot be undone by a free (and slots[1]'s KV tokens and slot
+    # would overflow the corrupted free lists): start both pools over.
+    kv.clear()
+    kv.assert_full()
+    table.clear()
+    table.assert_full()
 
 
 def test_empty_batch_releases_nothing(device):
-    kv, table, mamba, _ = setup([2], device)
+    kv, table, mamba, slots = setup([2], device)
     out = release_batch(torch.empty(0, dtype=torch.int64, device=device), table, kv, mamba)
     assert out.requests == 0
     assert kv.available == kv.capacity - 2
+    assert table.available == table.capacity - 1
+    assert mamba.available == mamba.capacity - 1
+    release_batch(slots, table, kv, mamba)
+    for pool in (kv, table, mamba):
+        pool.assert_full()
 
 
 def test_lazy_pools_without_a_mamba_pool_release_mixed_lengths(device):
@@ -193,6 +219,7 @@ def test_gather_kv_returns_each_rows_owned_columns_in_order(device, data):
     assert got.dtype == torch.int32
     assert got.device.type == device
     assert got.tolist() == want
+    table.assert_full()  # reading rows takes no slot
 
 
 def test_gather_kv_takes_slots_and_starts_from_the_host(device):
@@ -202,13 +229,19 @@ def test_gather_kv_takes_slots_and_starts_from_the_host(device):
     assert gather_kv(table, torch.tensor([2, 0])).tolist() == [8, 9, 10, 0, 1, 2, 3]
     got = gather_kv(table, torch.tensor([0, 1]), torch.tensor([1, 0]))
     assert got.device.type == device and got.tolist() == [1, 2, 3, 4, 5]
+    table.assert_full()  # reading rows takes no slot
 
 
 def test_a_pool_refusing_its_free_does_not_keep_the_other_pools_from_theirs(device):
     kv, table, mamba, slots = setup([4, 2], device)
+    owned = torch.cat([table.tokens(int(s)).clone() for s in slots])
     shared = int(table.req_to_token[slots[0], 0])
     table.req_to_token[slots[1], 1] = shared  # strict KV will refuse the whole free
+    before = kv.available
     with pytest.raises(DoubleFree, match=rf"double free of \[{shared}\]"):
         release_batch(slots, table, kv, mamba)
     mamba.assert_full()  # the Mamba states and request slots still went back
     table.assert_full()
+    assert kv.available == before  # the refused KV free changed nothing
+    kv.free(owned)
+    kv.assert_full()

@@ -25,6 +25,7 @@ def test_alloc_when_short_returns_none(device):
     assert h.alloc(3) is None
     assert h.prefetch(3) is None
     assert h.available == 2
+    h.assert_full()  # no page, and no prefetch, was taken
 
 
 def test_locked_pages_cannot_be_freed_until_every_lock_is_dropped(device):
@@ -40,6 +41,7 @@ def test_locked_pages_cannot_be_freed_until_every_lock_is_dropped(device):
     h.unlock(a[:1])
     with pytest.raises(PageLocked):
         h.free(a)
+    assert h.occupied == 2
     h.unlock(a[:1])
     h.free(a)
     h.assert_full()
@@ -68,10 +70,14 @@ def test_double_and_foreign_frees_raise_at_the_free(device):
     h.free(a[:1])
     with pytest.raises(DoubleFree, match=rf"HostPagePool: double free of \[{int(a[0])}\]"):
         h.free(a[:1])
+    assert h.available == 3  # the refusal changed nothing
     with pytest.raises(
         ForeignIndex, match=r"foreign index \[4\]: this pool only hands out pages 0..3"
     ):
         h.free(4)
+    assert h.available == 3
+    h.free(a[1:])
+    h.assert_full()
 
 
 def test_released_prefetch_frees_only_its_completed_prefix(device):
@@ -106,6 +112,10 @@ def test_prefetch_cannot_be_released_while_its_io_is_active(device):
     assert p is not None
     with pytest.raises(KernelError, match=r"release\(\) while its I/O may still write"):
         p.release()
+    assert h.available == 2 and h.prefetch_occupied == 2 and not p.retired  # nothing changed
+    p.terminate()
+    assert p.release() == 0
+    h.assert_full()
 
 
 def test_prefetch_released_twice_raises(device):
@@ -117,6 +127,8 @@ def test_prefetch_released_twice_raises(device):
     p.release()
     with pytest.raises(DoubleFree, match="Prefetch: double free"):
         p.release()
+    assert h.available == 4 and h.prefetch_occupied == 0  # the refusal changed nothing
+    h.assert_full()
 
 
 def test_a_release_with_a_page_still_read_frees_it_at_the_readers_last_unlock(device):
@@ -135,6 +147,7 @@ def test_a_release_with_a_page_still_read_frees_it_at_the_readers_last_unlock(de
     assert h.available == 8 - 1 - 1  # the anchor, and the page still being read
     with pytest.raises(DoubleFree):  # the owner released it; nobody frees it again
         h.free(reader)
+    assert h.available == 6 and int(h.lock_refs[reader]) == 2  # the refusal changed nothing
     with pytest.raises(LeakError, match="still locked by a reader"):
         h.assert_full()
     h.unlock(reader)
@@ -166,6 +179,7 @@ def test_prefetch_locks_its_anchor_until_released(device):
     assert p is not None
     with pytest.raises(PageLocked):
         h.free(anchor)
+    assert h.available == 4 and h.lock_refs[anchor].tolist() == [1, 1]  # nothing changed
     p.terminate()
     p.release()
     h.free(anchor)

@@ -25,14 +25,21 @@ def test_alloc_returns_distinct_indices_and_never_the_padding_slot(device):
     assert got.device.type == device
     assert sorted(got.tolist()) == list(range(1, 9))
     assert kv.available == 0
+    kv.free(got)
+    kv.assert_full()
 
 
 def test_alloc_when_short_returns_none_and_takes_nothing(device):
     kv = TokenKVAllocator(8, device=device)
-    assert kv.alloc(5) is not None
+    a = kv.alloc(5)
+    assert a is not None
     assert kv.alloc(4) is None
     assert kv.available_size() == 3
-    assert kv.alloc(3) is not None
+    b = kv.alloc(3)
+    assert b is not None
+    kv.free(a)
+    kv.free(b)
+    kv.assert_full()
 
 
 def test_free_returns_slots_and_assert_full_passes(device):
@@ -50,6 +57,8 @@ def test_assert_full_names_leaked_slots(device):
     assert got is not None
     with pytest.raises(LeakError, match=rf"1 token slots still held, e.g. \[{int(got)}\]"):
         kv.assert_full()
+    kv.free(got)
+    kv.assert_full()
 
 
 def test_strict_double_free_raises_at_the_free_and_changes_nothing(device):
@@ -70,20 +79,31 @@ def test_strict_duplicate_inside_one_free_is_a_double_free(device):
     assert got is not None
     with pytest.raises(DoubleFree, match=rf"double free of \[{int(got[0])}\]"):
         kv.free(torch.stack((got[0], got[0])))
+    assert kv.available == 6  # the refusal changed nothing
+    kv.free(got)
+    kv.assert_full()
 
 
 def test_padding_slot_is_never_accepted_back(device):
     kv = TokenKVAllocator(8, device=device, strict=True)
-    kv.alloc(1)
+    held = kv.alloc(1)
+    assert held is not None
     with pytest.raises(ForeignIndex, match=r"foreign index \[0\]: this pool only hands out"):
         kv.free(torch.tensor([0], device=device))
+    assert kv.available == 7  # the refusal changed nothing
+    kv.free(held)
+    kv.assert_full()
 
 
 def test_out_of_range_and_negative_indices_are_foreign(device):
     kv = TokenKVAllocator(8, device=device, strict=True)
-    kv.alloc(4)
+    held = kv.alloc(4)
+    assert held is not None
     with pytest.raises(ForeignIndex, match=r"foreign index \[-3, 9\]"):
         kv.free(torch.tensor([-3, 9], device=device))
+    assert kv.available == 4  # the refusal changed nothing
+    kv.free(held)
+    kv.assert_full()
 
 
 def test_lazy_double_free_is_recorded_without_raising_and_check_names_it(device):
@@ -94,6 +114,8 @@ def test_lazy_double_free_is_recorded_without_raising_and_check_names_it(device)
     kv.free(got[1:3])  # got[1] twice: recorded on the device, no host sync here
     with pytest.raises(DoubleFree, match=rf"double free of \[{int(got[1])}\]"):
         kv.check()
+    kv.clear()  # a lazy double free cannot be undone by a free: start the pool over
+    kv.assert_full()
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
@@ -104,6 +126,8 @@ def test_lazy_duplicate_inside_one_free_is_named_by_check(dtype, device):
     kv.free(torch.stack((got[0], got[1], got[0])).to(dtype))  # no host sync here
     with pytest.raises(DoubleFree, match=rf"double free of \[{int(got[0])}\]"):
         kv.check()
+    kv.clear()  # a lazy double free cannot be undone by a free: start the pool over
+    kv.assert_full()
 
 
 def test_lazy_duplicate_inside_one_large_free_is_named_by_check(device):
@@ -115,6 +139,8 @@ def test_lazy_duplicate_inside_one_large_free_is_named_by_check(device):
     kv.free(twice.to(torch.int32))
     with pytest.raises(DoubleFree, match=rf"double free of \[{int(got[5])}\]"):
         kv.check()
+    kv.clear()  # a lazy double free cannot be undone by a free: start the pool over
+    kv.assert_full()
 
 
 def test_duplicate_inside_one_free_handed_out_again_is_still_reported(device):
@@ -125,6 +151,8 @@ def test_duplicate_inside_one_free_handed_out_again_is_still_reported(device):
     assert kv.alloc(2) is not None  # both copies of the one slot handed out
     with pytest.raises(DoubleFree, match=rf"double free of \[{int(got[2])}\]"):
         kv.check()
+    kv.clear()  # a lazy double free cannot be undone by a free: start the pool over
+    kv.assert_full()
 
 
 @pytest.mark.parametrize(
@@ -153,6 +181,8 @@ def test_double_freed_slot_handed_out_again_is_still_reported(device):
     kv.alloc(2)  # both copies of the same slot handed out: the evidence must survive
     with pytest.raises(DoubleFree, match=rf"double free of \[{int(got[0])}\]"):
         kv.check()
+    kv.clear()  # a lazy double free cannot be undone by a free: start the pool over
+    kv.assert_full()
 
 
 def test_more_frees_than_allocated_raise_even_when_lazy(device):
@@ -162,6 +192,8 @@ def test_more_frees_than_allocated_raise_even_when_lazy(device):
     kv.free(got)
     with pytest.raises(DoubleFree):
         kv.free(got)
+    assert kv.available == 4  # refused before it changed anything, even lazily
+    kv.assert_full()
 
 
 def test_free_group_defers_frees_until_the_end(device):
@@ -222,6 +254,7 @@ def test_free_group_cannot_nest_or_end_twice(device):
     kv.free_group_end()
     with pytest.raises(KernelError, match="without free_group_begin"):
         kv.free_group_end()
+    kv.assert_full()  # no group left open, nothing held
 
 
 def test_restore_after_allocations_only_returns_them(device):
@@ -268,6 +301,8 @@ def test_a_snapshot_can_be_restored_twice_but_not_after_a_newer_backup(device):
     kv.backup_state()
     with pytest.raises(StaleSnapshot, match="restore only the latest snapshot"):
         kv.restore_state(snap)
+    assert kv.available == 8  # the refused restore changed nothing
+    kv.assert_full()
 
 
 def test_clear_frees_everything_and_forgets_violations(device):
@@ -291,6 +326,8 @@ def test_paged_alloc_rounds_to_pages_and_returns_n_token_indices(device):
     assert (got % 4).tolist() == [0, 1, 2, 3, 0, 1]
     assert 0 not in pages
     assert kv.available == 8
+    kv.free(got)
+    kv.assert_full()
 
 
 def test_paged_free_of_token_indices_frees_their_pages_once(device):
@@ -303,11 +340,15 @@ def test_paged_free_of_token_indices_frees_their_pages_once(device):
 
 def test_paged_padding_page_is_foreign(device):
     kv = TokenKVAllocator(16, page_size=4, device=device, strict=True)
-    kv.alloc(4)
+    held = kv.alloc(4)
+    assert held is not None
     with pytest.raises(
         ForeignIndex, match=r"foreign index \[0\]: this pool only hands out pages 1..4"
     ):
         kv.free(torch.tensor([2], device=device))
+    assert kv.available == 12  # the refusal changed nothing
+    kv.free(held)
+    kv.assert_full()
 
 
 def test_size_must_be_a_multiple_of_the_page_size():

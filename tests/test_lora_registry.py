@@ -31,6 +31,10 @@ def test_register_gives_stable_distinct_ids_and_acquire_counts():
         assert await r.acquire("a") == a
         assert await r.acquire(["a", "b", "a"]) == [a, b, a]
         assert r.counts() == {a: 3, b: 1}
+        await r.release([a, b, a])
+        await r.release(a)
+        assert r.counts() == {a: 0, b: 0}
+        r.assert_full()
 
     run(main())
 
@@ -38,9 +42,12 @@ def test_register_gives_stable_distinct_ids_and_acquire_counts():
 def test_register_twice_points_to_upsert():
     async def main():
         r = LoRARegistry()
-        await r.register("a")
+        a = await r.register("a")
         with pytest.raises(ValueError, match=r"already registered \(id 1\); use upsert\(\)"):
             await r.register("a")
+        assert r.available == r.capacity - 1  # the refused register added nothing
+        assert r.counts() == {a: 0}
+        r.assert_full()
 
     run(main())
 
@@ -67,6 +74,8 @@ def test_acquire_of_an_unknown_name_acquires_nothing():
         assert r.count(a) == 0
         with pytest.raises(KeyError):
             await r.acquire("zz")
+        assert r.counts() == {a: 0}
+        r.assert_full()
 
     run(main())
 
@@ -85,6 +94,8 @@ def test_release_below_zero_raises_at_that_release_and_releases_nothing():
         assert r.counts() == {a: 0, b: 0}  # the refused release left no -1 behind
         await r.unload("a", timeout=1)
         await r.unload("b", timeout=1)
+        assert r.counts() == {}
+        r.assert_full()
 
     run(main())
 
@@ -104,6 +115,7 @@ def test_unload_waits_until_the_counter_is_exactly_zero():
         await r.release(a)
         assert await unload == a
         assert r.counts() == {}
+        r.assert_full()
 
     run(main())
 
@@ -121,6 +133,7 @@ def test_unload_timeout_names_the_id_and_its_count():
         r.release_nowait(a)
         await r.wait_for_unload(a, timeout=1)
         assert r.counts() == {}
+        r.assert_full()
 
     run(main())
 
@@ -131,6 +144,8 @@ def test_unload_of_an_idle_adapter_returns_at_once():
         a = await r.register("a")
         assert await r.unload("a", timeout=0.01) == a
         assert r.available == r.capacity
+        assert r.counts() == {}
+        r.assert_full()
 
     run(main())
 
@@ -141,6 +156,8 @@ def test_wait_for_unload_of_a_registered_id_says_unregister_first():
         a = await r.register("a")
         with pytest.raises(ValueError, match="still registered; unregister"):
             await r.wait_for_unload(a)
+        assert r.id_of("a") == a and r.counts() == {a: 0}  # the refusal changed nothing
+        r.assert_full()
 
     run(main())
 
@@ -150,7 +167,10 @@ def test_a_name_registered_again_after_unload_gets_a_new_id():
         r = LoRARegistry()
         a = await r.register("a")
         await r.unload("a")
-        assert await r.register("a") != a
+        b = await r.register("a")
+        assert b != a
+        assert r.counts() == {b: 0}
+        r.assert_full()
 
     run(main())
 
@@ -158,11 +178,13 @@ def test_a_name_registered_again_after_unload_gets_a_new_id():
 def test_registry_full_says_unload_one():
     async def main():
         r = LoRARegistry(capacity=1)
-        await r.register("a")
+        a = await r.register("a")
         with pytest.raises(
             RegistryFull, match="full \\(1 adapters\\); unload one before registering 'b'"
         ):
             await r.register("b")
+        assert r.available == 0 and r.counts() == {a: 0}  # the refusal changed nothing
+        r.assert_full()
 
     run(main())
 
@@ -174,6 +196,8 @@ def test_assert_full_names_ids_with_references():
         await r.acquire("a")
         with pytest.raises(LeakError, match=rf"1 references of ids still held, e.g. \[{a}\]"):
             r.assert_full()
+        await r.release(a)
+        r.assert_full()
 
     run(main())
 

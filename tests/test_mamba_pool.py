@@ -38,6 +38,8 @@ def test_alloc_zeroes_reused_slots_in_every_layer_and_leaves_others(device):
     for t in [*p.conv, p.temporal]:
         assert bool((t[:, b] == 0).all())
         assert bool((t[:, a[2:]] == 7).all())
+    p.free(torch.cat((a[2:], b)))
+    p.assert_full()
 
 
 def test_alloc_zeroes_with_one_op_per_tensor(monkeypatch, device):
@@ -50,14 +52,18 @@ def test_alloc_zeroes_with_one_op_per_tensor(monkeypatch, device):
         return orig(self, *args)
 
     monkeypatch.setattr(torch.Tensor, "index_fill_", spy)
-    p.alloc(3)
+    got = p.alloc(3)
     assert len(calls) == 3  # two conv tensors + the temporal state, all slots and layers
+    assert got is not None
+    p.free(got)
+    p.assert_full()
 
 
 def test_alloc_when_short_returns_none(device):
     p = pool(2, device=device)
     assert p.alloc(3) is None
     assert p.available == 2
+    p.assert_full()
 
 
 def test_copy_from_and_fork_copy_every_state(device):
@@ -81,6 +87,7 @@ def test_copy_from_needs_one_source_per_destination(device):
     p = pool(device=device)
     with pytest.raises(ValueError, match="2 sources for 1 destinations"):
         p.copy_from([1, 2], [3])
+    p.assert_full()
 
 
 def test_double_free_and_padding_slot_are_detected(device):
@@ -100,8 +107,11 @@ def test_double_free_and_padding_slot_are_detected(device):
 def test_assert_full_names_held_slots(device):
     p = pool(device=device)
     a = p.alloc(1)
+    assert a is not None
     with pytest.raises(LeakError, match=rf"e\.g\. \[{int(a)}\]"):
         p.assert_full()
+    p.free(a)
+    p.assert_full()
 
 
 def test_our_pool_satisfies_the_protocol():

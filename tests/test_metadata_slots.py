@@ -14,6 +14,9 @@ def test_alloc_returns_ints_then_none_when_exhausted():
     m = MetadataSlots(2)
     assert {m.alloc(), m.alloc()} == {0, 1}
     assert m.alloc() is None
+    for i in (0, 1):
+        m.free(i)
+    m.assert_full()
 
 
 def test_free_makes_a_slot_available_again():
@@ -22,6 +25,8 @@ def test_free_makes_a_slot_available_again():
     assert i is not None
     m.free(i)
     assert m.alloc() == i
+    m.free(i)
+    m.assert_full()
 
 
 def test_double_free_and_foreign_slot_raise():
@@ -31,10 +36,13 @@ def test_double_free_and_foreign_slot_raise():
     m.free(i)
     with pytest.raises(DoubleFree, match=rf"MetadataSlots: double free of \[{i}\]"):
         m.free(i)
+    assert m.available == 2  # the refusal changed nothing
     with pytest.raises(
         ForeignIndex, match=r"foreign index \[-1\]: this pool only hands out slots 0..1"
     ):
         m.free(-1)
+    assert m.available == 2
+    m.assert_full()
 
 
 def test_release_through_the_owner_sets_minus_one_and_is_idempotent():
@@ -49,15 +57,22 @@ def test_release_through_the_owner_sets_minus_one_and_is_idempotent():
 
 def test_acquire_when_exhausted_returns_none():
     m = MetadataSlots(1)
-    assert m.acquire() is not None
+    owner = m.acquire()
+    assert owner is not None
     assert m.acquire() is None
+    assert m.available == 0
+    assert owner.release() is True
+    m.assert_full()
 
 
 def test_assert_full_names_held_slots():
     m = MetadataSlots(3)
     i = m.alloc()
+    assert i is not None
     with pytest.raises(LeakError, match=rf"1 slots still held, e.g. \[{i}\]"):
         m.assert_full()
+    m.free(i)
+    m.assert_full()
 
 
 def test_slots_satisfy_the_protocol():

@@ -27,18 +27,23 @@ def test_write_sets_tokens_and_length(device):
     t.write(int(slot), 3, torch.tensor([9], device=device))
     assert t.tokens(int(slot)).tolist() == [5, 6, 7, 9]
     assert int(t.lengths[slot]) == 4
+    t.free(slot)
+    t.assert_full()
 
 
 def test_write_past_max_context_len_says_what_to_do(device):
     t = ReqToTokenTable(1, 4, device)
     with pytest.raises(ValueError, match="5 tokens do not fit max_context_len 4"):
         t.write(0, 2, torch.arange(3, device=device))
+    assert int(t.lengths[0]) == 0  # the refused write changed nothing
+    t.assert_full()
 
 
 def test_alloc_when_short_returns_none(device):
     t = ReqToTokenTable(2, 4, device)
     assert t.alloc(3) is None
     assert t.available == 2
+    t.assert_full()
 
 
 def test_alloc_resets_the_length_of_a_reused_slot(device):
@@ -47,8 +52,11 @@ def test_alloc_resets_the_length_of_a_reused_slot(device):
     assert s is not None
     t.write(0, 0, torch.arange(3, device=device))
     t.free(s)
-    assert t.alloc() is not None
+    again = t.alloc()
+    assert again is not None
     assert int(t.lengths[0]) == 0
+    t.free(again)
+    t.assert_full()
 
 
 def test_slot_double_free_is_detected(device):
@@ -71,6 +79,10 @@ def test_lazy_slot_double_free_is_named_by_check(device):
     t.free(s[:1])
     with pytest.raises(DoubleFree, match=rf"\[{int(s[0])}\]"):
         t.check()
+    # A lazy double free cannot be undone by a free: start the free list over
+    # (ReqToTokenTable has no public clear()).
+    t.clear()
+    t.assert_full()
 
 
 def test_foreign_slot_is_detected(device):
@@ -91,6 +103,8 @@ def test_assert_full_names_held_slots(device):
     assert s is not None
     with pytest.raises(LeakError, match=rf"1 slots still held, e.g. \[{int(s)}\]"):
         t.assert_full()
+    t.free(s)
+    t.assert_full()
 
 
 @settings(
