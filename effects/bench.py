@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from states.workload import WorkloadConfig, generate
+from terminus.states.workload import WorkloadConfig, generate
 
 from .serving import ServingLoop, SimConfig
 

@@ -31,15 +31,24 @@ from typing import Any
 import msgspec
 import torch
 
-from fsm import Action, Ledger, Machine, Plan, PlanReport, Release, ReleaseContext, release_effect
-from kernels.host import HostPagePool
-from kernels.kv import TokenKVAllocator
-from kernels.mamba import MambaStatePool
-from kernels.metadata import MetadataSlots
-from kernels.protocols import KVAllocator, MambaPool
-from kernels.req_table import ReqToTokenTable
-from states.chunk import CHUNK, Abandon, Chunk, Commit, Launch, NextLaunched, Result
-from states.disagg import (
+from terminus.fsm import (
+    Action,
+    Ledger,
+    Machine,
+    Plan,
+    PlanReport,
+    Release,
+    ReleaseContext,
+    release_effect,
+)
+from terminus.kernels.host import HostPagePool
+from terminus.kernels.kv import TokenKVAllocator
+from terminus.kernels.mamba import MambaStatePool
+from terminus.kernels.metadata import MetadataSlots
+from terminus.kernels.protocols import KVAllocator, MambaPool
+from terminus.kernels.req_table import ReqToTokenTable
+from terminus.states.chunk import CHUNK, Abandon, Chunk, Commit, Launch, NextLaunched, Result
+from terminus.states.disagg import (
     DISAGG_PREFILL,
     Abort,
     BootstrapFailed,

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsm import Instance
-from kernels.errors import UnloadTimeout
-from kernels.lora import LoRARegistry
-from states.lora_adapter import (
+from terminus.fsm import Instance
+from terminus.kernels.errors import UnloadTimeout
+from terminus.kernels.lora import LoRARegistry
+from terminus.states.lora_adapter import (
     LORA_ADAPTER,
     Loaded,
     LoadFailed,

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from kernels import ReleaseUnderflow
+from terminus.kernels import ReleaseUnderflow
 
 from .disagg import DisaggPools, TerminalOutput, TerminalStream
 from .prefix_cache import CountingPrefixCache

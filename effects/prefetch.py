@@ -39,10 +39,10 @@ from typing import Any, NamedTuple
 import msgspec
 import torch
 
-from fsm import Ledger, Machine, Plan, PlanReport, Release, ReleaseContext, release_effect
-from kernels.collective import CollectiveTimeout, RankCollectives, grid_partitions
-from kernels.host import HostPagePool, Prefetch
-from states.prefetch import (
+from terminus.fsm import Ledger, Machine, Plan, PlanReport, Release, ReleaseContext, release_effect
+from terminus.kernels.collective import CollectiveTimeout, RankCollectives, grid_partitions
+from terminus.kernels.host import HostPagePool, Prefetch
+from terminus.states.prefetch import (
     PREFETCH,
     BarrierPassed,
     BarrierTimedOut,
@@ -56,7 +56,7 @@ from states.prefetch import (
     Revoked,
     Start,
 )
-from states.prefetch import Release as ReleaseNow
+from terminus.states.prefetch import Release as ReleaseNow
 
 __all__ = [
     "PREFETCH_PLANS",

@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from kernels.protocols import KVAllocator
+from terminus.kernels.protocols import KVAllocator
 
 __all__ = ["CountingPrefixCache", "PrefixCache"]
 

@@ -24,10 +24,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from fsm import Action, Ledger, Machine, Plan, Release, release_effect
-from kernels.protocols import LoRARegistry
-from states.request import REQUEST
-from states.sampling import SAMPLING
+from terminus.fsm import Action, Ledger, Machine, Plan, Release, release_effect
+from terminus.kernels.protocols import LoRARegistry
+from terminus.states.request import REQUEST
+from terminus.states.sampling import SAMPLING
 
 __all__ = [
     "LORA",

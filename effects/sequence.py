@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from fsm import BatchStep, ReleaseContext, release_effect
-from kernels import MambaStatePool, ReqToTokenTable, TokenKVAllocator, release_batch
-from states.sequence import SEQUENCE, Admit
+from terminus.fsm import BatchStep, ReleaseContext, release_effect
+from terminus.kernels import MambaStatePool, ReqToTokenTable, TokenKVAllocator, release_batch
+from terminus.states.sequence import SEQUENCE, Admit
 
 __all__ = ["RunningBatch", "SchedulerPools"]
 

@@ -32,11 +32,11 @@ import torch
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import ExceptionGroup
 
-from fsm import Ledger, TransitionRecord
-from kernels import HostPagePool, LoRARegistry
-from kernels.collective import grid_partitions
-from states.sequence import Abort as SeqAbort
-from states.sequence import (
+from terminus.fsm import Ledger, TransitionRecord
+from terminus.kernels import HostPagePool, LoRARegistry
+from terminus.kernels.collective import grid_partitions
+from terminus.states.sequence import Abort as SeqAbort
+from terminus.states.sequence import (
     ChunkDone,
     ChunkLaunched,
     Fail,
@@ -44,7 +44,7 @@ from states.sequence import (
     LastChunkDone,
     Token,
 )
-from states.workload import RequestSpec
+from terminus.states.workload import RequestSpec
 
 from .disagg import DisaggPools, DisaggPrefill
 from .prefetch import PrefetchAbortTimeout, PrefetchSite, SimulatedRanks

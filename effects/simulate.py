@@ -20,8 +20,8 @@ from typing import Any
 
 import msgspec
 
-from fsm.cli import CliError, parser, write_json
-from states.workload import WorkloadConfig, generate
+from terminus.fsm.cli import CliError, parser, write_json
+from terminus.states.workload import WorkloadConfig, generate
 
 __all__ = ["main", "run_simulation"]
 
@@ -94,7 +94,7 @@ def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu", naive: bool = F
     """Run one workload through the machines (or the naive baseline); the summary dict."""
     import torch
 
-    from fsm import observe
+    from terminus.fsm import observe
 
     from .serving import ServingLoop, SimConfig
 

@@ -34,9 +34,9 @@ from typing import Any, Protocol, runtime_checkable
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import ExceptionGroup
 
-from fsm import Instance, Ledger
-from kernels.protocols import LoRARegistry
-from states.request import (
+from terminus.fsm import Instance, Ledger
+from terminus.kernels.protocols import LoRARegistry
+from terminus.states.request import (
     Abort,
     AcquireFailed,
     DispatchFailed,
@@ -49,7 +49,7 @@ from states.request import (
     Validated,
     ValidationFailed,
 )
-from states.sampling import BatchFailed, FanOut, SamplingGroup, WarmupFinished
+from terminus.states.sampling import BatchFailed, FanOut, SamplingGroup, WarmupFinished
 
 from .request import (
     LORA,

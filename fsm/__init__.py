@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     # Batched stepping needs torch; declaring and firing machines does not, so
-    # `import fsm` (and `states`, which imports only fsm) stays free of torch.
+    # `import terminus.fsm` (and `terminus.states`, which imports only fsm) stays free of torch.
     if name in ("Batch", "BatchStep"):
         from . import batch
 

@@ -24,7 +24,8 @@ def load(spec: str) -> Machine:
     """Import `module:attr` (attr may be dotted) and return it; it must be a built Machine."""
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
-        raise MachineLoadError(f"{spec!r} is not MODULE:ATTR (e.g. states.request:REQUEST)")
+        raise MachineLoadError(
+            f"{spec!r} is not MODULE:ATTR (e.g. terminus.states.request:REQUEST)")
     try:
         obj: object = importlib.import_module(mod_name)
     except ImportError as e:
@@ -48,23 +49,28 @@ def machines(specs: list[str] | None = None) -> dict[str, Machine]:
     Two different machines with one name are an error: diagrams and coverage are keyed
     by name.
     """
+    return {name: m for name, (_, m) in located(specs).items()}
+
+
+def located(specs: list[str] | None = None) -> dict[str, tuple[str, Machine]]:
+    """As `machines`, with the `module:attr` each machine was loaded from."""
     if specs:
-        pairs = [(s, load(s)) for s in specs]
+        pairs = [(s, s, load(s)) for s in specs]
     else:
         pairs = []
         for ep in sorted(entry_points(group=GROUP), key=lambda ep: ep.name):
             try:
-                pairs.append((f"{ep.name} = {ep.value}", load(ep.value)))
+                pairs.append((f"{ep.name} = {ep.value}", ep.value, load(ep.value)))
             except MachineLoadError as e:
                 raise MachineLoadError(f"entry point {ep.name!r} in group {GROUP!r}: {e}"
                                        ) from None
-    out: dict[str, Machine] = {}
+    out: dict[str, tuple[str, Machine]] = {}
     where: dict[str, str] = {}
-    for src, m in pairs:
+    for src, ref, m in pairs:
         prev = out.get(m.name)
-        if prev is not None and prev.cells is not m.cells:
+        if prev is not None and prev[1].cells is not m.cells:
             raise MachineLoadError(f"two different machines are named {m.name!r} "
                                    f"({where[m.name]} and {src}); give each a distinct name")
-        out[m.name] = m
+        out.setdefault(m.name, (ref, m))
         where.setdefault(m.name, src)
     return dict(sorted(out.items()))

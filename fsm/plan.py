@@ -112,7 +112,7 @@ def _require_effect(fn: Any, what: str) -> None:
     if not is_release_effect(fn):
         raise TypeError(
             f"{what} {getattr(fn, '__qualname__', fn)!r} is not a release effect; "
-            "decorate it with @fsm.release_effect so it can only run inside a terminal "
+            "decorate it with @terminus.fsm.release_effect so it can only run inside a terminal "
             "transition"
         )
 

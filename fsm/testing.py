@@ -3,7 +3,7 @@
 Use it in a machine's tests to reach every declared transition and (state, event) pair
 with real resources::
 
-    from fsm.testing import drive_machine
+    from terminus.fsm.testing import drive_machine
 
     def make():                      # a fresh instance owning real resources
         req = DisaggReq(BOUND, key="rid")

@@ -3,9 +3,9 @@
 The bottom layer: imports nothing from ``fsm``, ``states`` or ``effects``.
 """
 
-from kernels import protocols
-from kernels.batched import BatchRelease, gather_kv, release_batch
-from kernels.errors import (
+from terminus.kernels import protocols
+from terminus.kernels.batched import BatchRelease, gather_kv, release_batch
+from terminus.kernels.errors import (
     DoubleFree,
     ForeignIndex,
     KernelError,
@@ -17,12 +17,12 @@ from kernels.errors import (
     UnknownAdapter,
     UnloadTimeout,
 )
-from kernels.host import HostPagePool, Prefetch
-from kernels.kv import KVSnapshot, TokenKVAllocator
-from kernels.lora import LoRAAdapter, LoRARegistry
-from kernels.mamba import MambaStatePool
-from kernels.metadata import MetadataSlot, MetadataSlots
-from kernels.req_table import ReqToTokenTable
+from terminus.kernels.host import HostPagePool, Prefetch
+from terminus.kernels.kv import KVSnapshot, TokenKVAllocator
+from terminus.kernels.lora import LoRAAdapter, LoRARegistry
+from terminus.kernels.mamba import MambaStatePool
+from terminus.kernels.metadata import MetadataSlot, MetadataSlots
+from terminus.kernels.req_table import ReqToTokenTable
 
 __all__ = [
     "BatchRelease",

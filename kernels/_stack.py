@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.errors import DoubleFree, ForeignIndex, KernelError, LeakError, StaleSnapshot
+from terminus.kernels.errors import DoubleFree, ForeignIndex, KernelError, LeakError, StaleSnapshot
 
 IdsLike = torch.Tensor | int | Sequence[int]
 

@@ -25,9 +25,9 @@ import torch
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import ExceptionGroup
 
-from kernels._stack import IdsLike, as_ids
-from kernels.protocols import KVAllocator, MambaPool, ReqSlots
-from kernels.req_table import ReqToTokenTable
+from terminus.kernels._stack import IdsLike, as_ids
+from terminus.kernels.protocols import KVAllocator, MambaPool, ReqSlots
+from terminus.kernels.req_table import ReqToTokenTable
 
 __all__ = ["BatchRelease", "gather_kv", "release_batch"]
 

@@ -28,9 +28,9 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.batched import release_batch
-from kernels.kv import TokenKVAllocator
-from kernels.req_table import ReqToTokenTable
+from terminus.kernels.batched import release_batch
+from terminus.kernels.kv import TokenKVAllocator
+from terminus.kernels.req_table import ReqToTokenTable
 
 __all__ = ["run", "table"]
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kernels.errors import KernelError
+from terminus.kernels.errors import KernelError
 
 __all__ = ["CollectiveTimeout", "RankCollectives", "attention_groups", "grid_partitions"]
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._stack import FreeStack, IdsLike, StackPool, as_ids
-from kernels.errors import DoubleFree, KernelError, LeakError, PageLocked
+from terminus.kernels._stack import FreeStack, IdsLike, StackPool, as_ids
+from terminus.kernels.errors import DoubleFree, KernelError, LeakError, PageLocked
 
 __all__ = ["HostPagePool", "Prefetch"]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._stack import FreeStack, IdsLike, Snapshot, StackPool, as_ids
+from terminus.kernels._stack import FreeStack, IdsLike, Snapshot, StackPool, as_ids
 
 __all__ = ["KVSnapshot", "TokenKVAllocator"]
 

@@ -24,7 +24,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import overload
 
-from kernels.errors import LeakError, RegistryFull, ReleaseUnderflow, UnknownAdapter, UnloadTimeout
+from terminus.kernels.errors import (
+    LeakError,
+    RegistryFull,
+    ReleaseUnderflow,
+    UnknownAdapter,
+    UnloadTimeout,
+)
 
 __all__ = ["LoRAAdapter", "LoRARegistry"]
 

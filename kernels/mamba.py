@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels._stack import FreeStack, IdsLike, StackPool, as_ids
+from terminus.kernels._stack import FreeStack, IdsLike, StackPool, as_ids
 
 __all__ = ["MambaStatePool"]
 

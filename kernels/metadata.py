@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.errors import DoubleFree, ForeignIndex, LeakError
+from terminus.kernels.errors import DoubleFree, ForeignIndex, LeakError
 
 __all__ = ["MetadataSlot", "MetadataSlots"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._stack import FreeStack, IdsLike, StackPool, as_ids
+from terminus.kernels._stack import FreeStack, IdsLike, StackPool, as_ids
 
 __all__ = ["ReqToTokenTable"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsm import ANY, ERROR, IGNORE, Event, Machine, Spec, State, go
+from terminus.fsm import ANY, ERROR, IGNORE, Event, Machine, Spec, State, go
 
 __all__ = [
     "LORA_ADAPTER",

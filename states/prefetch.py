@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-from fsm import ANY, ERROR, IGNORE, Event, Instance, Machine, Spec, State, go
+from terminus.fsm import ANY, ERROR, IGNORE, Event, Instance, Machine, Spec, State, go
 
 __all__ = [
     "PREFETCH",

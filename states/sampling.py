@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsm import ANY, ERROR, IGNORE, Event, Instance, Machine, Spec, State, go
+from terminus.fsm import ANY, ERROR, IGNORE, Event, Instance, Machine, Spec, State, go
 
 from .request import (
     Abort,

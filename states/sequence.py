@@ -24,7 +24,7 @@ first and ends `aborted`, whose release never inserts into the prefix cache.
 
 from __future__ import annotations
 
-from fsm import ANY, ERROR, IGNORE, Event, Spec, State, go
+from terminus.fsm import ANY, ERROR, IGNORE, Event, Spec, State, go
 
 __all__ = [
     "SEQUENCE",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsm import ANY, ERROR, IGNORE, Event, Instance, Spec, State, go
+from terminus.fsm import ANY, ERROR, IGNORE, Event, Instance, Spec, State, go
 
 
 class Start(Event):

@@ -7,8 +7,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import DoubleFree, MambaStatePool, ReqToTokenTable, TokenKVAllocator, release_batch
-from kernels.batched import gather_kv
+from terminus.kernels import (
+    DoubleFree,
+    MambaStatePool,
+    ReqToTokenTable,
+    TokenKVAllocator,
+    release_batch,
+)
+from terminus.kernels.batched import gather_kv
 
 
 class Counting:

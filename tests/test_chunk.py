@@ -8,13 +8,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from effects.disagg import CHUNK_PLANS, DisaggPools, DisaggResources, TerminalStream, make_ledger
-from effects.prefix_cache import CountingPrefixCache
-from effects.transport import FakeTransport
-from fsm import TransitionNotAllowed
-from fsm.oracle import Differential
-from states.chunk import CHUNK, Abandon, Chunk, Commit, Launch, NextLaunched, Result
-from states.disagg import (
+from terminus.effects.disagg import (
+    CHUNK_PLANS,
+    DisaggPools,
+    DisaggResources,
+    TerminalStream,
+    make_ledger,
+)
+from terminus.effects.prefix_cache import CountingPrefixCache
+from terminus.effects.transport import FakeTransport
+from terminus.fsm import TransitionNotAllowed
+from terminus.fsm.oracle import Differential
+from terminus.states.chunk import CHUNK, Abandon, Chunk, Commit, Launch, NextLaunched, Result
+from terminus.states.disagg import (
     DISAGG_PREFILL,
     Abort,
     BootstrapFailed,
@@ -140,7 +146,7 @@ CHUNK_OPS = st.sampled_from(["none", "launch", "settle"])
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(REQUEST_EVENTS, CHUNK_OPS), max_size=25))
 def test_random_request_sequences_agree_with_the_oracle(seq):
-    from fsm import Plan
+    from terminus.fsm import Plan
 
     plans = {p: Plan() for p in DISAGG_PREFILL.plan_names}
     pools, ledger, chunk_machine = chunk_world()

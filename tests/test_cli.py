@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from fsm.cli import main
+from terminus.fsm.cli import main
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

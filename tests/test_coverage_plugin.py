@@ -28,7 +28,7 @@ def test_start_progress_finish():
 
 ABORT_EARLY = """
 import pytest
-from fsm import TransitionNotAllowed
+from terminus.fsm import TransitionNotAllowed
 from machines import JOB, Abort, Progress, Start
 
 def test_abort_in_queued_then_errors():
@@ -128,7 +128,7 @@ def test_fail_under_fails_the_session_and_names_the_machines_below(
 
 
 FULL = """
-from fsm.testing import drive_machine
+from terminus.fsm.testing import drive_machine
 from machines import JOB, Job, Abort, Poke, Progress
 
 def arrange(job, step):
@@ -164,7 +164,7 @@ def test_full_coverage_passes_fail_under_100_and_writes_coloured_diagrams(
 def test_without_the_option_nothing_is_attached_or_reported(
         pytester: pytest.Pytester) -> None:
     _setup(pytester, test_off="""
-from fsm import observe
+from terminus.fsm import observe
 from machines import JOB
 
 def test_no_recorder():
@@ -186,8 +186,8 @@ def test_a_bad_machine_reference_is_a_usage_error(pytester: pytest.Pytester) -> 
 
 
 def test_a_rejected_batch_step_records_only_the_errors_that_rejected_it() -> None:
-    from fsm import TransitionNotAllowed, observe
-    from fsm.coverage import CoverageRecorder
+    from terminus.fsm import TransitionNotAllowed, observe
+    from terminus.fsm.coverage import CoverageRecorder
     from tests.machines import TOGGLE, Go, Stop
 
     rec = CoverageRecorder()

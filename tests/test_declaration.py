@@ -7,7 +7,7 @@ import re
 import msgspec
 import pytest
 
-from fsm import ANY, ERROR, IGNORE, Event, InvalidDefinition, Spec, State, go
+from terminus.fsm import ANY, ERROR, IGNORE, Event, InvalidDefinition, Spec, State, go
 from tests.lifecycle import EVENTS, GUARDS, LIFECYCLE, STATES, TABLE, Abort, Chunk, Finish, Start
 from tests.lifecycle import spec as lifecycle_spec
 
@@ -203,7 +203,7 @@ def test_compiled_tables_move_to_torch_on_the_chosen_device():
 
 
 def test_the_declaration_builds_a_transitions_machine_with_final_terminal_states():
-    from fsm.oracle import transitions_machine
+    from terminus.fsm.oracle import transitions_machine
 
     tm = transitions_machine(LIFECYCLE)
     assert tm.auto_transitions is False
@@ -213,7 +213,7 @@ def test_the_declaration_builds_a_transitions_machine_with_final_terminal_states
 
 
 def test_binding_requires_every_declared_plan():
-    from fsm import Ledger, Plan
+    from terminus.fsm import Ledger, Plan
 
     with pytest.raises(InvalidDefinition, match="plan 'release_finished' has no implementation"):
         LIFECYCLE.bind({"release_aborted": Plan()}, Ledger())
@@ -222,7 +222,7 @@ def test_binding_requires_every_declared_plan():
 
 
 def test_binding_rejects_a_release_step_for_a_kind_the_ledger_cannot_release():
-    from fsm import Ledger, Plan, Release
+    from terminus.fsm import Ledger, Plan, Release
 
     with pytest.raises(InvalidDefinition, match="plan 'release_aborted' releases kind 'kv' "
                        "but the ledger has no releaser for it"):

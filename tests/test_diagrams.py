@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from machines import JOB, JOB_SPEC, TOGGLE
 
-from fsm import cli, diagram
-from fsm.diagram import Absorbed, Edge, Marks, dot, extract, files, mermaid, svg
-from fsm.oracle import transitions_machine
+from terminus.fsm import cli, diagram
+from terminus.fsm.diagram import Absorbed, Edge, Marks, dot, extract, files, mermaid, svg
+from terminus.fsm.oracle import transitions_machine
 
 
 def _edge_set(d: diagram.MachineDiagram) -> set[tuple[str, str, str, str | None]]:
@@ -86,7 +86,7 @@ def test_mermaid_shows_terminals_plans_guards_and_lists_ignores_as_notes() -> No
 
 
 def test_mermaid_gives_reserved_state_names_safe_ids() -> None:
-    from fsm import ANY, IGNORE, Event, Spec, State, go
+    from terminus.fsm import ANY, IGNORE, Event, Spec, State, go
 
     class Tick(Event):
         pass
@@ -180,7 +180,7 @@ def test_cli_check_fails_when_a_declaration_changes(
     assert _run("--machines", "machines:JOB", "--out", str(out)) == 0
     # The same machine name, one event fewer: the committed files are now stale.
     (tmp_path / "job_v2.py").write_text(
-        "from machines import JOB_SPEC\nfrom fsm import Spec\n"
+        "from machines import JOB_SPEC\nfrom terminus.fsm import Spec\n"
         "JOB = Spec('job', states=JOB_SPEC.states, events=JOB_SPEC.events[:3],\n"
         "           table={k: {e: c for e, c in r.items() if getattr(e, '__name__', '') "
         "!= 'Poke'} for k, r in JOB_SPEC.table.items()},\n"
@@ -217,7 +217,7 @@ def test_cli_names_a_bad_machine_reference(spec: str, message: str, tmp_path: Pa
 def test_two_different_machines_with_one_name_are_refused(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "twin_job.py").write_text(
-        "from machines import JOB_SPEC\nfrom fsm import Spec\n"
+        "from machines import JOB_SPEC\nfrom terminus.fsm import Spec\n"
         "TWIN = Spec('job', states=JOB_SPEC.states, events=JOB_SPEC.events[:3],\n"
         "            table={k: {e: c for e, c in r.items() if getattr(e, '__name__', '') "
         "!= 'Poke'} for k, r in JOB_SPEC.table.items()},\n"

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from effects.disagg import DisaggPools, DisaggPrefill, TerminalOutput
-from effects.transport import FakeTransport, TransportError
-from fsm import TransitionNotAllowed
-from fsm.oracle import Differential
-from states.chunk import Abandon, Commit, Result
-from states.disagg import (
+from terminus.effects.disagg import DisaggPools, DisaggPrefill, TerminalOutput
+from terminus.effects.transport import FakeTransport, TransportError
+from terminus.fsm import TransitionNotAllowed
+from terminus.fsm.oracle import Differential
+from terminus.states.chunk import Abandon, Commit, Result
+from terminus.states.disagg import (
     DISAGG_PREFILL,
     Abort,
     BootstrapFailed,

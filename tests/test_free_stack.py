@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import DoubleFree, ForeignIndex, ReqToTokenTable, TokenKVAllocator
+from terminus.kernels import DoubleFree, ForeignIndex, ReqToTokenTable, TokenKVAllocator
 
 
 @pytest.mark.parametrize("foreign", [[100], [9], [0], [100, 101]])
@@ -90,7 +90,7 @@ def test_a_correct_free_after_an_unchecked_lazy_double_free_names_the_double_fre
 
 
 def test_clear_frees_every_slot_of_the_table_and_the_mamba_pool(device):
-    from kernels import MambaStatePool
+    from terminus.kernels import MambaStatePool
 
     table = ReqToTokenTable(4, 4, device)
     mamba = MambaStatePool(4, 1, 4, 2, 1, 2, 2, device)

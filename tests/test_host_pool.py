@@ -7,7 +7,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import DoubleFree, ForeignIndex, HostPagePool, KernelError, LeakError, PageLocked
+from terminus.kernels import (
+    DoubleFree,
+    ForeignIndex,
+    HostPagePool,
+    KernelError,
+    LeakError,
+    PageLocked,
+)
 
 
 def test_alloc_and_free_account_for_occupancy(device):

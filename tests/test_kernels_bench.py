@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-import kernels.bench as bench
+import terminus.kernels.bench as bench
 
 
 def test_quick_run_reports_every_figure_as_json():

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import (
+from terminus.kernels import (
     DoubleFree,
     ForeignIndex,
     KernelError,
@@ -15,7 +15,7 @@ from kernels import (
     StaleSnapshot,
     TokenKVAllocator,
 )
-from kernels.protocols import KVAllocator
+from terminus.kernels.protocols import KVAllocator
 
 
 def test_alloc_returns_distinct_indices_and_never_the_padding_slot(device):

@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from fsm import Action, DoubleRelease, Ledger, OwnershipError, Plan, Release, release_effect
-from kernels import TokenKVAllocator
+from terminus.fsm import (
+    Action,
+    DoubleRelease,
+    Ledger,
+    OwnershipError,
+    Plan,
+    Release,
+    release_effect,
+)
+from terminus.kernels import TokenKVAllocator
 from tests.lifecycle import LIFECYCLE, Abort, Chunk, Finish, Start
 
 
@@ -118,12 +126,12 @@ def test_acquiring_a_kind_without_a_releaser_is_refused_before_it_is_owned(kv, l
 
 
 def test_a_releaser_must_be_a_release_effect():
-    with pytest.raises(TypeError, match=r"decorate it with @fsm\.release_effect"):
+    with pytest.raises(TypeError, match=r"decorate it with @terminus\.fsm\.release_effect"):
         Ledger({"kv": lambda ctx, h: None})
 
 
 def test_a_handle_acquired_after_the_plan_ran_but_while_events_drain_is_released(kv, ledger):
-    from fsm import Action
+    from terminus.fsm import Action
 
     @release_effect
     def echo_abort(ctx):
@@ -178,7 +186,7 @@ def test_a_ledger_refuses_an_owner_bound_to_another_ledger(kv, ledger):
 
 
 def test_binding_a_release_step_without_a_ledger_is_refused():
-    from fsm import InvalidDefinition
+    from terminus.fsm import InvalidDefinition
 
     with pytest.raises(InvalidDefinition, match="has no ledger"):
         LIFECYCLE.bind({"release_aborted": Plan(Release("kv", free_kv)),

@@ -8,12 +8,12 @@ import asyncio
 
 import pytest
 
-from effects.lora_adapter import AdapterManager
-from effects.tokenizer import TokenizerSide
-from fsm import TransitionNotAllowed
-from kernels.errors import UnloadTimeout
-from kernels.lora import LoRARegistry
-from states.lora_adapter import Upserted
+from terminus.effects.lora_adapter import AdapterManager
+from terminus.effects.tokenizer import TokenizerSide
+from terminus.fsm import TransitionNotAllowed
+from terminus.kernels.errors import UnloadTimeout
+from terminus.kernels.lora import LoRARegistry
+from terminus.states.lora_adapter import Upserted
 from tests.tokenizer_side import FakeScheduler, FakeTokenizer, RecordingSink, settle
 
 

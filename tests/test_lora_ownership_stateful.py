@@ -12,8 +12,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from states.request import Request
-from states.sampling import SamplingGroup
+from terminus.states.request import Request
+from terminus.states.sampling import SamplingGroup
 from tests.tokenizer_side import make_side, settle
 
 ADAPTERS = ("a", "b", "c")

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import (
+from terminus.kernels import (
     LeakError,
     LoRARegistry,
     RegistryFull,

@@ -7,8 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import DoubleFree, ForeignIndex, LeakError, MambaStatePool
-from kernels.protocols import MambaPool
+from terminus.kernels import DoubleFree, ForeignIndex, LeakError, MambaStatePool
+from terminus.kernels.protocols import MambaPool
 
 
 def pool(size: int = 4, **kw) -> MambaStatePool:

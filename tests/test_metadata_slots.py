@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import DoubleFree, ForeignIndex, LeakError, MetadataSlots
-from kernels.protocols import SlotAllocator
+from terminus.kernels import DoubleFree, ForeignIndex, LeakError, MetadataSlots
+from terminus.kernels.protocols import SlotAllocator
 
 
 def test_alloc_returns_ints_then_none_when_exhausted():

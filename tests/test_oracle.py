@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsm import TransitionNotAllowed
-from fsm.bench import bench_spec
-from fsm.oracle import Differential
+from terminus.fsm import TransitionNotAllowed
+from terminus.fsm.bench import bench_spec
+from terminus.fsm.oracle import Differential
 from tests.lifecycle import EVENTS, LIFECYCLE, Abort, Chunk, Finish, Job, Start
 
 BENCH = bench_spec().build()
@@ -142,8 +142,8 @@ def test_a_sink_sees_a_batched_guarded_rejection_as_an_error_decision():
 
 
 def test_a_batched_step_runs_one_batched_release_per_plan():
-    from fsm import release_effect
-    from kernels import TokenKVAllocator
+    from terminus.fsm import release_effect
+    from terminus.kernels import TokenKVAllocator
 
     kv = TokenKVAllocator(64 * 8, strict=True)
     table = torch.stack([kv.alloc(64) for _ in range(8)])
@@ -154,8 +154,8 @@ def test_a_batched_step_runs_one_batched_release_per_plan():
         calls.append((ctx.plan, idx.tolist()))
         kv.free(table[idx].reshape(-1))
 
-    from fsm.bench import Finish as Done
-    from fsm.bench import Resume, Tick
+    from terminus.fsm.bench import Finish as Done
+    from terminus.fsm.bench import Resume, Tick
 
     b = BENCH.batch(8, plans={"release": release_rows})
     b.step(b.event_ids([Resume] * 8))

@@ -7,13 +7,13 @@ from typing import Any
 import pytest
 from machines import JOB, Abort, Job, Poke, Progress
 
-from fsm import Ledger, Plan, Release, release_effect
-from fsm import observe as obs
-from fsm.coverage import CoverageRecorder
-from fsm.paths import complete, covering_paths, pair_paths, to_terminal, transition_paths
-from fsm.spec import TRANSITION
-from fsm.testing import drive_machine, drive_paths
-from kernels.kv import TokenKVAllocator
+from terminus.fsm import Ledger, Plan, Release, release_effect
+from terminus.fsm import observe as obs
+from terminus.fsm.coverage import CoverageRecorder
+from terminus.fsm.paths import complete, covering_paths, pair_paths, to_terminal, transition_paths
+from terminus.fsm.spec import TRANSITION
+from terminus.fsm.testing import drive_machine, drive_paths
+from terminus.kernels.kv import TokenKVAllocator
 
 
 def _edges(m: Any) -> set[tuple[str, str, int]]:

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from effects.prefetch import PrefetchSite
-from kernels.collective import RankCollectives, grid_partitions
-from kernels.host import HostPagePool
-from states.prefetch import Local
+from terminus.effects.prefetch import PrefetchSite
+from terminus.kernels.collective import RankCollectives, grid_partitions
+from terminus.kernels.host import HostPagePool
+from terminus.states.prefetch import Local
 
 pytestmark = pytest.mark.slow
 

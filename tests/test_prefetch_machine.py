@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from effects.prefetch import (
+from terminus.effects.prefetch import (
     AbortOutcome,
     BarrierOp,
     PrefetchAbortTimeout,
@@ -22,13 +22,13 @@ from effects.prefetch import (
     ReduceOp,
     SimulatedRanks,
 )
-from fsm import TransitionNotAllowed
-from fsm.oracle import Differential
-from fsm.paths import Step
-from fsm.testing import drive_machine
-from kernels.collective import RankCollectives, grid_partitions
-from kernels.host import HostPagePool
-from states.prefetch import (
+from terminus.fsm import TransitionNotAllowed
+from terminus.fsm.oracle import Differential
+from terminus.fsm.paths import Step
+from terminus.fsm.testing import drive_machine
+from terminus.kernels.collective import RankCollectives, grid_partitions
+from terminus.kernels.host import HostPagePool
+from terminus.states.prefetch import (
     PREFETCH,
     Abort,
     BarrierPassed,

@@ -21,10 +21,15 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from effects.prefetch import AbortOutcome, PrefetchAbortTimeout, PrefetchSite, SimulatedRanks
-from kernels.collective import RankCollectives, grid_partitions
-from kernels.host import HostPagePool
-from states.prefetch import Local
+from terminus.effects.prefetch import (
+    AbortOutcome,
+    PrefetchAbortTimeout,
+    PrefetchSite,
+    SimulatedRanks,
+)
+from terminus.kernels.collective import RankCollectives, grid_partitions
+from terminus.kernels.host import HostPagePool
+from terminus.states.prefetch import Local
 
 PAGES, DONE, ANCHOR = 5, 3, 2
 TIMEOUT_S = 1.0
@@ -141,7 +146,7 @@ def test_naive_abort_on_gloo_times_out_instead_of_hanging_and_a_retry_releases()
 
 def test_simulate_abort_shows_the_naive_logic_breaking_all_or_none_and_the_fix_keeping_it(
 ) -> None:
-    from effects.prefetch import simulate_abort
+    from terminus.effects.prefetch import simulate_abort
 
     naive = simulate_abort([Local.ACTIVE, Local.MISSING, Local.PENDING, Local.MISSING],
                            tp=2, naive=True)

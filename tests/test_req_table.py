@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import DoubleFree, ForeignIndex, LeakError, ReqToTokenTable
+from terminus.kernels import DoubleFree, ForeignIndex, LeakError, ReqToTokenTable
 
 
 def test_table_is_int32_size_by_max_context_len(device):

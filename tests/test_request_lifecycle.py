@@ -9,11 +9,11 @@ import gc
 
 import pytest
 
-from effects.request import LORA, TerminalOutput, bind_request
-from effects.tokenizer import TokenizerSide
-from fsm import Ledger, TransitionNotAllowed
-from kernels.errors import UnloadTimeout
-from states.request import Abort, Finished, Output, Request, SchedulerError
+from terminus.effects.request import LORA, TerminalOutput, bind_request
+from terminus.effects.tokenizer import TokenizerSide
+from terminus.fsm import Ledger, TransitionNotAllowed
+from terminus.kernels.errors import UnloadTimeout
+from terminus.states.request import Abort, Finished, Output, Request, SchedulerError
 from tests.tokenizer_side import make_side, settle
 
 
@@ -426,7 +426,7 @@ def test_machine_level_terminal_states_absorb_late_events_and_refuse_resubmissio
         assert dict(m.stats.plans_run) == runs  # absorbed: no plan ran again
         assert sum(m.stats.ignored[("aborted", n)] for n in
                    ("Output", "Finished", "SchedulerError", "Abort")) == 4
-        from states.request import Submitted
+        from terminus.states.request import Submitted
 
         with pytest.raises(TransitionNotAllowed, match="'Submitted' is not allowed"):
             req.fire(Submitted())

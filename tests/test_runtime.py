@@ -8,7 +8,7 @@ import gc
 
 import pytest
 
-from fsm import (
+from terminus.fsm import (
     Action,
     EffectError,
     Ledger,
@@ -22,7 +22,7 @@ from fsm import (
     observe,
     release_effect,
 )
-from kernels import MetadataSlots, TokenKVAllocator
+from terminus.kernels import MetadataSlots, TokenKVAllocator
 from tests.lifecycle import LIFECYCLE, Abort, Chunk, Finish, Job, Start
 
 
@@ -174,7 +174,7 @@ def test_a_terminal_instance_rejects_what_is_declared_an_error_there(world):
 
 
 def test_a_guarded_pair_with_no_guard_holding_is_an_error(world):
-    from fsm import Spec, go
+    from terminus.fsm import Spec, go
     from tests.lifecycle import EVENTS, GUARDS, TABLE
     t = {k: dict(v) for k, v in TABLE.items()}
     t["prefilling"][Chunk] = [go("decoding", when="last_chunk")]

@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from effects.request import LORA, FanOutMismatch, bind_sampling
-from fsm import EffectError, ReleaseFailed
-from states.request import LoRAAcquired, Request, Submitted, Validated
-from states.sampling import FanOut, SamplingGroup, WarmupFinished
+from terminus.effects.request import LORA, FanOutMismatch, bind_sampling
+from terminus.fsm import EffectError, ReleaseFailed
+from terminus.states.request import LoRAAcquired, Request, Submitted, Validated
+from terminus.states.sampling import FanOut, SamplingGroup, WarmupFinished
 from tests.tokenizer_side import make_side, settle
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from effects.sequence import RunningBatch, SchedulerPools
-from fsm import TransitionNotAllowed
-from fsm.paths import complete, covering_paths
-from states.sequence import (
+from terminus.effects.sequence import RunningBatch, SchedulerPools
+from terminus.fsm import TransitionNotAllowed
+from terminus.fsm.paths import complete, covering_paths
+from terminus.states.sequence import (
     SEQUENCE,
     Abort,
     Admit,
@@ -151,7 +151,7 @@ def test_every_transition_and_pair_of_the_sequence_machine_on_a_real_batch(pools
 
 
 def test_a_failing_batched_plan_does_not_skip_the_other_plans_rows(pools):
-    from fsm import ReleaseFailed
+    from terminus.fsm import ReleaseFailed
 
     def on_retired(rows, state):
         if state == "aborted":
@@ -184,7 +184,7 @@ def test_an_abort_aimed_at_a_vacant_row_is_an_error_and_frees_nothing(pools):
 
 
 def test_a_batch_given_some_plans_must_be_given_all_of_them():
-    from fsm import release_effect
+    from terminus.fsm import release_effect
 
     @release_effect
     def noop(ctx, rows):
@@ -205,8 +205,8 @@ def test_admitted_rows_are_admitted_at_once_so_an_immediate_abort_releases_them(
 
 
 def test_a_refused_batched_release_still_tells_the_owner_which_rows_retired(pools):
-    from fsm import ReleaseFailed
-    from kernels import DoubleFree
+    from terminus.fsm import ReleaseFailed
+    from terminus.kernels import DoubleFree
 
     log = []
     rb = RunningBatch(pools, retire_log(log))
@@ -225,8 +225,8 @@ def test_a_refused_batched_release_still_tells_the_owner_which_rows_retired(pool
 
 
 def test_one_echo_that_raises_does_not_keep_the_other_retired_rows_silent(pools):
-    from effects.serving import SimConfig, SimScheduler
-    from states.workload import RequestSpec
+    from terminus.effects.serving import SimConfig, SimScheduler
+    from terminus.states.workload import RequestSpec
 
     heard = []
 

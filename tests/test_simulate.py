@@ -8,9 +8,9 @@ import json
 import msgspec
 import pytest
 
-from effects.simulate import main, run_simulation
-from fsm import TransitionRecord
-from states.workload import WorkloadConfig, generate
+from terminus.effects.simulate import main, run_simulation
+from terminus.fsm import TransitionRecord
+from terminus.states.workload import WorkloadConfig, generate
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_a_msgpack_trace_is_length_prefixed_transition_records(tmp_path):
     (["--baseline", "clever"], "argument --baseline: invalid choice: 'clever'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
-    from fsm.cli import main as terminus
+    from terminus.fsm.cli import main as terminus
 
     assert terminus(["simulate", *args]) == 2
     err = capsys.readouterr().err

@@ -11,14 +11,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from effects.request import LORA, RequestResources, bind_request, bind_sampling, lora_ledger
-from fsm import TransitionNotAllowed
-from fsm.oracle import Differential
-from fsm.paths import complete, covering_paths
-from kernels.lora import LoRARegistry
-from states import lora_adapter as la
-from states import request as rq
-from states import sampling as sm
+from terminus.effects.request import (
+    LORA,
+    RequestResources,
+    bind_request,
+    bind_sampling,
+    lora_ledger,
+)
+from terminus.fsm import TransitionNotAllowed
+from terminus.fsm.oracle import Differential
+from terminus.fsm.paths import complete, covering_paths
+from terminus.kernels.lora import LoRARegistry
+from terminus.states import lora_adapter as la
+from terminus.states import request as rq
+from terminus.states import sampling as sm
 from tests.tokenizer_side import FakeScheduler, RecordingSink
 
 STATUS = st.sampled_from([400, 404, 500, 503])

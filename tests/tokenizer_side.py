@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from effects.request import TerminalOutput
-from effects.tokenizer import InvalidRequest, TokenizerSide
-from kernels.lora import LoRARegistry
+from terminus.effects.request import TerminalOutput
+from terminus.effects.tokenizer import InvalidRequest, TokenizerSide
+from terminus.kernels.lora import LoRARegistry
 
 
 class FakeTokenizer:
