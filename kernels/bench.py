@@ -21,15 +21,19 @@ from other processes on the machine falls on both alike.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import statistics
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import torch
 
 from terminus.kernels.batched import release_batch
 from terminus.kernels.kv import TokenKVAllocator
+from terminus.kernels.lora import LoRARegistry
 from terminus.kernels.req_table import ReqToTokenTable
 
 __all__ = ["run", "table"]
@@ -62,6 +66,196 @@ class _ConcatAllocator:
         group, self.group = self.group, None
         if group:
             self.free(torch.cat(group))
+
+
+class _SGLangShapedRWLock:
+    """The shape of SGLang's asyncio reader-writer lock (``sglang.srt.utils.aio_rwlock``):
+    one ``asyncio.Lock`` guarding the state, one ``Condition`` on it for waiters, writers
+    queued ahead of new readers. Only what an uncontended round trip executes matters for
+    the comparison, but waiting is kept so the stand-in is a working lock."""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+        self._cond = asyncio.Condition(self._lock)
+        self._readers = 0
+        self._writing = False
+        self._writers_waiting = 0
+
+    async def read_acquire(self) -> None:
+        async with self._lock:
+            while self._writing or self._writers_waiting:
+                await self._cond.wait()
+            self._readers += 1
+
+    async def read_release(self) -> None:
+        async with self._lock:
+            self._readers -= 1
+            if not self._readers:
+                self._cond.notify_all()
+
+    async def write_acquire(self) -> None:
+        async with self._lock:
+            self._writers_waiting += 1
+            try:
+                while self._writing or self._readers:
+                    await self._cond.wait()
+                self._writing = True
+            finally:
+                self._writers_waiting -= 1
+
+    async def write_release(self) -> None:
+        async with self._lock:
+            self._writing = False
+            self._cond.notify_all()
+
+
+class _SGLangShapedCounter:
+    """SGLang's ``ConcurrentCounter`` shape: an int behind an ``asyncio.Condition``, every
+    change made under it, waiters notified unless the caller says not to."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._cond = asyncio.Condition()
+
+    async def add(self, k: int, notify: bool = True) -> None:
+        async with self._cond:
+            self.value += k
+            if notify:
+                self._cond.notify_all()
+
+
+class _SGLangShapedRegistry:
+    """A stand-in with the shape of SGLang's ``LoRARegistry.acquire``/``release``
+    (``sglang/srt/lora/lora_registry.py``), for comparison only: acquire takes the
+    writer lock for the lookup (an LRU ``OrderedDict``, moved to the end on each
+    lookup), then increments the id's counter under the counter's condition without
+    notifying; release takes the reader lock and decrements under the condition,
+    notifying waiters. One name or a list (a list's counters updated concurrently with
+    ``asyncio.gather``, as SGLang does)."""
+
+    def __init__(self) -> None:
+        self._lock = _SGLangShapedRWLock()
+        self._lru: OrderedDict[str, str] = OrderedDict()
+        self._counters: dict[str, _SGLangShapedCounter] = {}
+
+    def register(self, name: str) -> str:
+        lora_id = f"{name}-{len(self._lru)}"
+        self._lru[name] = lora_id
+        self._counters[lora_id] = _SGLangShapedCounter()
+        return lora_id
+
+    def _lookup(self, name: str) -> str:
+        lora_id = self._lru.get(name)
+        if lora_id is None:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded")
+        self._lru.move_to_end(name)
+        return lora_id
+
+    async def acquire(self, names: str | list[str]) -> Any:
+        await self._lock.write_acquire()
+        try:
+            if isinstance(names, str):
+                ids: Any = self._lookup(names)
+            else:
+                ids = [self._lookup(n) for n in names]
+        finally:
+            await self._lock.write_release()
+        if isinstance(ids, str):
+            await self._counters[ids].add(1, notify=False)
+        else:
+            await asyncio.gather(*(self._counters[i].add(1, notify=False) for i in ids))
+        return ids
+
+    async def release(self, ids: Any) -> None:
+        await self._lock.read_acquire()
+        try:
+            if isinstance(ids, str):
+                await self._counters[ids].add(-1)
+            else:
+                await asyncio.gather(*(self._counters[i].add(-1) for i in ids))
+        finally:
+            await self._lock.read_release()
+
+
+def _lora_figures(quick: bool) -> dict[str, float]:
+    """Acquire + release round trips (µs each) of our registry and the SGLang-shaped one.
+
+    One name, and a list of 8 (a parallel-sampling group's shape), each acquired and
+    released again by one coroutine in a running event loop, the registries interleaved
+    round by round. Every round of every variant lasts about ``round_ns`` (its count of
+    round trips is calibrated first), so that preemption by other processes falls on
+    each alike. Each figure is the median over rounds of the wall time per round trip;
+    ``*_cpu_us`` figures are the same rounds' thread CPU time, which load from other
+    processes on the machine does not inflate.
+    """
+    rounds, round_ns = (3, 100_000) if quick else (41, 1_000_000)
+
+    async def main() -> dict[str, float]:
+        ours = LoRARegistry()
+        theirs = _SGLangShapedRegistry()
+        await ours.register("a")
+        theirs.register("a")
+        group = ["a"] * 8
+
+        async def ours_one(n: int) -> None:
+            acquire, release = ours.acquire, ours.release
+            for _ in range(n):
+                await release(await acquire("a"))
+
+        async def ours_nowait(n: int) -> None:
+            acquire, release = ours.acquire, ours.release_nowait
+            for _ in range(n):
+                release(await acquire("a"))
+
+        async def ours_group(n: int) -> None:
+            acquire, release = ours.acquire, ours.release
+            for _ in range(n):
+                await release(await acquire(group))
+
+        async def theirs_one(n: int) -> None:
+            acquire, release = theirs.acquire, theirs.release
+            for _ in range(n):
+                await release(await acquire("a"))
+
+        async def theirs_group(n: int) -> None:
+            acquire, release = theirs.acquire, theirs.release
+            for _ in range(n):
+                await release(await acquire(group))
+
+        loops: dict[str, Callable[[int], Awaitable[None]]] = {
+            "lora_roundtrip": ours_one,
+            "lora_roundtrip_nowait": ours_nowait,
+            "lora_roundtrip_group8": ours_group,
+            "sglang_lora_roundtrip": theirs_one,
+            "sglang_lora_roundtrip_group8": theirs_group,
+        }
+        count: dict[str, int] = {}
+        for k, loop in loops.items():  # calibration, which also warms each loop up
+            c0 = time.thread_time_ns()
+            await loop(100)
+            count[k] = max(10, round(100 * round_ns / max(1, time.thread_time_ns() - c0)))
+        wall: dict[str, list[float]] = {k: [] for k in loops}
+        cpu: dict[str, list[float]] = {k: [] for k in loops}
+        for _ in range(rounds):
+            for k, loop in loops.items():
+                n = count[k]
+                w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+                await loop(n)
+                w1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+                wall[k].append((w1 - w0) / n / 1e3)
+                cpu[k].append((c1 - c0) / n / 1e3)
+        ours.assert_full()
+        out = {f"{k}_us": statistics.median(v) for k, v in wall.items()}
+        out |= {f"{k}_cpu_us": statistics.median(v) for k, v in cpu.items()}
+        return out
+
+    enabled = gc.isenabled()
+    gc.disable()  # no collection of other work's garbage inside a round
+    try:
+        return asyncio.run(main())
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _settle() -> None:
@@ -290,6 +484,7 @@ def _run(quick: bool, dev: torch.device) -> dict:
     def pct(on: float, off: float) -> float:
         return (on - off) / off * 100.0
 
+    lora = _lora_figures(quick)
     return {
         "pool_slots": size,
         "requests": n_req,
@@ -318,6 +513,8 @@ def _run(quick: bool, dev: torch.device) -> dict:
         "free_per_s": n_req / release["per_request"] * 1e3,
         "alloc_tokens_per_s": n_req * tokens / alloc_ms * 1e3,
         "free_tokens_per_s": n_req * tokens / release["per_request"] * 1e3,
+        **lora,
+        "lora_speedup_vs_sglang": lora["sglang_lora_roundtrip_us"] / lora["lora_roundtrip_us"],
     }
 
 
@@ -367,5 +564,24 @@ def table(result: dict) -> list[tuple[str, str]]:
         (
             "free throughput",
             f"{result['free_per_s']:,.0f} frees/s ({result['free_tokens_per_s']:,.0f} tokens/s)",
+        ),
+        (
+            "LoRA acquire + release, one name: ours / SGLang-shaped",
+            f"{result['lora_roundtrip_us']:.2f} / {result['sglang_lora_roundtrip_us']:.2f} us "
+            f"({result['lora_speedup_vs_sglang']:.1f}x)",
+        ),
+        (
+            "LoRA acquire + release_nowait, one name",
+            f"{result['lora_roundtrip_nowait_us']:.2f} us",
+        ),
+        (
+            "LoRA acquire + release, 8 names: ours / SGLang-shaped",
+            f"{result['lora_roundtrip_group8_us']:.2f} / "
+            f"{result['sglang_lora_roundtrip_group8_us']:.2f} us",
+        ),
+        (
+            "LoRA round trip, thread CPU time: ours / SGLang-shaped",
+            f"{result['lora_roundtrip_cpu_us']:.2f} / "
+            f"{result['sglang_lora_roundtrip_cpu_us']:.2f} us",
         ),
     ]
