@@ -62,7 +62,7 @@ from terminus.states.disagg import (
 )
 
 from .prefix_cache import CountingPrefixCache, PrefixCache
-from .transport import FakeTransport, Poll, Transport, TransportError
+from .transport import Poll, Transport, TransportError
 
 __all__ = [
     "CHUNK_PLANS",
@@ -295,16 +295,18 @@ class DisaggPrefill:
     Every method is one scheduler happening for one request id; each returns the
     `PlanReport` of the release plan it caused, or None. Events that arrive after a
     request's cleanup ran reach the machines and are ignored there, never an effect.
+    `transport` is the KV sender (a `Transport`; the simulator's fake is
+    `terminus.effects.sim.transport.FakeTransport`).
     """
 
     def __init__(self, pools: DisaggPools | None = None, *,
-                 transport: Transport | None = None, cache: PrefixCache | None = None,
+                 transport: Transport, cache: PrefixCache | None = None,
                  stream: TerminalStream | None = None, mamba_per_request: int = 1) -> None:
         pools = pools if pools is not None else DisaggPools.make()
         if mamba_per_request < 1:
             raise ValueError(f"mamba_per_request must be >= 1, got {mamba_per_request}")
         self.pools = pools
-        self.transport: Transport = transport if transport is not None else FakeTransport()
+        self.transport: Transport = transport
         self.cache: PrefixCache = cache if cache is not None else CountingPrefixCache(pools.kv)
         self.stream = stream if stream is not None else TerminalStream()
         self.mamba_per_request = mamba_per_request

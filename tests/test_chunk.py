@@ -16,7 +16,7 @@ from terminus.effects.disagg import (
     make_ledger,
 )
 from terminus.effects.prefix_cache import CountingPrefixCache
-from terminus.effects.transport import FakeTransport
+from terminus.effects.sim.transport import FakeTransport
 from terminus.fsm import TransitionNotAllowed
 from terminus.fsm.oracle import Differential
 from terminus.states.chunk import CHUNK, Abandon, Chunk, Commit, Launch, NextLaunched, Result

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from terminus.effects.disagg import DisaggPools, DisaggPrefill, TerminalOutput
-from terminus.effects.transport import FakeTransport, TransportError
+from terminus.effects.sim.transport import FakeTransport
+from terminus.effects.transport import TransportError
 from terminus.fsm import TransitionNotAllowed
 from terminus.fsm.oracle import Differential
 from terminus.states.chunk import Abandon, Commit, Result

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from terminus.effects.disagg import DisaggPools, DisaggPrefill
-from terminus.effects.transport import STEPS, FakeTransport
+from terminus.effects.sim.transport import STEPS, FakeTransport
 
 RIDS = [f"r{i}" for i in range(6)]
 STATS: Counter[str] = Counter()  # what the walks reached, for the summary test below

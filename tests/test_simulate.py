@@ -8,9 +8,9 @@ import json
 import msgspec
 import pytest
 
-from terminus.effects.simulate import main, run_simulation
+from terminus.effects.sim.simulate import main, run_simulation
+from terminus.effects.sim.workload import WorkloadConfig, generate
 from terminus.fsm import TransitionRecord
-from terminus.states.workload import WorkloadConfig, generate
 
 
 @pytest.fixture(scope="module")

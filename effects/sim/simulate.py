@@ -21,7 +21,8 @@ from typing import Any
 import msgspec
 
 from terminus.fsm.cli import CliError, parser, write_json
-from terminus.states.workload import WorkloadConfig, generate
+
+from .workload import WorkloadConfig, generate
 
 __all__ = ["main", "run_simulation"]
 

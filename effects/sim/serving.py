@@ -32,6 +32,11 @@ import torch
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import ExceptionGroup
 
+from terminus.effects.disagg import DisaggPools, DisaggPrefill
+from terminus.effects.prefetch import PrefetchAbortTimeout, PrefetchSite
+from terminus.effects.request import RequestResources, TerminalOutput, lora_ledger
+from terminus.effects.sequence import RunningBatch, SchedulerPools
+from terminus.effects.tokenizer import InvalidRequest, TokenizerSide
 from terminus.fsm import Ledger, TransitionRecord
 from terminus.kernels import HostPagePool, LoRARegistry
 from terminus.kernels.collective import grid_partitions
@@ -44,14 +49,10 @@ from terminus.states.sequence import (
     LastChunkDone,
     Token,
 )
-from terminus.states.workload import RequestSpec
 
-from .disagg import DisaggPools, DisaggPrefill
-from .prefetch import PrefetchAbortTimeout, PrefetchSite, SimulatedRanks
-from .request import RequestResources, TerminalOutput, lora_ledger
-from .sequence import RunningBatch, SchedulerPools
-from .tokenizer import InvalidRequest, TokenizerSide
+from .ranks import SimulatedRanks
 from .transport import FakeTransport
+from .workload import RequestSpec
 
 __all__ = ["ServingLoop", "SimConfig", "StreamCounter"]
 

@@ -23,9 +23,8 @@ from typing import Any
 
 import torch
 
-from terminus.states.workload import WorkloadConfig, generate
-
 from .serving import ServingLoop, SimConfig
+from .workload import WorkloadConfig, generate
 
 _POOL_METHODS = ("alloc", "free", "prefetch", "lock", "unlock")
 

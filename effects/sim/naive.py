@@ -23,15 +23,16 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from terminus.effects.disagg import DisaggPools, TerminalOutput, TerminalStream
+from terminus.effects.prefix_cache import CountingPrefixCache
+from terminus.effects.request import TerminalOutput as RequestOutput
+from terminus.effects.tokenizer import InvalidRequest
+from terminus.effects.transport import TransportError
 from terminus.kernels import ReleaseUnderflow
 
-from .disagg import DisaggPools, TerminalOutput, TerminalStream
-from .prefix_cache import CountingPrefixCache
-from .request import TerminalOutput as RequestOutput
 from .scenarios import _Naive, _Plan
 from .serving import SimConfig, SimScheduler
-from .tokenizer import InvalidRequest
-from .transport import FakeTransport, TransportError
+from .transport import FakeTransport
 
 __all__ = ["NaiveDisagg", "NaiveScheduler", "NaiveTokenizer"]
 

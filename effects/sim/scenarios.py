@@ -26,9 +26,11 @@ from typing import Any
 import msgspec
 import torch
 
-from .disagg import DisaggPools, DisaggPrefill, TerminalOutput, TerminalStream
-from .prefix_cache import CountingPrefixCache
-from .transport import FakeTransport, Poll, TransportError
+from terminus.effects.disagg import DisaggPools, DisaggPrefill, TerminalOutput, TerminalStream
+from terminus.effects.prefix_cache import CountingPrefixCache
+from terminus.effects.transport import Poll, TransportError
+
+from .transport import FakeTransport
 
 __all__ = ["DisaggLeak", "disagg_seed"]
 
