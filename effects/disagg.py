@@ -23,12 +23,10 @@ into the ledger, and hands a chunk's pages to its request when the chunk commits
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import torch
 
 from terminus.fsm import (
@@ -61,8 +59,9 @@ from terminus.states.disagg import (
     TransferFailed,
 )
 
+from .output import OutputLog, OutputSink, TerminalOutput
 from .prefix_cache import CountingPrefixCache, PrefixCache
-from .transport import FakeTransport, Poll, Transport, TransportError
+from .transport import Poll, Transport, TransportError
 
 __all__ = [
     "CHUNK_PLANS",
@@ -72,40 +71,11 @@ __all__ = [
     "DisaggPrefill",
     "DisaggResources",
     "PrefillRequest",
-    "TerminalOutput",
-    "TerminalStream",
     "make_ledger",
 ]
 
 KINDS = ("hicache", "metadata", "req_slot", "mamba", "kv")
 """Handle kinds this module's ledger knows."""
-
-
-# -- the outside world: terminal outputs ------------------------------------------------
-
-
-class TerminalOutput(msgspec.Struct, frozen=True, gc=False):
-    """What a request streams when it ends: its id, terminal state and reason."""
-
-    rid: str
-    status: str
-    reason: str = ""
-
-
-class TerminalStream:
-    """Collects terminal outputs (a stand-in for the client stream); can fail on cue."""
-
-    def __init__(self) -> None:
-        self.outputs: list[TerminalOutput] = []
-        self.counts: Counter[str] = Counter()
-        self.failing: set[str] = set()
-
-    def emit(self, out: TerminalOutput) -> None:
-        """Record `out` (counted even when the send then fails)."""
-        self.counts[out.rid] += 1
-        self.outputs.append(out)
-        if out.rid in self.failing:
-            raise ConnectionError(f"client stream of {out.rid!r} is closed")
 
 
 # -- resources -------------------------------------------------------------------------
@@ -154,7 +124,7 @@ class DisaggResources:
     pools: DisaggPools
     transport: Transport
     cache: PrefixCache
-    stream: TerminalStream
+    sink: OutputSink
     staged: dict[Any, list[torch.Tensor]] = field(default_factory=dict)
 
 
@@ -230,8 +200,8 @@ def sender_abort(ctx: ReleaseContext) -> None:
 def stream_terminal(ctx: ReleaseContext) -> None:
     """Stream the request's terminal output; runs once, in the plan of its terminal edge."""
     inst = ctx.instance
-    _res(ctx).stream.emit(TerminalOutput(str(inst.key), ctx.target,
-                                         getattr(inst, "reason", "")))
+    _res(ctx).sink.put(TerminalOutput(str(inst.key), ctx.target,
+                                      message=getattr(inst, "reason", "")))
 
 
 _LOCAL = (Release("metadata"), Release("hicache"), Release("kv"), Release("mamba"),
@@ -295,20 +265,23 @@ class DisaggPrefill:
     Every method is one scheduler happening for one request id; each returns the
     `PlanReport` of the release plan it caused, or None. Events that arrive after a
     request's cleanup ran reach the machines and are ignored there, never an effect.
+    `transport` is the KV sender (a `Transport`; the simulator's fake is
+    `terminus.effects.sim.transport.FakeTransport`); `sink` receives each request's one
+    `TerminalOutput` (an `OutputLog` that keeps them when none is given).
     """
 
     def __init__(self, pools: DisaggPools | None = None, *,
-                 transport: Transport | None = None, cache: PrefixCache | None = None,
-                 stream: TerminalStream | None = None, mamba_per_request: int = 1) -> None:
+                 transport: Transport, cache: PrefixCache | None = None,
+                 sink: OutputSink | None = None, mamba_per_request: int = 1) -> None:
         pools = pools if pools is not None else DisaggPools.make()
         if mamba_per_request < 1:
             raise ValueError(f"mamba_per_request must be >= 1, got {mamba_per_request}")
         self.pools = pools
-        self.transport: Transport = transport if transport is not None else FakeTransport()
+        self.transport: Transport = transport
         self.cache: PrefixCache = cache if cache is not None else CountingPrefixCache(pools.kv)
-        self.stream = stream if stream is not None else TerminalStream()
+        self.sink: OutputSink = sink if sink is not None else OutputLog()
         self.mamba_per_request = mamba_per_request
-        self.resources = DisaggResources(pools, self.transport, self.cache, self.stream)
+        self.resources = DisaggResources(pools, self.transport, self.cache, self.sink)
         self.ledger = make_ledger(self.resources)
         self.requests_machine = DISAGG_PREFILL.bind(REQUEST_PLANS, self.ledger)
         self.chunks_machine = CHUNK.bind(CHUNK_PLANS, self.ledger)

@@ -12,11 +12,11 @@ from terminus.effects.disagg import (
     CHUNK_PLANS,
     DisaggPools,
     DisaggResources,
-    TerminalStream,
     make_ledger,
 )
+from terminus.effects.output import OutputLog
 from terminus.effects.prefix_cache import CountingPrefixCache
-from terminus.effects.transport import FakeTransport
+from terminus.effects.sim.transport import FakeTransport
 from terminus.fsm import TransitionNotAllowed
 from terminus.fsm.oracle import Differential
 from terminus.states.chunk import CHUNK, Abandon, Chunk, Commit, Launch, NextLaunched, Result
@@ -47,7 +47,7 @@ CHUNK_EVENTS = (Launch(), NextLaunched(), Result(), Commit(), Abandon())
 def chunk_world():
     pools = DisaggPools.make()
     res = DisaggResources(pools, FakeTransport(), CountingPrefixCache(pools.kv),
-                          TerminalStream())
+                          OutputLog())
     ledger = make_ledger(res)
     return pools, ledger, CHUNK.bind(CHUNK_PLANS, ledger)
 

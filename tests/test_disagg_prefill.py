@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from terminus.effects.disagg import DisaggPools, DisaggPrefill, TerminalOutput
-from terminus.effects.transport import FakeTransport, TransportError
+from terminus.effects.disagg import DisaggPools, DisaggPrefill
+from terminus.effects.output import TerminalOutput
+from terminus.effects.sim.transport import FakeTransport
+from terminus.effects.transport import TransportError
 from terminus.fsm import TransitionNotAllowed
 from terminus.fsm.oracle import Differential
 from terminus.states.chunk import Abandon, Commit, Result
@@ -55,7 +57,7 @@ def test_abort_while_a_middle_chunk_runs_releases_once_when_its_result_arrives()
     assert req.chunks[0].state == "abandoned"
     assert plans(e, "release_aborted") == 1
     assert t.aborts["r"] == 1
-    assert e.stream.outputs == [TerminalOutput("r", "aborted", "aborted")]
+    assert e.sink.outputs == [TerminalOutput("r", "aborted", message="aborted")]
     assert e.cache.inserts["r"] == 0
     e.finish()
 
@@ -68,13 +70,13 @@ def test_abort_with_a_later_overlapped_chunk_waits_for_it_then_releases_once():
     assert e.result("r", 0) is None  # the later chunk still writes: no release (I8)
     assert req.state == "draining"
     assert plans(e, "release_aborted") == 0
-    assert e.stream.counts["r"] == 0
+    assert e.sink.counts["r"] == 0
     e.assert_accounted()
     report = e.result("r", 1)
     assert report is not None and report.plan == "release_aborted"
     assert plans(e, "release_aborted") == 1
     assert e.chunks_machine.stats.plans_run["release_abandoned"] == 2
-    assert e.stream.counts["r"] == 1 and t.aborts["r"] == 1
+    assert e.sink.counts["r"] == 1 and t.aborts["r"] == 1
     e.finish()
 
 
@@ -96,7 +98,7 @@ def test_aborted_final_chunk_is_released_without_cache_insert_or_send():
     assert slot.index == -1
     assert e.pools.host.prefetch_occupied == 0  # hierarchical-cache state released
     assert [h.kind for h in report.released].count("hicache") == 1
-    assert e.stream.outputs == [TerminalOutput("r", "aborted", "client gone")]
+    assert e.sink.outputs == [TerminalOutput("r", "aborted", message="client gone")]
     e.finish()
 
 
@@ -114,12 +116,12 @@ def test_a_delayed_result_after_cleanup_releases_nothing_and_streams_nothing(cau
         t.complete("r")
         e.poll_transfer("r")
         assert req.state == "succeeded"
-    released, streamed, aborts = e.ledger.released, len(e.stream.outputs), t.aborts["r"]
+    released, streamed, aborts = e.ledger.released, len(e.sink.outputs), t.aborts["r"]
     ignored = sum(e.requests_machine.stats.ignored.values())
     for k in (0, 1, 5):  # duplicates of settled chunks, and a chunk never scheduled
         assert e.result("r", k) is None
     assert e.ledger.released == released
-    assert len(e.stream.outputs) == streamed == 1
+    assert len(e.sink.outputs) == streamed == 1
     assert t.aborts["r"] == aborts == 0
     stale = sum(1 for k in (0, 1, 5) if k >= len(req.chunks))
     assert sum(e.requests_machine.stats.ignored.values()) == ignored + stale
@@ -139,7 +141,7 @@ def test_a_failing_sender_abort_skips_no_local_release_and_the_abort_streams_onc
     assert sorted({h.kind for h in report.released}) == ["hicache", "kv", "mamba", "metadata",
                                                         "req_slot"]
     assert req.state == "aborted"
-    assert e.stream.outputs == [TerminalOutput("r", "aborted", "aborted")]
+    assert e.sink.outputs == [TerminalOutput("r", "aborted", message="aborted")]
     assert e.ledger.errors == report.errors
     e.finish()
 
@@ -152,7 +154,7 @@ def test_bootstrap_failure_before_the_metadata_slot_releases_the_host_state():
     assert req.state == "bootstrap_failed"
     assert report is not None and [h.kind for h in report.released] == ["hicache"]
     assert e.pools.metadata.available == e.pools.metadata.capacity
-    assert e.stream.counts["r"] == 1 and t.aborts["r"] == 0
+    assert e.sink.counts["r"] == 1 and t.aborts["r"] == 0
     e.finish()
 
 
@@ -165,7 +167,7 @@ def test_bootstrap_failure_after_the_metadata_slot_frees_it_to_minus_one():
     assert report is not None
     meta = [h.value for h in report.released if h.kind == "metadata"]
     assert len(meta) == 1 and meta[0].index == -1
-    assert e.stream.outputs[0].status == "bootstrap_failed"
+    assert e.sink.outputs[0].outcome == "bootstrap_failed"
     e.finish()
 
 
@@ -181,7 +183,7 @@ def test_abort_is_terminal_before_an_optimistic_bootstrap_retry():
     assert e.bootstrap("r") is None
     assert req.state == "aborted" and t.calls == calls  # no handshake after the abort
     assert e.pools.metadata.available == e.pools.metadata.capacity
-    assert e.stream.counts["r"] == 1
+    assert e.sink.counts["r"] == 1
     e.finish()
 
 
@@ -195,7 +197,7 @@ def test_the_same_terminal_event_twice_releases_once(event):
     assert req.fire(event) is None
     assert e.requests_machine.stats.ignored[(req.state, type(event).__name__)] == 1
     assert sum(e.requests_machine.stats.plans_run.values()) == 1
-    assert e.stream.counts["r"] == 1
+    assert e.sink.counts["r"] == 1
     e.finish()
 
 
@@ -217,7 +219,7 @@ def test_success_caches_the_kv_once_transfers_it_and_frees_the_metadata():
     assert e.cache.inserts == {"r": 1} and e.cache.held_tokens == 10
     assert slot.index == -1
     assert t.aborts["r"] == 0
-    assert e.stream.outputs == [TerminalOutput("r", "succeeded", "")]
+    assert e.sink.outputs == [TerminalOutput("r", "succeeded")]
     e.finish()
 
 
@@ -238,7 +240,7 @@ def test_a_send_that_cannot_start_fails_the_request():
     req = started(e, prompt=4, chunks=1)
     report = e.result("r", 0)
     assert report is not None and report.plan == "release_failed"
-    assert req.state == "failed" and e.stream.counts["r"] == 1
+    assert req.state == "failed" and e.sink.counts["r"] == 1
     e.finish()
 
 
@@ -262,7 +264,7 @@ def test_bootstrap_failure_while_a_chunk_runs_drains_first():
     assert e.abort("r") is None  # a second cause is absorbed
     e.result("r", 0)
     assert req.state == "aborted"
-    assert e.stream.outputs == [TerminalOutput("r", "aborted", "peer lost")]
+    assert e.sink.outputs == [TerminalOutput("r", "aborted", message="peer lost")]
     e.finish()
 
 
@@ -389,7 +391,7 @@ def _cleanup(e, t):
             e.result("r", c.index)
     assert req.terminal
     e.finish()
-    assert e.stream.counts["r"] == 1
+    assert e.sink.counts["r"] == 1
 
 
 @pytest.mark.parametrize("event", list(EVENTS))

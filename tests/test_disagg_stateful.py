@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from terminus.effects.disagg import DisaggPools, DisaggPrefill
-from terminus.effects.transport import STEPS, FakeTransport
+from terminus.effects.sim.transport import STEPS, FakeTransport
 
 RIDS = [f"r{i}" for i in range(6)]
 STATS: Counter[str] = Counter()  # what the walks reached, for the summary test below
@@ -103,8 +103,11 @@ class DisaggWorld(RuleBasedStateMachine):
         req = self.e.req(rid)
         if req.state == "bootstrapping":
             self.e.bootstrap(rid)
-        elif req.state == "transferring":
-            self.t.complete(rid)
+        elif req.state == "transferring":  # the transfer ends, either way
+            if data.draw(st.booleans()):
+                self.t.complete(rid)
+            else:
+                self.t.break_transfer(rid)
             self.e.poll_transfer(rid)
         elif self.in_flight[rid] and data.draw(st.booleans()):
             self.e.result(rid, self.in_flight[rid].pop(0))
@@ -137,7 +140,7 @@ class DisaggWorld(RuleBasedStateMachine):
     @invariant()
     def terminal_requests_streamed_once_others_never(self):
         for rid, req in self.e.requests.items():
-            assert self.e.stream.counts[rid] == (1 if req.terminal else 0)
+            assert self.e.sink.counts[rid] == (1 if req.terminal else 0)
             if req.terminal:
                 assert self.e.cache.inserts[rid] == (1 if req.state == "succeeded" else 0)
 
@@ -152,7 +155,7 @@ class DisaggWorld(RuleBasedStateMachine):
                 self.e.result(rid, k)
         for rid, req in self.e.requests.items():
             assert req.terminal, (rid, req.state)
-            assert self.e.stream.counts[rid] == 1
+            assert self.e.sink.counts[rid] == 1
         self.e.finish()
 
 

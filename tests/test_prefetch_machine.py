@@ -20,8 +20,8 @@ from terminus.effects.prefetch import (
     PrefetchAbortTimeout,
     PrefetchSite,
     ReduceOp,
-    SimulatedRanks,
 )
+from terminus.effects.sim.ranks import SimulatedRanks
 from terminus.fsm import TransitionNotAllowed
 from terminus.fsm.oracle import Differential
 from terminus.fsm.paths import Step
