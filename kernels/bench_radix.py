@@ -13,6 +13,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -73,11 +74,12 @@ class _PageDict:
         return done
 
 
-def _median_us(calls: list[Callable[[], object]]) -> float:
+def _median_us(fn: Callable[..., object], calls: list[tuple[Any, ...]]) -> float:
+    """Median µs of `fn(*args)` over `calls`, one call each."""
     times = []
-    for fn in calls:
+    for args in calls:
         t0 = time.perf_counter_ns()
-        fn()
+        fn(*args)
         times.append((time.perf_counter_ns() - t0) / 1e3)
     return statistics.median(times)
 
@@ -88,7 +90,7 @@ def run(quick: bool = False, page: int = 16) -> dict:
     prompt_len = 4096
     cached_tokens = (1 << 16) if quick else (1 << 20)
     systems = [tuple(rng.randrange(32000) for _ in range(1024)) for _ in range(4)]
-    prompts = []
+    prompts: list[tuple[int, ...]] = []
     tree, plain = RadixTree(page), _PageDict(page)
     next_kv = 0
     while tree.total_size() < cached_tokens:
@@ -112,12 +114,11 @@ def run(quick: bool = False, page: int = 16) -> dict:
     out: dict = {"page_size": page, "cached_tokens": tree.total_size(),
                  "prompt_tokens": prompt_len, "evict_tokens": evict_tokens}
     out["matched_tokens"] = tree.match_prefix(queries[0]).length
-    out["match_us"] = _median_us([lambda q=q: tree.match_prefix(q) for q in queries])
-    out["baseline_match_us"] = _median_us([lambda q=q: plain.match(q) for q in queries])
-    out["insert_us"] = _median_us([lambda q=q, k=k: tree.insert(q, k)
-                                   for q, k in zip(queries, kvs, strict=True)])
-    out["baseline_insert_us"] = _median_us([lambda q=q, k=k: plain.insert(q, k)
-                                            for q, k in zip(queries, kvs, strict=True)])
+    pairs = list(zip(queries, kvs, strict=True))
+    out["match_us"] = _median_us(tree.match_prefix, [(q,) for q in queries])
+    out["baseline_match_us"] = _median_us(plain.match, [(q,) for q in queries])
+    out["insert_us"] = _median_us(tree.insert, pairs)
+    out["baseline_insert_us"] = _median_us(plain.insert, pairs)
     t0 = time.perf_counter()
     tree.evict(evict_tokens)
     out["evict_ms"] = (time.perf_counter() - t0) * 1e3
