@@ -27,9 +27,18 @@ request owned: its reserved host pages (the I/O is stopped; the pages it never w
 freed with the completed ones, after the barrier), the lock reference on its anchor
 pages and its prefetch occupancy; the outstanding barrier is kept as a
 ticket. `retry(rid, ...)` waits on that same barrier again; `close_group(rid)` releases
-after the caller tore the group down (no peer can still be in it). A reduction that
-times out leaves the request in `abort_requested` with nothing decided and nothing
-touched (the I/O still runs); only `close_group(rid)` releases it, stopping the I/O first.
+after the caller tore the group down (no peer can still be in it). A collective that
+raises anything else (gloo's "Connection closed by peer" when a peer process died)
+raises `PrefetchCollectiveFailed`, naming the same; after a barrier the instance is
+`broken` (it keeps everything; the group is unusable, so there is no retry). A reduction
+that times out or raises leaves the request in `abort_requested` with nothing decided
+and nothing touched (the I/O still runs). Either way the recovery is the same: tear the
+group down, then `close_group(rid)` releases everything, exactly once (stopping the I/O
+first). Both errors derive from `PrefetchAbortError`.
+
+An abort of a request whose prefetch this rank already released (a duplicate abort) is
+absorbed locally: no collective, since the peers that did not get the duplicate would
+never join one. A `complete(rid)` that arrives after the abort started is absorbed too.
 """
 
 from __future__ import annotations
@@ -41,30 +50,33 @@ import msgspec
 import torch
 
 from terminus.fsm import Ledger, Machine, Plan, PlanReport, Release, ReleaseContext, release_effect
-from terminus.kernels.collective import CollectiveTimeout, RankCollectives
+from terminus.kernels.collective import CollectiveError, CollectiveTimeout, RankCollectives
 from terminus.kernels.host import HostPagePool, Prefetch
 from terminus.states.prefetch import (
     PREFETCH,
     BarrierPassed,
     BarrierTimedOut,
+    CollectiveFailed,
     Complete,
     Drained,
     GroupClosed,
     Join,
     Local,
+    PrefetchRelease,
     PrefetchReq,
     Queue,
     Revoked,
     Start,
 )
-from terminus.states.prefetch import Release as ReleaseNow
 
 __all__ = [
     "PREFETCH_PLANS",
     "AbortOutcome",
     "BarrierOp",
     "CollectiveMismatch",
+    "PrefetchAbortError",
     "PrefetchAbortTimeout",
+    "PrefetchCollectiveFailed",
     "PrefetchSite",
     "ReduceOp",
     "drive",
@@ -151,21 +163,38 @@ class AbortOutcome(msgspec.Struct, frozen=True):
     state: str
 
 
-class PrefetchAbortTimeout(TimeoutError):
-    """A collective of a prefetch abort timed out; the rank kept what it owned.
+class PrefetchAbortError(Exception):
+    """A collective of a prefetch abort failed; the rank kept what it owned.
 
-    Fields: ``rid``, ``rank``, ``group``, ``state`` (the instance's state: ``stalled``
-    after a barrier, ``abort_requested`` after the reduction), ``kept`` (what is still
-    held), ``ticket`` (the outstanding barrier, for `PrefetchSite.retry`).
+    Fields: ``rid``, ``rank``, ``group``, ``state`` (the instance's state after the
+    error), ``kept`` (what is still held). Subclasses say how it failed.
     """
 
-    def __init__(self, rid: Any, rank: int, group: str, state: str, kept: str,
-                 ticket: Any, cause: CollectiveTimeout) -> None:
+    rid: Any
+    rank: int
+    group: str
+    state: str
+    kept: str
+
+    def _fields(self, rid: Any, rank: int, group: str, state: str, kept: str) -> None:
         self.rid = rid
         self.rank = rank
         self.group = group
         self.state = state
         self.kept = kept
+
+
+class PrefetchAbortTimeout(PrefetchAbortError, TimeoutError):
+    """A collective of a prefetch abort timed out; the rank kept what it owned.
+
+    Fields as `PrefetchAbortError` (``state``: ``stalled`` after a barrier,
+    ``abort_requested`` after the reduction), plus ``ticket`` (the outstanding barrier,
+    for `PrefetchSite.retry`).
+    """
+
+    def __init__(self, rid: Any, rank: int, group: str, state: str, kept: str,
+                 ticket: Any, cause: CollectiveTimeout) -> None:
+        self._fields(rid, rank, group, state, kept)
         self.ticket = ticket
         fix = ("retry(rid) once the peer arrives, or close_group(rid) after tearing the "
                "group down" if state == "stalled" else
@@ -177,11 +206,36 @@ class PrefetchAbortTimeout(TimeoutError):
         )
 
 
+class PrefetchCollectiveFailed(PrefetchAbortError, RuntimeError):
+    """A collective of a prefetch abort raised (a peer process died, the link broke).
+
+    Fields as `PrefetchAbortError` (``state``: ``broken`` after a barrier,
+    ``abort_requested`` after the reduction), plus ``op`` and ``error`` (what the
+    collective raised; also ``__cause__``). The group is unusable: tear it down, then
+    `PrefetchSite.close_group` releases everything.
+    """
+
+    def __init__(self, rid: Any, rank: int, group: str, state: str, kept: str, op: str,
+                 error: BaseException) -> None:
+        self._fields(rid, rank, group, state, kept)
+        self.op = op
+        self.error = error
+        inner = error.error if isinstance(error, CollectiveError) else error
+        text = str(inner).strip()
+        first = text.splitlines()[0][:300] if text else ""
+        super().__init__(
+            f"prefetch abort of request {rid!r} on rank {rank}: {op} on attention group "
+            f"{group!r} raised {type(inner).__name__}: {first}; the request is {state!r} "
+            f"and keeps {kept}; tear the group down, then close_group(rid) releases it"
+        )
+
+
 class CollectiveMismatch(RuntimeError):
     """Ranks of one group entered different collectives (with torch they would pair up)."""
 
 
 _ABORTABLE = ("none", "pending", "active")
+_TIMED_OUT = ("stalled", "abort_requested", "broken")  # what close_group releases
 
 
 # -- one rank ------------------------------------------------------------------------------
@@ -197,7 +251,7 @@ class PrefetchSite:
     unwritten_pages)``, ``("barrier_enter", rid, group)``, ``("barrier_exit", rid,
     group)``, ``("free_tail", rid, pages)`` (pages the stopped I/O never wrote),
     ``("free_prefix", rid, pages)``, ``("unlock", rid, pages)``,
-    ``("insert", rid, pages)``.
+    ``("insert", rid, pages)``, ``("absorbed", rid)`` (a duplicate abort, no collective).
     """
 
     def __init__(self, host: HostPagePool, *, rank: int = 0, page_size: int = 1,
@@ -263,7 +317,14 @@ class PrefetchSite:
         return p.advance(pages)
 
     def complete(self, rid: Any) -> PlanReport | None:
-        """The I/O finished: the host cache (``insert``) takes the completed prefix."""
+        """The I/O finished: the host cache (``insert``) takes the completed prefix.
+
+        Once the abort of ``rid`` started (or the prefetch already ended) the completion
+        is late: it is absorbed (None), and the abort releases what the I/O completed.
+        """
+        inst = self.requests.get(rid)
+        if inst is not None and inst.state not in _ABORTABLE:
+            return inst.fire(Complete())  # declared ignore in every such state
         if self.insert is None:
             raise ValueError("PrefetchSite(insert=...) is needed to complete a prefetch: "
                              "something must own the pages the cache takes")
@@ -286,12 +347,20 @@ class PrefetchSite:
         tests and the simulator can show it deadlocking.
         """
         inst = self.requests.get(rid)
+        if inst is not None and inst.state == "released":
+            # A duplicate abort: this rank's abort already ran its collectives and
+            # released. Absorb it here: a peer that did not get the duplicate would
+            # never join a new collective, and this rank would wait for it in vain.
+            inst.abort()  # an echo, declared ignored
+            self.trace.append(("absorbed", rid))
+            return AbortOutcome(str(rid), self.rank, int(Local.MISSING), inst.decision,
+                                False, inst.state)
         if inst is not None and not inst.terminal and inst.state not in _ABORTABLE:
             # Raised before any collective: every rank sees the same abort requests, so
             # a second abort of a request whose abort timed out is refused on all of them.
             raise ValueError(
                 f"rank {self.rank}: request {rid!r} is already being aborted (state "
-                f"{inst.state!r}); retry(rid) or close_group(rid) a timed-out abort")
+                f"{inst.state!r}); retry(rid) or close_group(rid) a timed-out or failed abort")
         if inst is None or inst.terminal:
             # No prefetch here (or it already finished): this rank is the missing class,
             # and it still takes part in every collective.
@@ -306,6 +375,8 @@ class PrefetchSite:
                     value = yield ReduceOp(g, value)
                 except CollectiveTimeout as e:
                     raise self._timeout(inst, g, groups, None, e) from e
+                except Exception as e:  # a backend error: nothing decided, nothing touched
+                    raise self._failed(inst, g, groups, "reduce_max", e) from e
         inst.decide(value)
         if inst.state == "revoking":
             # A queued prefetch owns no host pages: revoking it only stops it starting.
@@ -319,7 +390,7 @@ class PrefetchSite:
             self.trace.append(("drain", rid, unwritten))
             inst.fire(Drained())
         if inst.state in ("revoked", "drained"):
-            inst.fire(Join() if value >= Local.ACTIVE else ReleaseNow())
+            inst.fire(Join() if value >= Local.ACTIVE else PrefetchRelease())
         entered = inst.state == "in_barrier"
         if entered:
             yield from self._barrier(inst, groups, 0, None)
@@ -335,6 +406,8 @@ class PrefetchSite:
                 yield BarrierOp(g, ticket)
             except CollectiveTimeout as e:
                 raise self._timeout(inst, g, groups, e.ticket, e) from e
+            except Exception as e:  # a peer process died: the group is unusable
+                raise self._failed(inst, g, groups, "barrier", e) from e
             ticket = None
             self.trace.append(("barrier_exit", rid, g))
         inst.fire(BarrierPassed())
@@ -345,11 +418,20 @@ class PrefetchSite:
             inst.timed_out_group = groups[g]
             inst.fire(BarrierTimedOut(groups[g]))
             self._stalled[inst.key] = (g, ticket)
+        return PrefetchAbortTimeout(inst.key, self.rank, groups[g], inst.state,
+                                    self._kept(inst), ticket, e)
+
+    def _failed(self, inst: PrefetchReq, g: int, groups: Sequence[str], op: str,
+                e: Exception) -> PrefetchCollectiveFailed:
+        if inst.state == "in_barrier":
+            inst.fire(CollectiveFailed(groups[g]))
+        return PrefetchCollectiveFailed(inst.key, self.rank, groups[g], inst.state,
+                                        self._kept(inst), op, e)
+
+    def _kept(self, inst: PrefetchReq) -> str:
         held = [f"{h.kind}" for h in self.ledger.owned(inst)]
-        kept = ("its " + " and ".join(held) if held else "nothing") + (
+        return ("its " + " and ".join(held) if held else "nothing") + (
             f" ({self.occupancy_tokens} prefetch tokens on this rank)")
-        return PrefetchAbortTimeout(inst.key, self.rank, groups[g], inst.state, kept,
-                                    ticket, e)
 
     def retry_steps(self, rid: Any, groups: Sequence[str]) -> Generator[Op, Any, AbortOutcome]:
         """Wait again on the barrier that timed out for ``rid`` (same collective), then release."""
@@ -372,16 +454,18 @@ class PrefetchSite:
                      f"prefetch abort of request {rid!r} on rank {self.rank} (retry)")
 
     def close_group(self, rid: Any) -> PlanReport | None:
-        """Release an abort whose collective timed out, once its group was torn down.
+        """Release an abort whose collective timed out or raised, once its group was
+        torn down.
 
-        The instance is ``stalled`` (barrier timed out) or ``abort_requested`` (the
-        reduction timed out); either way no peer can still be in the collective.
+        The instance is ``stalled`` (barrier timed out), ``broken`` (barrier raised) or
+        ``abort_requested`` (the reduction timed out or raised); either way no peer can
+        still be in the collective.
         """
         inst = self.requests.get(rid)
-        if inst is None or inst.state not in ("stalled", "abort_requested"):
+        if inst is None or inst.state not in _TIMED_OUT:
             now = "none" if inst is None else inst.state
-            raise ValueError(f"rank {self.rank}: request {rid!r} has no timed-out abort "
-                             f"(it is {now!r}); nothing was changed")
+            raise ValueError(f"rank {self.rank}: request {rid!r} has no timed-out or "
+                             f"failed abort (it is {now!r}); nothing was changed")
         self._stalled.pop(rid, None)
         return inst.fire(GroupClosed())
 
@@ -395,7 +479,9 @@ class PrefetchSite:
 
 def drive(steps: Generator[Op, Any, AbortOutcome], collectives: RankCollectives,
           what: str) -> AbortOutcome:
-    """Run a protocol generator on real collectives; a timeout is thrown into it."""
+    """Run a protocol generator on real collectives; whatever a collective raises (a
+    timeout, a backend error) is thrown into it, which turns it into a
+    `PrefetchAbortError` once the instance is in a state `close_group` releases."""
     reply: Any = None
     error: BaseException | None = None
     while True:
@@ -409,5 +495,5 @@ def drive(steps: Generator[Op, Any, AbortOutcome], collectives: RankCollectives,
                 reply = collectives.reduce_max(op.group, op.value, what)
             else:
                 collectives.barrier(op.group, what, op.ticket)
-        except CollectiveTimeout as e:
+        except Exception as e:
             error = e
