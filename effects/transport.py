@@ -6,11 +6,14 @@ calls these five methods, keyed by request id::
     bootstrap(rid)            handshake with the decode side        (raises on failure)
     init(rid, n_kv, meta)     announce the KV size and metadata slot (raises on failure)
     send(rid, kv_indices)     start the KV transfer                 (raises on failure)
-    poll(rid) -> Poll         TRANSFERRING / SUCCESS / FAILED
+    poll(rid) -> Poll         TRANSFERRING / SUCCESS / FAILED / ABORTED
     abort(rid)                tell the peer the request is gone     (may raise: best-effort)
 
 The simulator's in-memory sender, which fails on cue, is
 `terminus.effects.sim.transport.FakeTransport`; the drivers never import it.
+
+After `abort(rid)` of a transfer in flight, the sender may still read the KV until `poll`
+says it stopped (SUCCESS, FAILED or ABORTED): the request keeps its pages until then.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ class Poll(enum.Enum):
     TRANSFERRING = "transferring"
     SUCCESS = "success"
     FAILED = "failed"
+    ABORTED = "aborted"
+    """The sender stopped the transfer after `abort(rid)`: it no longer reads the KV."""
 
 
 class TransportError(RuntimeError):

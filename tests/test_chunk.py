@@ -29,6 +29,8 @@ from terminus.states.disagg import (
     ChunkResult,
     ChunkScheduled,
     DisaggReq,
+    SenderAborted,
+    SenderDeadline,
     TransferDone,
     TransferFailed,
 )
@@ -135,7 +137,7 @@ def test_random_chunk_sequences_agree_with_the_oracle(seq):
 
 REQUEST_EVENTS = st.one_of(
     st.sampled_from([Bootstrapped(), BootstrapRetry(), BootstrapFailed("b"), Abort("a"),
-                     TransferDone(), TransferFailed("t")]),
+                     TransferDone(), TransferFailed("t"), SenderAborted(), SenderDeadline()]),
     st.builds(ChunkScheduled, chunk=st.integers(0, 3)),
     st.builds(ChunkResult, chunk=st.integers(0, 3), last=st.booleans()),
 )

@@ -9,7 +9,7 @@ import pytest
 from terminus.effects.disagg import DisaggPools, DisaggPrefill
 from terminus.effects.output import TerminalOutput
 from terminus.effects.sim.transport import FakeTransport
-from terminus.effects.transport import TransportError
+from terminus.effects.transport import Poll, TransportError
 from terminus.fsm import TransitionNotAllowed
 from terminus.fsm.oracle import Differential
 from terminus.states.chunk import Abandon, Commit, Result
@@ -21,9 +21,21 @@ from terminus.states.disagg import (
     BootstrapRetry,
     ChunkResult,
     ChunkScheduled,
+    SenderAborted,
+    SenderDeadline,
     TransferDone,
     TransferFailed,
 )
+
+
+class Clock:
+    """A clock the test moves by hand (no timed assertions)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def engine(**kw):
@@ -244,15 +256,142 @@ def test_a_send_that_cannot_start_fails_the_request():
     e.finish()
 
 
-def test_abort_during_the_transfer_notifies_the_sender_and_never_caches():
-    e, t = engine()
+def kv_ids(e, owner):
+    return {int(i) for h in e.ledger.owned(owner, "kv") for i in h.value.tolist()}
+
+
+@pytest.mark.parametrize("confirm", ["aborted", "done", "failed", "deadline"])
+def test_abort_during_the_transfer_keeps_the_kv_until_the_sender_confirms(confirm):
+    clock = Clock()
+    e, t = engine(clock=clock, sender_deadline_s=5.0)
+    if confirm == "deadline":
+        t.fail("abort", "r")  # the notice is lost: the sender may read until the deadline
+    req = started(e, prompt=8, chunks=2)
+    e.result("r", 0)
+    e.result("r", 1)
+    assert req.state == "transferring"
+    sent = kv_ids(e, req)
+    assert e.abort("r", "client gone") is None
+    assert req.state == "awaiting_sender" and t.aborts["r"] == 1
+    assert kv_ids(e, req) == sent  # the sender may still read these pages (I10)
+    e.assert_accounted()
+    # The next request is not handed a page the sender may still read.
+    started(e, "n", prompt=8, chunks=1)
+    assert not kv_ids(e, e.req("n").chunks[0]) & sent
+    assert e.abort("r", "second cause") is None  # absorbed, and changes nothing
+    assert e.bootstrap_failed("r", "late") is None
+    if confirm == "deadline":
+        assert len(e.errors) == 1 and isinstance(e.errors[0], TransportError)
+        clock.now += 4.9
+        assert e.poll_transfer("r") is None and req.state == "awaiting_sender"
+        clock.now += 0.1
+    elif confirm == "done":
+        t.complete("r")
+    elif confirm == "failed":
+        t.break_transfer("r")
+    else:
+        assert t.poll("r") is Poll.ABORTED
+    assert e.sink.counts["r"] == 0 and kv_ids(e, req) == sent
+    report = e.poll_transfer("r")
+    assert report is not None and report.plan == "release_aborted_transfer" and report.ok
+    assert req.state == "aborted" and e.cache.inserts["r"] == 0
+    assert t.aborts["r"] == 1  # told once, when the wait began
+    assert e.sink.outputs == [TerminalOutput("r", "aborted", message="client gone")]
+    assert e.poll_transfer("r") is None
+    e.abort("n")
+    e.result("n", 0)
+    e.finish()
+
+
+def test_an_abandoned_middle_chunk_keeps_its_pages_until_the_drain_ends():
+    e, _ = engine()
+    req = started(e, prompt=12, chunks=2)  # chunk 1 overlaps chunk 0 and attends over it
+    first = kv_ids(e, req.chunks[0])
+    e.abort("r", "client gone")
+    assert e.result("r", 0) is None
+    assert req.chunks[0].state == "abandoned" and req.chunks[1].state == "running"
+    assert kv_ids(e, req) == first  # the request holds them now; nothing went back
+    e.assert_accounted()
+    # The next request is not handed a page chunk 1 still reads.
+    started(e, "n", prompt=4, chunks=1)
+    assert not kv_ids(e, e.req("n").chunks[0]) & first
+    report = e.result("r", 1)
+    assert report is not None and report.plan == "release_aborted"
+    assert first <= {int(i) for h in report.released if h.kind == "kv"
+                     for i in h.value.tolist()}
+    assert e.chunks_machine.stats.plans_run["release_abandoned"] == 2
+    e.abort("n")
+    e.result("n", 0)
+    e.finish()
+
+
+def test_a_refused_bootstrap_failure_changes_nothing_not_even_the_reason():
+    e, _ = engine()
     req = started(e, prompt=4, chunks=1)
     e.result("r", 0)
-    report = e.abort("r")
-    assert report is not None and req.state == "aborted"
-    assert t.aborts["r"] == 1 and e.cache.inserts["r"] == 0
+    assert req.state == "transferring"
+    with pytest.raises(TransitionNotAllowed, match="'BootstrapFailed' is not allowed in "
+                       "state 'transferring'"):
+        e.bootstrap_failed("r", "a late handshake failure")
+    assert req.state == "transferring" and req.reason == ""
+    e.abort("r", "client gone")
+    e.poll_transfer("r")
+    assert e.sink.outputs == [TerminalOutput("r", "aborted", message="client gone")]
+    e.finish()
+
+
+def _succeed(e, t):
+    started(e, prompt=4, chunks=1)
+    e.result("r", 0)
     t.complete("r")
-    assert e.poll_transfer("r") is None
+    return e.poll_transfer("r")
+
+
+def _fail_transfer(e, t):
+    started(e, prompt=4, chunks=1)
+    e.result("r", 0)
+    t.break_transfer("r")
+    return e.poll_transfer("r")
+
+
+def _abort_drain(e, t):
+    started(e, chunks=1)
+    e.abort("r")
+    return e.result("r", 0)
+
+
+def _abort_transfer(e, t):
+    started(e, prompt=4, chunks=1)
+    e.result("r", 0)
+    e.abort("r")
+    return e.poll_transfer("r")
+
+
+TERMINAL_PATHS = {
+    "release_succeeded": _succeed,
+    "release_failed": _fail_transfer,
+    "release_aborted": _abort_drain,
+    "release_aborted_transfer": _abort_transfer,
+    "release_bootstrap_failed": lambda e, t: (e.add("r", 8, chunk_size=4, host_pages=2),
+                                              e.bootstrap("r"), e.bootstrap_failed("r"))[2],
+}
+
+
+@pytest.mark.parametrize("plan", list(TERMINAL_PATHS))
+def test_a_failing_client_stream_is_recorded_and_skips_no_release(plan):
+    e, t = engine()
+    e.sink.failing.add("r")
+    report = TERMINAL_PATHS[plan](e, t)
+    assert report is not None and report.plan == plan
+    assert [(er.step, er.best_effort, type(er.error)) for er in report.errors] == [
+        ("stream_terminal", True, ConnectionError)]
+    assert "client stream of 'r' is closed" in str(report.errors[0])
+    assert e.sink.counts["r"] == 1  # tried once, never retried by a later event
+    assert e.ledger.count() == 0  # every handle went back although the stream raised
+    e.abort("r")
+    assert e.sink.counts["r"] == 1
+    if plan == "release_succeeded":
+        assert e.cache.inserts["r"] == 1
     e.finish()
 
 
@@ -349,6 +488,8 @@ BUILDERS = {
     "draining_one": lambda e, t: (started(e, chunks=1), e.abort("r")),
     "draining_two": lambda e, t: (started(e, chunks=2), e.abort("r")),
     "transferring": lambda e, t: (started(e, prompt=4, chunks=1), e.result("r", 0)),
+    "awaiting_sender": lambda e, t: (started(e, prompt=4, chunks=1), e.result("r", 0),
+                                     e.abort("r")),
     "succeeded": _to_succeeded,
     "failed": _to_failed,
     "aborted": lambda e, t: (started(e, chunks=0), e.abort("r")),
@@ -365,6 +506,8 @@ EVENTS = {
     "Abort": lambda req: Abort("x"),
     "TransferDone": lambda req: TransferDone(),
     "TransferFailed": lambda req: TransferFailed("x"),
+    "SenderAborted": lambda req: SenderAborted(),
+    "SenderDeadline": lambda req: SenderDeadline(),
 }
 
 
@@ -386,6 +529,8 @@ def _cleanup(e, t):
     req = e.req("r")
     if not req.terminal:
         e.abort("r")
+    if req.state == "awaiting_sender":
+        e.poll_transfer("r")  # the sender confirms the abort it was told of
     for c in req.chunks:
         if not c.terminal:
             e.result("r", c.index)
@@ -453,4 +598,5 @@ def test_a_final_result_before_an_earlier_ones_is_refused_and_changes_nothing():
     e.result("r", 1)
     assert req.state == "transferring" and t.sends["r"] == 1
     e.abort("r", "done with it")
+    e.poll_transfer("r")  # the sender confirms it stopped reading the KV
     e.finish()

@@ -244,7 +244,8 @@ class _Machines:
         self.e.result(rid, k)
 
     def transferring(self, rid: str) -> bool:
-        return self.e.req(rid).state == "transferring"
+        # Aborted while sending, it still waits for the sender's confirmation (a poll).
+        return self.e.req(rid).state in ("transferring", "awaiting_sender")
 
     def poll(self, rid: str) -> None:
         self.e.poll_transfer(rid)
@@ -306,7 +307,7 @@ def disagg_seed(naive: bool, seed: int = 0, *, requests: int = 64, chunk_size: i
                     abort(rid)
                 loop.result(rid, k)
             if loop.transferring(rid):
-                if p.abort_at == p.n_chunks:
+                if p.abort_at == p.n_chunks and rid not in aborted:
                     abort(rid)
                 else:
                     loop.poll(rid)

@@ -97,6 +97,9 @@ class FakeTransport:
         self._transfers[rid] = Poll.FAILED
 
     def abort(self, rid: str) -> None:
-        """Count the abort; fails (after counting) when armed."""
+        """Count the abort; fails (after counting) when armed. A transfer still in flight
+        stops: the next `poll` says ABORTED (a failed abort leaves it running)."""
         self.aborts[rid] += 1
         self._call("abort", rid)
+        if self._transfers.get(rid) is Poll.TRANSFERRING:
+            self._transfers[rid] = Poll.ABORTED
