@@ -48,12 +48,12 @@ from terminus.kernels.req_table import ReqToTokenTable
 from terminus.states.chunk import CHUNK, Abandon, Chunk, Commit, Launch, NextLaunched, Result
 from terminus.states.disagg import (
     DISAGG_PREFILL,
-    Abort,
     BootstrapFailed,
     Bootstrapped,
     BootstrapRetry,
     ChunkResult,
     ChunkScheduled,
+    DisaggAbort,
     DisaggReq,
     TransferDone,
     TransferFailed,
@@ -379,7 +379,7 @@ class DisaggPrefill:
         req = self.req(rid)
         if not req.terminal and not req.reason:
             req.reason = reason
-        return req.fire(Abort(reason))
+        return req.fire(DisaggAbort(reason))
 
     def schedule(self, rid: str) -> Chunk | None:
         """Schedule and launch the next chunk of `rid`; None when it cannot run now.

@@ -37,13 +37,13 @@ if sys.version_info < (3, 11):  # pragma: no cover
 from terminus.fsm import Instance, Ledger
 from terminus.kernels.protocols import LoRARegistry
 from terminus.states.request import (
-    Abort,
     AcquireFailed,
     DispatchFailed,
     Finished,
     LoRAAcquired,
     Output,
     Request,
+    RequestAbort,
     SchedulerError,
     Submitted,
     Validated,
@@ -222,7 +222,7 @@ class TokenizerSide:
             self._send(req)
         except BaseException:
             if not req.terminal:
-                self._fire(req, Abort("submission was interrupted"))
+                self._fire(req, RequestAbort("submission was interrupted"))
             raise
         return req
 
@@ -371,7 +371,7 @@ class TokenizerSide:
                 self._send(w)
         except BaseException:
             if not group.terminal:
-                self._fire(group, Abort("submission was interrupted"))
+                self._fire(group, RequestAbort("submission was interrupted"))
             raise
 
     def _send(self, req: Request) -> None:
@@ -417,10 +417,10 @@ class TokenizerSide:
         if inst is None:
             self.unknown_events += 1
             return False
-        self._fire(inst, Abort(message))
+        self._fire(inst, RequestAbort(message))
         if isinstance(inst, SamplingGroup):
             for c in inst.children:
-                self._fire(c, Abort(message))
+                self._fire(c, RequestAbort(message))
         return True
 
     def on_output(self, rid: Any) -> bool:
@@ -486,7 +486,7 @@ class TokenizerSide:
         batch = self._batches.get(group.key)
         if group.state != "fanned_out":
             for w in group.warmups:
-                self._fire(w, Abort("its sampling group ended"))
+                self._fire(w, RequestAbort("its sampling group ended"))
         if batch is None:
             return
         if all(p.terminal for p in batch.parents):

@@ -1,18 +1,18 @@
 """The disaggregated-prefill request: bootstrap, prefill in chunks, transfer the KV.
 
     bootstrapping  Bootstrapped -> waiting; BootstrapRetry -> bootstrapping;
-                   BootstrapFailed -> bootstrap_failed ▸; Abort -> aborted ▸; else error
+                   BootstrapFailed -> bootstrap_failed ▸; DisaggAbort -> aborted ▸; else error
     waiting        ChunkScheduled -> prefilling; BootstrapFailed -> bootstrap_failed ▸;
-                   Abort -> aborted ▸; else error
+                   DisaggAbort -> aborted ▸; else error
     prefilling     ChunkScheduled -> prefilling;
                    ChunkResult -> transferring [last_chunk], else prefilling;
-                   Abort -> draining [chunks_in_flight], else aborted ▸;
+                   DisaggAbort -> draining [chunks_in_flight], else aborted ▸;
                    BootstrapFailed -> draining [chunks_in_flight], else bootstrap_failed ▸;
                    else error
     draining       ChunkResult -> aborted ▸ [drained], else draining;
-                   Abort, BootstrapFailed -> ignore; else error
+                   DisaggAbort, BootstrapFailed -> ignore; else error
     transferring   TransferDone -> succeeded ▸; TransferFailed -> failed ▸;
-                   Abort -> aborted ▸; else error
+                   DisaggAbort -> aborted ▸; else error
     T states       succeeded, failed, aborted, bootstrap_failed: ignore everything
 
     ▸ = the edge runs the release plan named after its target (`release_<target>`)
@@ -26,7 +26,7 @@ chunk it launched has settled, and the result that settles the last one runs
 `release_aborted` exactly once. `draining` always ends in `aborted`; the first cause
 (abort or bootstrap failure) is kept in `reason` for the terminal output.
 
-Abort is terminal while bootstrapping, so an optimistic bootstrap retry that arrives
+DisaggAbort is terminal while bootstrapping, so an optimistic bootstrap retry that arrives
 after it is ignored, never a resurrection. Every terminal row ignores everything: a
 delayed chunk result, a second abort or a duplicate failure after cleanup ran reaches
 no effect (I2, I4).
@@ -40,12 +40,12 @@ from terminus.fsm import ANY, ERROR, IGNORE, Event, Instance, Machine, Spec, Sta
 
 __all__ = [
     "DISAGG_PREFILL",
-    "Abort",
     "BootstrapFailed",
     "BootstrapRetry",
     "Bootstrapped",
     "ChunkResult",
     "ChunkScheduled",
+    "DisaggAbort",
     "DisaggReq",
     "TransferDone",
     "TransferFailed",
@@ -79,7 +79,7 @@ class ChunkResult(Event):
     last: bool = False
 
 
-class Abort(Event):
+class DisaggAbort(Event):
     """The client or the scheduler aborted the request."""
 
     reason: str = ""
@@ -140,7 +140,7 @@ DISAGG_PREFILL: Machine = Spec(
         State("aborted", terminal=True, doc="aborted; never cached"),
         State("bootstrap_failed", terminal=True, doc="the handshake failed"),
     ),
-    events=(Bootstrapped, BootstrapRetry, BootstrapFailed, ChunkScheduled, ChunkResult, Abort,
+    events=(Bootstrapped, BootstrapRetry, BootstrapFailed, ChunkScheduled, ChunkResult, DisaggAbort,
             TransferDone, TransferFailed),
     table={
         "bootstrapping": {
@@ -148,31 +148,31 @@ DISAGG_PREFILL: Machine = Spec(
             BootstrapRetry: go("bootstrapping"),
             BootstrapFailed: _RELEASE_BOOTSTRAP,
             # Terminal before any retry can run: no resurrection after an abort.
-            Abort: _RELEASE_ABORTED,
+            DisaggAbort: _RELEASE_ABORTED,
             ANY: ERROR,
         },
         "waiting": {
             BootstrapFailed: _RELEASE_BOOTSTRAP,
             ChunkScheduled: go("prefilling"),
-            Abort: _RELEASE_ABORTED,
+            DisaggAbort: _RELEASE_ABORTED,
             ANY: ERROR,
         },
         "prefilling": {
             BootstrapFailed: [go("draining", when="chunks_in_flight"), _RELEASE_BOOTSTRAP],
             ChunkScheduled: go("prefilling"),
             ChunkResult: [go("transferring", when="last_chunk"), go("prefilling")],
-            Abort: [go("draining", when="chunks_in_flight"), _RELEASE_ABORTED],
+            DisaggAbort: [go("draining", when="chunks_in_flight"), _RELEASE_ABORTED],
             ANY: ERROR,
         },
         "draining": {
             ChunkResult: [go("aborted", plan="release_aborted", when="drained"),
                           go("draining")],
-            Abort: IGNORE,
+            DisaggAbort: IGNORE,
             BootstrapFailed: IGNORE,
             ANY: ERROR,
         },
         "transferring": {
-            Abort: _RELEASE_ABORTED,
+            DisaggAbort: _RELEASE_ABORTED,
             TransferDone: go("succeeded", plan="release_succeeded"),
             TransferFailed: go("failed", plan="release_failed"),
             ANY: ERROR,

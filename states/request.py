@@ -7,7 +7,7 @@
        │    AcquireFailed, ValidationFailed ► rejected [4xx] | errored [5xx]
        │                 DispatchFailed   ► dispatch_failed (from dispatched)
        │                 SchedulerError   ► rejected [4xx] | errored [5xx]
-       └── Abort (from any live state) ► aborted
+       └── RequestAbort (from any live state) ► aborted
 
 The request owns its LoRA reference (handle kind ``"lora"``, value the acquired id) from
 the moment the registry hands the id out until its terminal transition, whose plan
@@ -30,13 +30,13 @@ from terminus.fsm import ANY, ERROR, IGNORE, Event, Instance, Machine, Spec, Sta
 __all__ = [
     "REQUEST",
     "REQUEST_PLANS",
-    "Abort",
     "AcquireFailed",
     "DispatchFailed",
     "Finished",
     "LoRAAcquired",
     "Output",
     "Request",
+    "RequestAbort",
     "SchedulerError",
     "Submitted",
     "Validated",
@@ -101,7 +101,7 @@ class SchedulerError(Event):
     message: str = ""
 
 
-class Abort(Event):
+class RequestAbort(Event):
     """The client (or the server) aborts the request."""
 
     message: str = ""
@@ -171,23 +171,23 @@ SPEC = Spec(
         State("dispatch_failed", terminal=True, doc="the scheduler could not be reached"),
     ),
     events=(Submitted, LoRAAcquired, AcquireFailed, Validated, ValidationFailed,
-            DispatchFailed, Output, Finished, SchedulerError, Abort),
+            DispatchFailed, Output, Finished, SchedulerError, RequestAbort),
     table={
         "created": {
             Submitted: [go("acquiring_lora", when="wants_lora"), go("validating")],
-            Abort: _aborted,
+            RequestAbort: _aborted,
             ANY: ERROR,
         },
         "acquiring_lora": {
             LoRAAcquired: go("validating"),
             AcquireFailed: _failed,
-            Abort: _aborted,
+            RequestAbort: _aborted,
             ANY: ERROR,
         },
         "validating": {
             Validated: go("dispatched"),
             ValidationFailed: _failed,
-            Abort: _aborted,
+            RequestAbort: _aborted,
             ANY: ERROR,
         },
         "dispatched": {
@@ -195,14 +195,14 @@ SPEC = Spec(
             Output: go("running"),
             Finished: go("finished", plan="release_finished"),
             SchedulerError: _failed,
-            Abort: _aborted,
+            RequestAbort: _aborted,
             ANY: ERROR,
         },
         "running": {
             Output: go("running"),
             Finished: go("finished", plan="release_finished"),
             SchedulerError: _failed,
-            Abort: _aborted,
+            RequestAbort: _aborted,
             ANY: ERROR,
         },
         "finished": _terminal_row,

@@ -13,7 +13,7 @@ from terminus.effects.request import LORA, TerminalOutput, bind_request
 from terminus.effects.tokenizer import TokenizerSide
 from terminus.fsm import Ledger, TransitionNotAllowed
 from terminus.kernels.errors import UnloadTimeout
-from terminus.states.request import Abort, Finished, Output, Request, SchedulerError
+from terminus.states.request import Finished, Output, Request, RequestAbort, SchedulerError
 from tests.tokenizer_side import make_side, settle
 
 
@@ -83,7 +83,7 @@ def test_abort_echo_after_finish_releases_nothing():
         assert s.ledger.released == released
         assert s.scheduler.aborted == []  # a finished request is not aborted again
         ignored = s.side.requests.stats.ignored
-        assert ignored[("finished", "Abort")] == 1
+        assert ignored[("finished", "RequestAbort")] == 1
         assert ignored[("finished", "Finished")] == 1
         assert ignored[("finished", "SchedulerError")] == 1
         assert s.sink.outcome("r1") == "finished"
@@ -418,14 +418,14 @@ def test_machine_level_terminal_states_absorb_late_events_and_refuse_resubmissio
         s = await make_side()
         m = bind_request(s.ledger)
         req = Request(m, "m1", prompt="x")
-        req.fire(Abort())
+        req.fire(RequestAbort())
         runs = dict(m.stats.plans_run)
-        for ev in (Output(), Finished(), SchedulerError(500), Abort()):
+        for ev in (Output(), Finished(), SchedulerError(500), RequestAbort()):
             assert req.fire(ev) is None
             assert req.state == "aborted"
         assert dict(m.stats.plans_run) == runs  # absorbed: no plan ran again
         assert sum(m.stats.ignored[("aborted", n)] for n in
-                   ("Output", "Finished", "SchedulerError", "Abort")) == 4
+                   ("Output", "Finished", "SchedulerError", "RequestAbort")) == 4
         from terminus.states.request import Submitted
 
         with pytest.raises(TransitionNotAllowed, match="'Submitted' is not allowed"):

@@ -169,7 +169,7 @@ def test_abort_of_a_group_after_fan_out_aborts_each_child_once():
         s.side.on_finish(kids[0].key)
         s.side.abort("g")
         assert [c.state for c in kids] == ["finished", "aborted", "aborted"]
-        assert s.side.sampling.stats.ignored[("fanned_out", "Abort")] == 1
+        assert s.side.sampling.stats.ignored[("fanned_out", "RequestAbort")] == 1
         assert s.ledger.released == 3
         assert [s.sink.outcome(c.key) for c in kids] == ["finished", "aborted", "aborted"]
         await s.finish_clean()

@@ -46,13 +46,13 @@ from terminus.effects.tokenizer import InvalidRequest, TokenizerSide
 from terminus.fsm import TransitionRecord
 from terminus.kernels import HostPagePool, LoRARegistry
 from terminus.kernels.collective import grid_partitions
-from terminus.states.sequence import Abort as SeqAbort
 from terminus.states.sequence import (
     ChunkDone,
     ChunkLaunched,
     Fail,
     Finish,
     LastChunkDone,
+    SequenceAbort,
     Token,
 )
 
@@ -284,7 +284,7 @@ class SimScheduler:
             else:
                 rows.append(seq.row)
         self.aborts.clear()
-        self._fire(rows, SeqAbort)
+        self._fire(rows, SequenceAbort)
 
     def _retired(self, rows: torch.Tensor, state: str) -> None:
         seqs = [self.by_row.pop(r) for r in rows.tolist()]
