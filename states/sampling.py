@@ -38,6 +38,7 @@ from .request import (
     Validated,
     ValidationFailed,
     client_error,
+    client_rid,
     wants_lora,
 )
 
@@ -68,7 +69,8 @@ class FanOut(Event):
 
 
 class SamplingGroup(Instance):
-    """A parallel-sampling parent. `key` is its rid.
+    """A parallel-sampling parent. `key` is its `RequestKey` (role "group"); `rid` the
+    id its client uses.
 
     Fields for the driver: `prompts`, `loras` (one adapter name or None per prompt), `n`,
     `tokens` (per prompt, once tokenized), `pending_warmups` (warm-ups not yet finished;
@@ -88,6 +90,11 @@ class SamplingGroup(Instance):
         self.pending_warmups = 0
         self.warmups: list[Any] = []
         self.children: list[Any] = []
+
+    @property
+    def rid(self) -> Any:
+        """The id the client sees (`RequestKey.rid` of the key, or the key itself)."""
+        return client_rid(self.key)
 
 
 def warmups_pending(inst: Any, ev: Any) -> bool:

@@ -227,28 +227,29 @@ def test_a_refused_batched_release_still_tells_the_owner_which_rows_retired(pool
 def test_one_echo_that_raises_does_not_keep_the_other_retired_rows_silent(pools):
     from terminus.effects.sim.serving import SimConfig, SimScheduler
     from terminus.effects.sim.workload import RequestSpec
+    from terminus.states.request import RequestKey
 
     heard = []
 
     class Tokenizer:  # stands in for TokenizerSide: only its two echo entry points
         def on_finish(self, rid, reason):
-            heard.append((rid, reason))
-            if rid == "r0":
+            heard.append((rid.rid, reason))
+            if rid.rid == "r0":
                 raise RuntimeError("r0's LoRA release underflowed")
 
         def on_error(self, rid, status, message):
-            heard.append((rid, status))
+            heard.append((rid.rid, status))
 
         def on_output(self, rid):
             pass
 
-    def spec_of(rid):
-        return RequestSpec(rid, "plain", 0, 4, 1, None, 1, None, None, mamba=False)
+    def spec_of(key):
+        return RequestSpec(key.group, "plain", 0, 4, 1, None, 1, None, None, mamba=False)
 
     sched = SimScheduler(RunningBatch(pools), SimConfig(chunk_size=64), spec_of)
     sched.tokenizer = Tokenizer()
     for rid in ("r0", "r1", "r2"):
-        sched.send(rid, 4, None)
+        sched.send(RequestKey(rid), 4, None)
     with pytest.raises(Exception) as info:
         for _ in range(10):
             sched.step()
