@@ -58,12 +58,12 @@ from terminus.kernels.req_table import ReqToTokenTable
 from terminus.states.chunk import CHUNK, Abandon, Chunk, Commit, Launch, NextLaunched, Result
 from terminus.states.disagg import (
     DISAGG_PREFILL,
-    Abort,
     BootstrapFailed,
     Bootstrapped,
     BootstrapRetry,
     ChunkResult,
     ChunkScheduled,
+    DisaggAbort,
     DisaggReq,
     SenderAborted,
     SenderDeadline,
@@ -433,7 +433,7 @@ class DisaggPrefill:
         still ends the wait) and the KV is kept until `poll_transfer` sees it stopped.
         """
         req = self.req(rid)
-        report = req.fire(Abort(reason))
+        report = req.fire(DisaggAbort(reason))
         self._record_cause(req, reason)
         if req.state == "awaiting_sender" and req.sender_deadline is None:
             req.sender_deadline = self.clock() + self.sender_deadline_s

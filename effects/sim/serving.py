@@ -46,13 +46,14 @@ from terminus.effects.tokenizer import InvalidRequest, TokenizerSide
 from terminus.fsm import TransitionRecord
 from terminus.kernels import HostPagePool, LoRARegistry
 from terminus.kernels.collective import grid_partitions
-from terminus.states.sequence import Abort as SeqAbort
+from terminus.states.request import RequestKey
 from terminus.states.sequence import (
     ChunkDone,
     ChunkLaunched,
     Fail,
     Finish,
     LastChunkDone,
+    SequenceAbort,
     Token,
 )
 
@@ -151,7 +152,7 @@ class SimScheduler:
     """The scheduler process: a SchedulerLink for the tokenizer, rows for sequences."""
 
     def __init__(self, running: RunningBatch, cfg: SimConfig,
-                 spec_of: Callable[[Any], RequestSpec]) -> None:
+                 spec_of: Callable[[RequestKey], RequestSpec]) -> None:
         self.running = running
         self.cfg = cfg
         self.spec_of = spec_of
@@ -170,7 +171,7 @@ class SimScheduler:
         spec = self.spec_of(rid)
         if spec.rid in self.dispatch_failures:
             raise ConnectionError("scheduler socket closed")
-        warmup = "-warmup-" in str(rid)
+        warmup = rid.role == "warmup"
         seq = _Seq(rid, int(tokens), 1 if warmup else spec.max_new_tokens,
                    None if warmup else spec.fault)
         self.queue.append(seq)
@@ -284,7 +285,7 @@ class SimScheduler:
             else:
                 rows.append(seq.row)
         self.aborts.clear()
-        self._fire(rows, SeqAbort)
+        self._fire(rows, SequenceAbort)
 
     def _retired(self, rows: torch.Tensor, state: str) -> None:
         seqs = [self.by_row.pop(r) for r in rows.tolist()]
@@ -500,7 +501,7 @@ class Shared:
     registry: LoRARegistry
     tokenizer: FakeTokenizer
     sink: OutputLog
-    spec_of: Callable[[Any], RequestSpec]
+    spec_of: Callable[[RequestKey], RequestSpec]
 
 
 class Parts(Protocol):
@@ -569,8 +570,7 @@ class MachineParts:
         self.ledger = lora_ledger(RequestResources(shared.registry, shared.sink,
                                                    self.scheduler))
         self.tokenizer = TokenizerSide(shared.registry, shared.tokenizer, self.scheduler,
-                                       shared.sink, ledger=self.ledger,
-                                       retain_terminal=1 << 30)
+                                       shared.sink, ledger=self.ledger)
         self.scheduler.tokenizer = self.tokenizer
         self.disagg = SimDisagg(shared.cfg, shared.sink)
         self.prefetch = SimPrefetch(shared.cfg)
@@ -642,10 +642,9 @@ class ServingLoop:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._peak: Counter[str] = Counter()
 
-    def spec_of(self, rid: Any) -> RequestSpec:
-        """The workload entry a request id (or a child / warm-up rid) belongs to."""
-        base = str(rid).split("-", 1)[0]
-        return self.specs[base]
+    def spec_of(self, key: RequestKey) -> RequestSpec:
+        """The workload entry a request (or a child or warm-up of its group) belongs to."""
+        return self.specs[key.group]
 
     def machines(self) -> list[Any]:
         """Every bound machine object the loop drives (for traces and counts)."""
@@ -798,7 +797,8 @@ class ServingLoop:
 
     def _children(self, spec: RequestSpec) -> list[Any]:
         """The request ids of a sampling request's children."""
-        return [f"{spec.rid}-{k}" for k in range(spec.n)] if spec.n > 1 else []
+        return [RequestKey(spec.rid, "child", k).rid for k in range(spec.n)] if spec.n > 1 \
+            else []
 
     def _streamed(self, rid: Any, streams: Counter[Any]) -> bool:
         # A sampling group streams through its children once it fanned out.
