@@ -1,21 +1,26 @@
 """The disaggregated-prefill request: bootstrap, prefill in chunks, transfer the KV.
 
     bootstrapping  Bootstrapped -> waiting; BootstrapRetry -> bootstrapping;
-                   BootstrapFailed -> bootstrap_failed ▸; Abort -> aborted ▸; else error
+                   BootstrapFailed -> bootstrap_failed ▸; DisaggAbort -> aborted ▸; else error
     waiting        ChunkScheduled -> prefilling; BootstrapFailed -> bootstrap_failed ▸;
-                   Abort -> aborted ▸; else error
+                   DisaggAbort -> aborted ▸; else error
     prefilling     ChunkScheduled -> prefilling;
                    ChunkResult -> transferring [last_chunk], else prefilling;
-                   Abort -> draining [chunks_in_flight], else aborted ▸;
+                   DisaggAbort -> draining [chunks_in_flight], else aborted ▸;
                    BootstrapFailed -> draining [chunks_in_flight], else bootstrap_failed ▸;
                    else error
     draining       ChunkResult -> aborted ▸ [drained], else draining;
-                   Abort, BootstrapFailed -> ignore; else error
+                   DisaggAbort, BootstrapFailed -> ignore; else error
     transferring   TransferDone -> succeeded ▸; TransferFailed -> failed ▸;
-                   Abort -> aborted ▸; else error
+                   DisaggAbort -> awaiting_sender; else error
+    awaiting_sender  TransferDone, TransferFailed, SenderAborted, SenderDeadline
+                   -> aborted ▸ release_aborted_transfer;
+                   DisaggAbort, BootstrapFailed -> ignore; else error
     T states       succeeded, failed, aborted, bootstrap_failed: ignore everything
 
-    ▸ = the edge runs the release plan named after its target (`release_<target>`)
+    ▸ = the edge runs the release plan named after its target (`release_<target>`);
+        the edges out of `awaiting_sender` run `release_aborted_transfer`: the sender
+        was told of the abort when the wait began, so the plan does not tell it again
 
 The request owns (in the ledger) its hierarchical-cache state from the start, a
 metadata slot once bootstrapped, its request slot and Mamba state once the first chunk
@@ -26,7 +31,15 @@ chunk it launched has settled, and the result that settles the last one runs
 `release_aborted` exactly once. `draining` always ends in `aborted`; the first cause
 (abort or bootstrap failure) is kept in `reason` for the terminal output.
 
-Abort is terminal while bootstrapping, so an optimistic bootstrap retry that arrives
+An abort while the KV is being transferred does not free it either: the sender may
+still be reading those pages (I10). The request waits in `awaiting_sender` until the
+sender confirms it stopped (the transfer finished, failed, or was aborted) or the
+deadline for that confirmation passes; only then does `release_aborted_transfer` run.
+A chunk abandoned while a later overlapped chunk still runs hands its pages to the
+request (see `effects.disagg`), so they go back when the drain ends, not before: the
+later chunk attends over them.
+
+DisaggAbort is terminal while bootstrapping, so an optimistic bootstrap retry that arrives
 after it is ignored, never a resurrection. Every terminal row ignores everything: a
 delayed chunk result, a second abort or a duplicate failure after cleanup ran reaches
 no effect (I2, I4).
@@ -40,13 +53,15 @@ from terminus.fsm import ANY, ERROR, IGNORE, Event, Instance, Machine, Spec, Sta
 
 __all__ = [
     "DISAGG_PREFILL",
-    "Abort",
     "BootstrapFailed",
     "BootstrapRetry",
     "Bootstrapped",
     "ChunkResult",
     "ChunkScheduled",
+    "DisaggAbort",
     "DisaggReq",
+    "SenderAborted",
+    "SenderDeadline",
     "TransferDone",
     "TransferFailed",
 ]
@@ -79,7 +94,7 @@ class ChunkResult(Event):
     last: bool = False
 
 
-class Abort(Event):
+class DisaggAbort(Event):
     """The client or the scheduler aborted the request."""
 
     reason: str = ""
@@ -95,9 +110,21 @@ class TransferFailed(Event):
     reason: str = ""
 
 
+class SenderAborted(Event):
+    """The sender confirms it stopped the transfer of an aborted request: it no longer
+    reads the KV."""
+
+
+class SenderDeadline(Event):
+    """The sender did not confirm in time that it stopped reading the KV of an aborted
+    request; the pages are released anyway."""
+
+
 class DisaggReq(Instance):
-    """A request instance: its chunk instances (`chunks`, in launch order) and the first
-    cause of its end (`reason`), which only the terminal output reads."""
+    """A request instance: its chunk instances (`chunks`, in launch order) and the cause
+    that made it wait before its end (`reason`: the first abort or bootstrap failure of
+    a request that drained or waited for the sender), which only the terminal output
+    reads."""
 
     __slots__ = ("chunks", "reason")
 
@@ -125,6 +152,7 @@ def last_chunk(inst: DisaggReq, ev: Any) -> bool:
 
 _RELEASE_ABORTED = go("aborted", plan="release_aborted")
 _RELEASE_BOOTSTRAP = go("bootstrap_failed", plan="release_bootstrap_failed")
+_RELEASE_TRANSFER = go("aborted", plan="release_aborted_transfer")
 _TERMINAL_ROW = {ANY: IGNORE}
 
 DISAGG_PREFILL: Machine = Spec(
@@ -135,46 +163,58 @@ DISAGG_PREFILL: Machine = Spec(
         State("prefilling", doc="chunks scheduled and run"),
         State("draining", doc="aborted; waits for the chunks still on the device (I8)"),
         State("transferring", doc="KV being sent to the decode side"),
+        State("awaiting_sender", doc="aborted while sending; keeps the KV until the sender "
+                                     "confirms it stopped, or the deadline passes (I10)"),
         State("succeeded", terminal=True, doc="transferred; KV cached once"),
         State("failed", terminal=True, doc="the transfer failed"),
         State("aborted", terminal=True, doc="aborted; never cached"),
         State("bootstrap_failed", terminal=True, doc="the handshake failed"),
     ),
-    events=(Bootstrapped, BootstrapRetry, BootstrapFailed, ChunkScheduled, ChunkResult, Abort,
-            TransferDone, TransferFailed),
+    events=(Bootstrapped, BootstrapRetry, BootstrapFailed, ChunkScheduled, ChunkResult,
+            DisaggAbort, TransferDone, TransferFailed, SenderAborted, SenderDeadline),
     table={
         "bootstrapping": {
             Bootstrapped: go("waiting"),
             BootstrapRetry: go("bootstrapping"),
             BootstrapFailed: _RELEASE_BOOTSTRAP,
             # Terminal before any retry can run: no resurrection after an abort.
-            Abort: _RELEASE_ABORTED,
+            DisaggAbort: _RELEASE_ABORTED,
             ANY: ERROR,
         },
         "waiting": {
             BootstrapFailed: _RELEASE_BOOTSTRAP,
             ChunkScheduled: go("prefilling"),
-            Abort: _RELEASE_ABORTED,
+            DisaggAbort: _RELEASE_ABORTED,
             ANY: ERROR,
         },
         "prefilling": {
             BootstrapFailed: [go("draining", when="chunks_in_flight"), _RELEASE_BOOTSTRAP],
             ChunkScheduled: go("prefilling"),
             ChunkResult: [go("transferring", when="last_chunk"), go("prefilling")],
-            Abort: [go("draining", when="chunks_in_flight"), _RELEASE_ABORTED],
+            DisaggAbort: [go("draining", when="chunks_in_flight"), _RELEASE_ABORTED],
             ANY: ERROR,
         },
         "draining": {
             ChunkResult: [go("aborted", plan="release_aborted", when="drained"),
                           go("draining")],
-            Abort: IGNORE,
+            DisaggAbort: IGNORE,
             BootstrapFailed: IGNORE,
             ANY: ERROR,
         },
         "transferring": {
-            Abort: _RELEASE_ABORTED,
+            # The sender may still read the KV: wait for it to confirm (I10).
+            DisaggAbort: go("awaiting_sender"),
             TransferDone: go("succeeded", plan="release_succeeded"),
             TransferFailed: go("failed", plan="release_failed"),
+            ANY: ERROR,
+        },
+        "awaiting_sender": {
+            TransferDone: _RELEASE_TRANSFER,
+            TransferFailed: _RELEASE_TRANSFER,
+            SenderAborted: _RELEASE_TRANSFER,
+            SenderDeadline: _RELEASE_TRANSFER,
+            DisaggAbort: IGNORE,
+            BootstrapFailed: IGNORE,
             ANY: ERROR,
         },
         "succeeded": _TERMINAL_ROW,
@@ -187,4 +227,4 @@ DISAGG_PREFILL: Machine = Spec(
     doc="Disaggregated prefill request: bootstrap, chunked prefill, KV transfer.",
 ).build()
 """The built machine; plans `release_succeeded`, `release_failed`, `release_aborted`,
-`release_bootstrap_failed`."""
+`release_aborted_transfer`, `release_bootstrap_failed`."""

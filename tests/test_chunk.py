@@ -12,23 +12,25 @@ from terminus.effects.disagg import (
     CHUNK_PLANS,
     DisaggPools,
     DisaggResources,
-    TerminalStream,
     make_ledger,
 )
+from terminus.effects.output import OutputLog
 from terminus.effects.prefix_cache import CountingPrefixCache
-from terminus.effects.transport import FakeTransport
+from terminus.effects.sim.transport import FakeTransport
 from terminus.fsm import TransitionNotAllowed
 from terminus.fsm.oracle import Differential
 from terminus.states.chunk import CHUNK, Abandon, Chunk, Commit, Launch, NextLaunched, Result
 from terminus.states.disagg import (
     DISAGG_PREFILL,
-    Abort,
     BootstrapFailed,
     Bootstrapped,
     BootstrapRetry,
     ChunkResult,
     ChunkScheduled,
+    DisaggAbort,
     DisaggReq,
+    SenderAborted,
+    SenderDeadline,
     TransferDone,
     TransferFailed,
 )
@@ -47,7 +49,7 @@ CHUNK_EVENTS = (Launch(), NextLaunched(), Result(), Commit(), Abandon())
 def chunk_world():
     pools = DisaggPools.make()
     res = DisaggResources(pools, FakeTransport(), CountingPrefixCache(pools.kv),
-                          TerminalStream())
+                          OutputLog())
     ledger = make_ledger(res)
     return pools, ledger, CHUNK.bind(CHUNK_PLANS, ledger)
 
@@ -134,8 +136,8 @@ def test_random_chunk_sequences_agree_with_the_oracle(seq):
 
 
 REQUEST_EVENTS = st.one_of(
-    st.sampled_from([Bootstrapped(), BootstrapRetry(), BootstrapFailed("b"), Abort("a"),
-                     TransferDone(), TransferFailed("t")]),
+    st.sampled_from([Bootstrapped(), BootstrapRetry(), BootstrapFailed("b"), DisaggAbort("a"),
+                     TransferDone(), TransferFailed("t"), SenderAborted(), SenderDeadline()]),
     st.builds(ChunkScheduled, chunk=st.integers(0, 3)),
     st.builds(ChunkResult, chunk=st.integers(0, 3), last=st.booleans()),
 )

@@ -12,13 +12,13 @@ from terminus.fsm.paths import complete, covering_paths
 from terminus.kernels import release_batch
 from terminus.states.sequence import (
     SEQUENCE,
-    Abort,
     Admit,
     ChunkDone,
     ChunkLaunched,
     Fail,
     Finish,
     LastChunkDone,
+    SequenceAbort,
     Token,
 )
 
@@ -60,7 +60,7 @@ def test_a_sequence_prefills_in_overlapped_chunks_decodes_and_releases_once(pool
     assert step.terminal.tolist() == rows.tolist()
     assert sorted(log) == sorted((int(r), "finished") for r in rows)
     assert rb.released_tokens == 38
-    rb.fire(rows, Abort)  # the abort echo after finish releases nothing
+    rb.fire(rows, SequenceAbort)  # the abort echo after finish releases nothing
     assert len(log) == 2 and rb.retired == {"finished": 2, "aborted": 0, "failed": 0}
 
 
@@ -70,7 +70,7 @@ def test_an_abort_with_two_chunks_in_flight_releases_only_after_the_last_result(
     rows = rb.admit(1, mamba=True)
     prefill_chunk(rb, rows, 16)
     prefill_chunk(rb, rows, 16)
-    rb.fire(rows, Abort)
+    rb.fire(rows, SequenceAbort)
     assert rb.rows_in("draining_2").tolist() == rows.tolist()
     rb.fire(rows, ChunkDone)
     assert log == [] and pools.kv.available == pools.kv.capacity - 32  # I8: still waits
@@ -100,7 +100,7 @@ def test_a_declared_error_rejects_the_whole_step_and_changes_nothing(pools):
                        "'prefill'"):
         rb.fire(rows, Token)
     assert torch.equal(rb.batch.states, before)
-    rb.fire(rows, Abort)
+    rb.fire(rows, SequenceAbort)
 
 
 def test_a_live_row_cannot_be_recycled(pools):
@@ -108,7 +108,7 @@ def test_a_live_row_cannot_be_recycled(pools):
     rows = rb.admit(1, mamba=False)
     with pytest.raises(TransitionNotAllowed, match="only a terminal"):
         rb.batch.recycle(rows)
-    rb.fire(rows, Abort)
+    rb.fire(rows, SequenceAbort)
 
 
 def test_admission_is_all_or_nothing(pools):
@@ -119,7 +119,7 @@ def test_admission_is_all_or_nothing(pools):
     assert rb.admit(1, mamba=False) is None
     assert not rb.append_kv(rows, torch.full((8,), 64))  # 512 > 256 tokens: nothing taken
     assert pools.kv.available == pools.kv.capacity
-    rb.fire(rows, Abort)
+    rb.fire(rows, SequenceAbort)
 
 
 def test_every_transition_and_pair_of_the_sequence_machine_on_a_real_batch(pools):
@@ -162,7 +162,7 @@ def test_a_failing_batched_plan_does_not_skip_the_other_plans_rows(pools):
     rows = rb.admit(2, mamba=True)
     assert rb.append_kv(rows, torch.tensor([3, 3]))
     ev = torch.full((rb.batch.n,), -1, dtype=torch.int64)
-    ev[rows[0]] = rb.event[Abort]
+    ev[rows[0]] = rb.event[SequenceAbort]
     ev[rows[1]] = rb.event[Fail]
     with pytest.raises(ReleaseFailed) as info:
         rb.step(ev)
@@ -179,9 +179,9 @@ def test_an_abort_aimed_at_a_vacant_row_is_an_error_and_frees_nothing(pools):
                            if r != int(rows[0])][:1])
     free_before = pools.table.available
     with pytest.raises(TransitionNotAllowed, match="state 'vacant'"):
-        rb.fire(vacant, Abort)
+        rb.fire(vacant, SequenceAbort)
     assert pools.table.available == free_before
-    rb.fire(rows, Abort)
+    rb.fire(rows, SequenceAbort)
 
 
 def test_a_batch_given_some_plans_must_be_given_all_of_them():
@@ -201,7 +201,7 @@ def test_admitted_rows_are_admitted_at_once_so_an_immediate_abort_releases_them(
     rows = rb.admit(2, mamba=True)
     assert rb.rows_in("prefill").tolist() == rows.tolist()
     assert rb.rows_in("vacant").numel() == 6
-    rb.fire(rows, Abort)
+    rb.fire(rows, SequenceAbort)
     assert sorted(log) == sorted((int(r), "aborted") for r in rows)
 
 
@@ -229,30 +229,31 @@ def test_a_refused_batched_release_still_tells_the_owner_which_rows_retired(pool
 
 
 def test_one_echo_that_raises_does_not_keep_the_other_retired_rows_silent(pools):
-    from terminus.effects.serving import SimConfig, SimScheduler
-    from terminus.states.workload import RequestSpec
+    from terminus.effects.sim.serving import SimConfig, SimScheduler
+    from terminus.effects.sim.workload import RequestSpec
+    from terminus.states.request import RequestKey
 
     heard = []
 
     class Tokenizer:  # stands in for TokenizerSide: only its two echo entry points
         def on_finish(self, rid, reason):
-            heard.append((rid, reason))
-            if rid == "r0":
+            heard.append((rid.rid, reason))
+            if rid.rid == "r0":
                 raise RuntimeError("r0's LoRA release underflowed")
 
         def on_error(self, rid, status, message):
-            heard.append((rid, status))
+            heard.append((rid.rid, status))
 
         def on_output(self, rid):
             pass
 
-    def spec_of(rid):
-        return RequestSpec(rid, "plain", 0, 4, 1, None, 1, None, None, mamba=False)
+    def spec_of(key):
+        return RequestSpec(key.group, "plain", 0, 4, 1, None, 1, None, None, mamba=False)
 
     sched = SimScheduler(RunningBatch(pools), SimConfig(chunk_size=64), spec_of)
     sched.tokenizer = Tokenizer()
     for rid in ("r0", "r1", "r2"):
-        sched.send(rid, 4, None)
+        sched.send(RequestKey(rid), 4, None)
     with pytest.raises(Exception) as info:
         for _ in range(10):
             sched.step()

@@ -38,7 +38,7 @@ REQUEST_EVENTS = st.one_of(
     st.just(rq.Output()),
     st.builds(rq.Finished, reason=st.sampled_from(["stop", "length", "abort"])),
     st.builds(rq.SchedulerError, status=STATUS),
-    st.just(rq.Abort()),
+    st.just(rq.RequestAbort()),
 )
 SAMPLING_EVENTS = st.one_of(
     st.builds(rq.Submitted, acquire=st.booleans()),
@@ -49,7 +49,7 @@ SAMPLING_EVENTS = st.one_of(
     st.just(sm.WarmupFinished()),
     st.builds(sm.BatchFailed, status=STATUS),
     st.just(sm.FanOut()),
-    st.just(rq.Abort()),
+    st.just(rq.RequestAbort()),
 )
 
 
@@ -205,7 +205,7 @@ def test_every_sampling_transition_and_pair_releases_or_hands_over_its_reference
         for c in group.children:  # each child owns exactly the one it was handed
             want = [c.lora_id] if c.lora is not None else []
             assert [h.value for h in rig.ledger.owned(c)] == want
-            c.fire(rq.Abort())
+            c.fire(rq.RequestAbort())
 
     paths = rig.walk(rig.sampling, make, arrange, after)
     assert paths > 20
