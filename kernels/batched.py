@@ -40,7 +40,7 @@ from terminus.kernels._stack import IdsLike, as_ids
 from terminus.kernels.protocols import KVAllocator, MambaPool, ReqSlots
 from terminus.kernels.req_table import ReqToTokenTable
 
-__all__ = ["BatchRelease", "gather_kv", "release_batch"]
+__all__ = ["BatchRelease", "gather_kv", "release_batch", "repeat_rows"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,25 @@ def gather_kv(
     steps.index_add_(0, ends, c.neg_())
     pos = steps[:total].cumsum_(0)
     return table.req_to_token.view(-1).index_select(0, pos)
+
+
+def repeat_rows(counts: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """The row of each of ``sum(counts)`` items: ``torch.repeat_interleave(counts)``,
+    without its OpenMP region.
+
+    ``repeat_interleave`` parallelises over rows with a grain of one, so with torch's
+    default thread count it opens a parallel region for any batch of two rows or more;
+    on a busy machine each costs milliseconds. Here: the rows' ends are scattered with
+    ``index_add_`` and summed with ``cumsum``, both serial, one pass over the output.
+    ``total`` (the sum, when the caller knows it) saves a host sync on a device.
+    """
+    counts = counts.to(torch.int64)
+    ends = counts.cumsum(0)
+    if total is None:
+        total = int(ends[-1]) if ends.numel() else 0
+    steps = torch.zeros(total + 1, dtype=torch.int64, device=counts.device)
+    steps.index_add_(0, ends, torch.ones_like(ends))
+    return steps[:total].cumsum_(0)
 
 
 def _min_max(table: ReqToTokenTable, lengths: torch.Tensor) -> list[int]:

@@ -16,7 +16,7 @@ from terminus.kernels import (
     TokenKVAllocator,
     release_batch,
 )
-from terminus.kernels.batched import gather_kv
+from terminus.kernels.batched import gather_kv, repeat_rows
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import ExceptionGroup
@@ -318,3 +318,14 @@ def test_a_float_slot_tensor_is_refused_naming_it(device):
     release_batch(slots, table, kv, mamba)
     for pool in (kv, table, mamba):
         pool.assert_full()
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.lists(st.integers(0, 6), max_size=10), st.booleans())
+def test_repeat_rows_is_repeat_interleave(device, counts, pass_total):
+    c = torch.tensor(counts, dtype=torch.int64, device=device)
+    got = repeat_rows(c, sum(counts) if pass_total else None)
+    assert got.device.type == device and got.dtype == torch.int64
+    assert got.tolist() == torch.repeat_interleave(c).tolist()
