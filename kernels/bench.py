@@ -1,13 +1,18 @@
 """``terminus bench kernels``: release costs of the KV allocator, with and without bitmap.
 
 Every figure is the median of many timed calls (``release_ms_min`` holds the minimum), with
-torch single-threaded. ``run(device=...)`` puts every pool on that device; on a GPU each
-timed call ends with ``torch.cuda.synchronize()``, so a figure is the wall time until the
-device finished, not the time to queue kernels. The double-free bitmap is on unless a
-figure says otherwise, and each timed region includes folding its frees into the bitmaps
-(the KV pool's and the request table's), so nothing is deferred past the clock. For
-comparison, a concatenating allocator (``free`` = ``torch.cat`` onto the whole free list,
-as SGLang's ``TokenToKVPoolAllocator`` does) runs the same frees.
+torch single-threaded, except ``release_small_batch_ms.threads_default``: a step's worth of
+terminal requests released with the thread count torch had when ``run`` was called (the
+caller's default), beside the same release with one thread, to show whether any op goes
+parallel on small tensors (see README, "OpenMP on small tensors").
+
+``run(device=...)`` puts every pool on that device; on a GPU each timed call ends with
+``torch.cuda.synchronize()``, so a figure is the wall time until the device finished, not
+the time to queue kernels. The double-free bitmap is on unless a figure says otherwise,
+and each timed region includes folding its frees into the bitmaps (the KV pool's and the
+request table's), so nothing is deferred past the clock. For comparison, a concatenating
+allocator (``free`` = ``torch.cat`` onto the whole free list, as SGLang's
+``TokenToKVPoolAllocator`` does) runs the same frees.
 
 What is *not* charged to a release is the setup's own debris: the untimed setup (1,000
 allocations and table writes) leaves thousands of small freed blocks behind, and both
@@ -317,7 +322,7 @@ def run(quick: bool = False, device: str = "cpu") -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run(quick, dev)
+        return _run(quick, dev, threads)
     finally:
         torch.set_num_threads(threads)
 
@@ -343,7 +348,7 @@ def _usable_device(device: str) -> torch.device:
     return dev
 
 
-def _run(quick: bool, dev: torch.device) -> dict:
+def _run(quick: bool, dev: torch.device, default_threads: int) -> dict:
     wait = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else _no_wait
 
     def median_ms(setup: Setup, reps: int, warmup: int = 2) -> float:
@@ -433,6 +438,29 @@ def _run(quick: bool, dev: torch.device) -> dict:
 
         return setup
 
+    def small_batch(threads: int) -> Setup:
+        # A step's worth of terminal requests (mixed lengths), with ``threads`` torch
+        # threads: the caller's default count shows whether an op goes parallel on it.
+        kv = TokenKVAllocator(1 << 16, device=dev)
+        lengths = mixed_lengths[:small_rows].tolist()
+        tab = ReqToTokenTable(small_rows, max(lengths), kv.device)
+
+        def setup() -> Callable[[], object]:
+            torch.set_num_threads(threads)
+            slots = tab.alloc(small_rows)
+            assert slots is not None
+            for s, r in zip(slots.tolist(), requests(kv, lengths), strict=True):
+                tab.write(s, 0, r)
+
+            def body() -> None:
+                release_batch(slots, tab, kv)
+                kv._free._sync()
+                tab._free._sync()
+
+            return body
+
+        return setup
+
     def alloc_loop() -> Setup:
         kv = TokenKVAllocator(size, device=dev)
         held: list[torch.Tensor] = []
@@ -452,6 +480,7 @@ def _run(quick: bool, dev: torch.device) -> dict:
 
     uniform = [tokens] * n_req
     mixed = mixed_lengths.tolist()
+    small_rows = min(200, n_req)
     # Each figure and its no-bitmap twin are timed interleaved (see the module docstring).
     times = _timed(
         {
@@ -472,6 +501,12 @@ def _run(quick: bool, dev: torch.device) -> dict:
         reps,
         wait=wait,
     )
+    small = _timed(
+        {"threads_1": small_batch(1), "threads_default": small_batch(default_threads)},
+        reps,
+        wait=wait,
+    )
+    torch.set_num_threads(1)
     med = {k: statistics.median(v) for k, v in times.items()}
     release = {k: med[k] for k in ("per_request", "free_group", "batched", "batched_mixed_lengths")}
     no_bitmap = {k: med[k + "_off"] for k in ("per_request", "batched", "batched_mixed_lengths")}
@@ -493,6 +528,10 @@ def _run(quick: bool, dev: torch.device) -> dict:
         "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "threads": 1,
+        "default_threads": default_threads,
+        "release_small_batch_ms": {k: statistics.median(v) for k, v in small.items()},
+        "release_small_batch_ms_mean": {k: statistics.fmean(v) for k, v in small.items()},
+        "small_batch_rows": small_rows,
         "release_ms": release,
         "release_ms_no_bitmap": no_bitmap,
         "release_ms_min": {k: min(times[k]) for k in release},
@@ -527,6 +566,7 @@ def table(result: dict) -> list[tuple[str, str]]:
         result["baseline_concat_release_ms"],
     )
     what = f"release {n} x {t} tokens, {result['pool_slots']:,}-slot pool"
+    sm, sm_mean = result["release_small_batch_ms"], result["release_small_batch_ms_mean"]
     return [
         ("device", result["device_name"] if result["device"] != "cpu" else "cpu, 1 torch thread"),
         (f"{what}: one free per request", f"{r['per_request']:.3f} ms"),
@@ -564,6 +604,12 @@ def table(result: dict) -> list[tuple[str, str]]:
         (
             "free throughput",
             f"{result['free_per_s']:,.0f} frees/s ({result['free_tokens_per_s']:,.0f} tokens/s)",
+        ),
+        (
+            f"release {result['small_batch_rows']} rows, mixed lengths: 1 torch thread / "
+            f"default ({result['default_threads']}), median (mean)",
+            f"{sm['threads_1']:.3f} ({sm_mean['threads_1']:.3f}) / "
+            f"{sm['threads_default']:.3f} ({sm_mean['threads_default']:.3f}) ms",
         ),
         (
             "LoRA acquire + release, one name: ours / SGLang-shaped",
