@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from terminus.kernels.batched import release_batch
+from terminus.kernels.batched import release_batch, repeat_rows
 from terminus.kernels.kv import TokenKVAllocator
 from terminus.kernels.lora import LoRARegistry
 from terminus.kernels.req_table import ReqToTokenTable
@@ -261,6 +261,31 @@ def _lora_figures(quick: bool) -> dict[str, float]:
     finally:
         if enabled:
             gc.enable()
+
+
+def _expand_rows(counts: torch.Tensor, reps: int, default_threads: int) -> dict:
+    """µs per call (median and mean) of ``torch.repeat_interleave(counts)`` and of
+    ``repeat_rows(counts)``, one torch thread and the caller's default, interleaved.
+
+    ``repeat_interleave`` opens an OpenMP region for two rows or more (a grain of one row);
+    this is the figure that shows what that costs with the default thread count."""
+    calls = {
+        "repeat_interleave": lambda: torch.repeat_interleave(counts),
+        "repeat_rows": lambda: repeat_rows(counts),
+    }
+    times: dict[str, list[float]] = {}
+    for _ in range(reps):
+        for threads, label in ((1, "threads_1"), (default_threads, "threads_default")):
+            torch.set_num_threads(threads)
+            for name, call in calls.items():
+                t0 = time.perf_counter_ns()
+                for _ in range(10):
+                    call()
+                times.setdefault(f"{name}.{label}", []).append((time.perf_counter_ns() - t0) / 1e4)
+    torch.set_num_threads(1)
+    return {
+        k: {"median": statistics.median(v), "mean": statistics.fmean(v)} for k, v in times.items()
+    }
 
 
 def _settle() -> None:
@@ -506,6 +531,7 @@ def _run(quick: bool, dev: torch.device, default_threads: int) -> dict:
         reps,
         wait=wait,
     )
+    expand = _expand_rows(mixed_lengths[:small_rows], reps, default_threads)
     torch.set_num_threads(1)
     med = {k: statistics.median(v) for k, v in times.items()}
     release = {k: med[k] for k in ("per_request", "free_group", "batched", "batched_mixed_lengths")}
@@ -532,6 +558,7 @@ def _run(quick: bool, dev: torch.device, default_threads: int) -> dict:
         "release_small_batch_ms": {k: statistics.median(v) for k, v in small.items()},
         "release_small_batch_ms_mean": {k: statistics.fmean(v) for k, v in small.items()},
         "small_batch_rows": small_rows,
+        "expand_rows_us": expand,
         "release_ms": release,
         "release_ms_no_bitmap": no_bitmap,
         "release_ms_min": {k: min(times[k]) for k in release},
@@ -567,6 +594,7 @@ def table(result: dict) -> list[tuple[str, str]]:
     )
     what = f"release {n} x {t} tokens, {result['pool_slots']:,}-slot pool"
     sm, sm_mean = result["release_small_batch_ms"], result["release_small_batch_ms_mean"]
+    ex = result["expand_rows_us"]
     return [
         ("device", result["device_name"] if result["device"] != "cpu" else "cpu, 1 torch thread"),
         (f"{what}: one free per request", f"{r['per_request']:.3f} ms"),
@@ -610,6 +638,18 @@ def table(result: dict) -> list[tuple[str, str]]:
             f"default ({result['default_threads']}), median (mean)",
             f"{sm['threads_1']:.3f} ({sm_mean['threads_1']:.3f}) / "
             f"{sm['threads_default']:.3f} ({sm_mean['threads_default']:.3f}) ms",
+        ),
+        (
+            f"row of each token, {result['small_batch_rows']} rows: repeat_interleave, "
+            f"1 thread / default, mean",
+            f"{ex['repeat_interleave.threads_1']['mean']:.1f} / "
+            f"{ex['repeat_interleave.threads_default']['mean']:.1f} us",
+        ),
+        (
+            f"row of each token, {result['small_batch_rows']} rows: repeat_rows, "
+            f"1 thread / default, mean",
+            f"{ex['repeat_rows.threads_1']['mean']:.1f} / "
+            f"{ex['repeat_rows.threads_default']['mean']:.1f} us",
         ),
         (
             "LoRA acquire + release, one name: ours / SGLang-shaped",
