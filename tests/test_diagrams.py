@@ -141,7 +141,8 @@ def test_files_are_byte_identical_across_runs_and_indexed_by_the_readme() -> Non
     assert one == two
     assert sorted(one) == ["README.md", "job.mmd", "job.svg", "toggle.mmd", "toggle.svg"]
     readme = one["README.md"].decode()
-    assert "| [job](#job) | 5 | 2 | 8 | 20 | [job.mmd](job.mmd), [job.svg](job.svg) |" in readme
+    assert "| [job](#job) |  | 5 | 2 | 8 | 20 | [job.mmd](job.mmd), [job.svg](job.svg) |" \
+        in readme
     assert readme.count("```mermaid") == 2
     assert one["job.mmd"].decode().rstrip("\n") in readme
     assert "No machines are registered yet." in files([])["README.md"].decode()
@@ -168,7 +169,9 @@ def test_cli_writes_then_check_passes_and_names_stale_missing_and_extra_files(
     assert f"stale: {out / 'job.mmd'}" in err
     assert f"missing: {out / 'toggle.svg'}" in err
     assert f"extra (no such machine): {out / 'gone.mmd'}" in err
-    assert "3 file(s)" in err and "run `terminus diagrams`" in err
+    assert "3 file(s)" in err
+    assert f"run `terminus diagrams --out {out} --machines machines:JOB --machines " \
+           "machines:TOGGLE` and commit" in err
     assert _run(*args) == 0
     assert not (out / "gone.mmd").exists()
     assert _run(*args, "--check") == 0
