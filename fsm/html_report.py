@@ -53,9 +53,11 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .diagram g.edge { cursor: pointer; }
 .diagram g.edge:hover path { stroke-width: 3; }
 .diagram g.edge.selected path { stroke-width: 4; }
-#details { position: sticky; top: 0; background: #fffbe8; border: 1px solid #e0c060;
-           padding: .5em .8em; margin: .8em 0; min-height: 2.5em; z-index: 1; }
-#details ul { margin: .3em 0; max-height: 14em; overflow: auto; }
+.layout { display: grid; grid-template-columns: minmax(0, 1fr) 22em; gap: 1.5em; }
+#details { position: sticky; top: 1em; align-self: start; background: #fffbe8;
+           border: 1px solid #e0c060; padding: .5em .8em; margin-top: 1em;
+           max-height: calc(100vh - 2em); overflow: auto; overflow-wrap: anywhere; }
+#details ul { margin: .3em 0; padding-left: 1.2em; }
 #details code { font-size: .92em; }
 table.cells td { cursor: pointer; min-width: 7em; }
 table.cells td.hit { background: #e3f5e3; }
@@ -282,8 +284,6 @@ def _machine(name: str, d: MachineDiagram, m: MachineCoverage,
         f"{len(term.reached)}/{len(term.declared)}"
         + (f" (never: {_e(', '.join(term.missing))})" if term.missing else "") + ".</p>",
         _legend(),
-        '<div id="details">Click an edge or a cell to list the tests that exercised it.'
-        "</div>",
         f'<div class="diagram" id="diagram">{picture}</div>',
         "<h2>Never exercised</h2>",
     ]
@@ -303,7 +303,10 @@ def _machine(name: str, d: MachineDiagram, m: MachineCoverage,
              + "".join(f"<th>{_e(ev)}</th>" for ev in d.events) + "</tr></thead>",
              "<tbody>", *rows, "</tbody></table>",
              f'<script type="application/json" id="coverage-data">{data}</script>']
-    return _page(f"{name}: transition coverage", body, _MACHINE_JS)
+    layout = ['<div class="layout">', "<main>", *body, "</main>",
+              '<aside id="details">Click an edge of the diagram or a cell of the table to '
+              "list the tests that exercised it.</aside>", "</div>"]
+    return _page(f"{name}: transition coverage", layout, _MACHINE_JS)
 
 
 def site(recorder: CoverageRecorder, report: CoverageReport) -> dict[str, bytes]:
