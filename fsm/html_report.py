@@ -49,7 +49,7 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .legend span.swatch { display: inline-block; width: 1em; height: 1em; border: 1px solid #666;
                       vertical-align: middle; margin: 0 .3em 0 1em; }
 .diagram { overflow: auto; border: 1px solid #ddd; padding: .5em; max-height: 80vh; }
-.diagram svg { max-width: 100%; height: auto; }
+.wide { overflow-x: auto; }
 .diagram g.edge { cursor: pointer; }
 .diagram g.edge:hover path { stroke-width: 3; }
 .diagram g.edge.selected path { stroke-width: 4; }
@@ -299,9 +299,10 @@ def _machine(name: str, d: MachineDiagram, m: MachineCoverage,
     body += ["<h2>State &times; event table</h2>",
              "<p>Each cell lists its alternatives in order, with how often each was decided "
              "(&times;N); red cells were never exercised.</p>",
-             '<table class="cells" id="cells"><thead><tr><th>state \\ event</th>'
+             '<div class="wide"><table class="cells" id="cells"><thead><tr>'
+             "<th>state \\ event</th>"
              + "".join(f"<th>{_e(ev)}</th>" for ev in d.events) + "</tr></thead>",
-             "<tbody>", *rows, "</tbody></table>",
+             "<tbody>", *rows, "</tbody></table></div>",
              f'<script type="application/json" id="coverage-data">{data}</script>']
     layout = ['<div class="layout">', "<main>", *body, "</main>",
               '<aside id="details">Click an edge of the diagram or a cell of the table to '

@@ -120,8 +120,9 @@ def browser() -> Any:
         _no_browser("playwright is not installed (pip install -e '.[test]')")
     exe = os.environ.get("TERMINUS_CHROMIUM") or shutil.which("chromium") \
         or shutil.which("chromium-browser")
-    if exe is None:
-        _no_browser("no chromium on PATH (apt-get install chromium)")
+    if exe is None or not os.access(exe, os.X_OK):
+        _no_browser(f"no chromium found ({exe or 'none on PATH'}; apt-get install chromium, "
+                    "or set TERMINUS_CHROMIUM)")
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS)
         try:
