@@ -278,13 +278,15 @@ def test_a_library_machine_the_project_drives_is_not_its_to_gate():
 """
 
 
-def _user_project(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+@pytest.fixture(scope="module")
+def user_project(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
     """A project of its own (package `doorco`, one registered machine, two tests),
     installed into a folder of its own; returns (project, env to run its pytest)."""
     import os
     import subprocess
     import sys
 
+    tmp_path = tmp_path_factory.mktemp("user")
     proj = tmp_path / "doorco-project"
     (proj / "src" / "doorco").mkdir(parents=True)
     (proj / "tests").mkdir()
@@ -321,8 +323,8 @@ LIBRARY_MACHINES = ("request", "sampling", "lora_adapter", "prefetch", "disagg_p
 
 
 def test_in_a_users_project_only_the_users_own_machine_is_gated_and_reported(
-        tmp_path: Path) -> None:
-    proj, env = _user_project(tmp_path)
+        user_project: tuple[Path, dict[str, str]]) -> None:
+    proj, env = user_project
     r = _pytest(proj, env, "--fsm-coverage-fail-under", "100",
                 "--fsm-coverage-json", "cov.json")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -338,8 +340,9 @@ def test_in_a_users_project_only_the_users_own_machine_is_gated_and_reported(
     assert "fsm coverage: every gated machine reaches 100%" in section
 
 
-def test_naming_machines_alone_turns_coverage_on_and_gates_them(tmp_path: Path) -> None:
-    proj, env = _user_project(tmp_path)
+def test_naming_machines_alone_turns_coverage_on_and_gates_them(
+        user_project: tuple[Path, dict[str, str]]) -> None:
+    proj, env = user_project
     r = _pytest(proj, env, "--fsm-coverage-machines", "doorco.door:DOOR",
                 "--fsm-coverage-machines", "terminus.states.sequence:SEQUENCE",
                 "--fsm-coverage-fail-under", "50")
