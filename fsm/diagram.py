@@ -539,10 +539,14 @@ def main(argv: list[str]) -> int:
         return diff_main(a.diff, found, a.machines, out=a.out, markdown=a.format == "markdown",
                          errors=not a.hide_errors)
     out = Path(a.out or "diagrams")
-    command = "terminus diagrams" + "".join(
-        f" {opt} {shlex.quote(v)}" for opt, v in
-        [("--out", a.out)] * (a.out not in (None, "diagrams")) +
-        [("--machines", m) for m in a.machines or ()]) + " --hide-errors" * a.hide_errors
+    words = ["terminus", "diagrams"]
+    if a.out not in (None, "diagrams"):
+        words += ["--out", a.out]
+    for m in a.machines or ():
+        words += ["--machines", m]
+    if a.hide_errors:
+        words.append("--hide-errors")
+    command = shlex.join(words)
     want = files((extract(m, ref) for ref, m in found.values()), errors=not a.hide_errors,
                  origin=describe(a.machines), command=command)
     if a.check:

@@ -272,10 +272,11 @@ def _refs_at(tree: Path) -> list[str]:
     return [str(v) for v in eps.values()]
 
 
-def at_revision(rev: str, refs: list[str], *, specs_given: bool,
-                cwd: Path | None = None) -> tuple[str, dict[str, MachineDiagram], list[str]]:
-    """The machines at `rev`, by machine name: (commit, diagrams, refs that REV's own
-    pyproject registers but the working tree does not)."""
+def at_revision(rev: str, refs: list[str], *, specs_given: bool, cwd: Path | None = None
+                ) -> tuple[dict[str, MachineDiagram], dict[str, str]]:
+    """The machines at `rev`: (diagrams by machine name, why each `module:attr` that
+    could not be loaded there failed). Without `specs_given`, the machines REV's own
+    pyproject.toml registers are read too (so a machine since removed shows)."""
     repo = Path(_git(cwd or Path.cwd(), "rev-parse", "--show-toplevel")).resolve()
     try:
         commit = _git(repo, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
@@ -302,11 +303,14 @@ def at_revision(rev: str, refs: list[str], *, specs_given: bool,
     if "" in found:
         raise DiffError(f"at {rev}: {found['']['error']}")
     out: dict[str, MachineDiagram] = {}
-    for res in found.values():
+    errors: dict[str, str] = {}
+    for ref, res in found.items():
         if "diagram" in res:
             d = msgspec.convert(res["diagram"], MachineDiagram)
             out[d.name] = d
-    return commit, out, extra
+        else:
+            errors[ref] = res["error"]
+    return out, errors
 
 
 # -- rendering -----------------------------------------------------------------------------
@@ -495,11 +499,16 @@ def main(rev: str, found: Mapping[str, tuple[str, Machine]], specs: list[str] | 
 
     now = {name: extract(m, ref) for name, (ref, m) in found.items()}
     try:
-        _, then, _ = at_revision(rev, [ref for ref, _ in found.values()],
-                                 specs_given=bool(specs))
+        then, failed = at_revision(rev, [ref for ref, _ in found.values()],
+                                   specs_given=bool(specs))
     except DiffError as e:
         raise CliError(str(e)) from None
     diffs = [compare(then.get(n), now.get(n)) for n in sorted(set(now) | set(then))]
+    # A machine absent at REV: say why it could not be loaded there.
+    for i, d in enumerate(diffs):
+        ref = found[d.name][0] if d.name in found else ""
+        if d.status == "added" and ref in failed:
+            diffs[i] = msgspec.structs.replace(d, notes=(*d.notes, f"at {rev}: {failed[ref]}"))
     mermaids: dict[str, str] = {}
     written: dict[str, bytes] = {}
     for d in diffs:

@@ -151,6 +151,9 @@ document.querySelectorAll("a[data-cell]").forEach(function (a) {
 """
 
 
+_GENERATOR = "terminus pytest --fsm-coverage-html"
+
+
 def _e(text: object) -> str:
     return html.escape(str(text), quote=True)
 
@@ -159,6 +162,7 @@ def _page(title: str, body: list[str], script: str) -> bytes:
     return "\n".join([
         "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f'<meta name="generator" content="{_GENERATOR}">',
         # No favicon request: the report makes none at all.
         '<link rel="icon" href="data:,">',
         f"<title>{_e(title)}</title>", f"<style>{_CSS}</style>", "</head>", "<body>",
@@ -322,10 +326,11 @@ def site(recorder: CoverageRecorder, report: CoverageReport) -> dict[str, bytes]
 
 
 def write_site(out_dir: Path, files: Mapping[str, bytes]) -> None:
-    """Write the report into `out_dir`, removing the pages of machines no longer reported."""
+    """Write the report into `out_dir`, removing the pages an earlier report wrote for
+    machines no longer reported (and no other file)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for p in out_dir.glob("*.html"):
-        if p.name not in files:
+        if p.name not in files and _GENERATOR.encode() in p.read_bytes()[:1000]:
             p.unlink()
     for name, data in files.items():
         (out_dir / name).write_bytes(data)

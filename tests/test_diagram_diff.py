@@ -67,6 +67,7 @@ def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     sys.modules.pop("flow", None)
     yield repo
     sys.modules.pop("flow", None)
+    sys.modules.pop("flow2", None)
 
 
 def _diff(*args: str) -> int:
@@ -116,10 +117,18 @@ def test_diff_against_an_older_revision_as_markdown_for_a_pull_request(
     assert "    class step2,step3 removed" in md
 
 
-def test_no_machine_changed_exits_0(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_no_machine_changed_exits_0_and_a_new_machine_says_why_it_is_new(
+        repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _git(repo, "commit", "-qam", "two steps")
     assert _diff("HEAD") == 0
     assert capsys.readouterr().out == "no machine changed since HEAD (1 compared)\n"
+    (repo / "flow2.py").write_text(FLOW.format(steps=1, plan="p", cancel="c")
+                                   .replace('Spec("flow"', 'Spec("flow2"'))
+    assert cli.main(["diagrams", "--machines", "flow:FLOW", "--machines", "flow2:FLOW",
+                     "--diff", "HEAD"]) == 0
+    assert capsys.readouterr().out.splitlines()[:3] == [
+        "1 of 2 machine(s) changed since HEAD", "flow2: machine added",
+        "  at HEAD: ModuleNotFoundError: no module named 'flow2' at HEAD"]
 
 
 def test_a_bad_revision_is_a_clear_error(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -175,3 +175,15 @@ def test_the_report_renders_and_an_edge_click_lists_its_tests_in_chromium(
     assert all(u.startswith(("file://", "data:")) for u in requests), requests
     assert sorted(p.name for p in shots.iterdir()) >= ["index.png", "job-clicked.png",
                                                         "job.png", "toggle.png"]
+
+
+def test_rewriting_the_report_removes_only_its_own_stale_pages(
+        report: Path, tmp_path: Path) -> None:
+    from terminus.fsm.html_report import write_site
+
+    out = tmp_path / "html"
+    shutil.copytree(report, out)
+    (out / "notes.html").write_text("<html>someone else's page</html>")
+    index = (out / "index.html").read_bytes()
+    write_site(out, {"index.html": index})  # job and toggle are no longer reported
+    assert sorted(p.name for p in out.iterdir()) == ["index.html", "notes.html"]
