@@ -26,11 +26,13 @@ test: $(STAMP) $(TYPECHECK)
 	$(BIN)/terminus diagrams --check
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -n 2 -q --fsm-coverage-fail-under 100
 
 lint: $(STAMP) $(TYPECHECK)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 # The package as it installs (terminus/ = the root's __init__.py + the four folders), as
 # links that mypy reads through (see [tool.mypy] in pyproject.toml).
@@ -46,4 +48,4 @@ bench: $(STAMP)
 	$(BIN)/terminus bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

@@ -7,8 +7,13 @@ Ownership, as the ledger records it (kinds, and the pool each goes back to)::
              metadata  a MetadataSlot (index -> -1)         MetadataSlots  at bootstrap
              req_slot  its request-to-token row             ReqToTokenTable  first chunk
              mamba     its Mamba state slot(s)              MambaStatePool   first chunk
-             kv        pages of every committed chunk       KV allocator   at commit
+             kv        pages of every settled chunk         KV allocator   at commit, or
+                                                                           at abandon
     chunk    kv        the pages it writes while in flight  KV allocator   at schedule
+
+A chunk hands its pages to its request whether it commits or is abandoned: a later
+overlapped chunk of an aborted request still attends over an abandoned chunk's pages,
+so they go back with the request's own, when its drain ends (I10).
 
 Each plan releases what the instance owns *now* (a ledger query, never "is this field
 None"). Only `release_succeeded` inserts KV into the prefix cache, once per request;
@@ -18,17 +23,20 @@ exactly once (best-effort too: the client is outside).
 
 `DisaggPrefill` is the reference loop: it turns scheduler happenings (bootstrap polls,
 chunk launches and results, aborts, transfer polls) into events, acquires resources
-into the ledger, and hands a chunk's pages to its request when the chunk commits.
+into the ledger, and hands a chunk's pages to its request when the chunk commits. Each
+driver method decides before it changes anything: an event the machine refuses leaves
+the request as it was (its recorded reason included). An abort during the transfer
+tells the sender at once (best-effort) and keeps the KV until a poll says the sender
+stopped (done, failed or aborted) or `sender_deadline_s` passed.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import torch
 
 from terminus.fsm import (
@@ -57,12 +65,15 @@ from terminus.states.disagg import (
     ChunkResult,
     ChunkScheduled,
     DisaggReq,
+    SenderAborted,
+    SenderDeadline,
     TransferDone,
     TransferFailed,
 )
 
+from .output import OutputLog, OutputSink, TerminalOutput
 from .prefix_cache import CountingPrefixCache, PrefixCache
-from .transport import FakeTransport, Poll, Transport, TransportError
+from .transport import Poll, Transport, TransportError
 
 __all__ = [
     "CHUNK_PLANS",
@@ -72,40 +83,11 @@ __all__ = [
     "DisaggPrefill",
     "DisaggResources",
     "PrefillRequest",
-    "TerminalOutput",
-    "TerminalStream",
     "make_ledger",
 ]
 
 KINDS = ("hicache", "metadata", "req_slot", "mamba", "kv")
 """Handle kinds this module's ledger knows."""
-
-
-# -- the outside world: terminal outputs ------------------------------------------------
-
-
-class TerminalOutput(msgspec.Struct, frozen=True, gc=False):
-    """What a request streams when it ends: its id, terminal state and reason."""
-
-    rid: str
-    status: str
-    reason: str = ""
-
-
-class TerminalStream:
-    """Collects terminal outputs (a stand-in for the client stream); can fail on cue."""
-
-    def __init__(self) -> None:
-        self.outputs: list[TerminalOutput] = []
-        self.counts: Counter[str] = Counter()
-        self.failing: set[str] = set()
-
-    def emit(self, out: TerminalOutput) -> None:
-        """Record `out` (counted even when the send then fails)."""
-        self.counts[out.rid] += 1
-        self.outputs.append(out)
-        if out.rid in self.failing:
-            raise ConnectionError(f"client stream of {out.rid!r} is closed")
 
 
 # -- resources -------------------------------------------------------------------------
@@ -154,7 +136,7 @@ class DisaggResources:
     pools: DisaggPools
     transport: Transport
     cache: PrefixCache
-    stream: TerminalStream
+    sink: OutputSink
     staged: dict[Any, list[torch.Tensor]] = field(default_factory=dict)
 
 
@@ -227,11 +209,27 @@ def sender_abort(ctx: ReleaseContext) -> None:
 
 
 @release_effect
+def hand_kv_to_request(ctx: ReleaseContext) -> None:
+    """An abandoned chunk's pages go to its request, which frees them when its drain ends
+    (a later overlapped chunk still attends over them); a terminal request frees them at
+    once, and the plan's `Release("kv")` frees those of a chunk without a request."""
+    parent = getattr(ctx.instance, "parent", None)
+    if parent is None or ctx.ledger is None:
+        return
+    for h in ctx.ledger.owned(ctx.instance, "kv"):
+        ctx.ledger.transfer(h, parent)
+
+
+@release_effect
 def stream_terminal(ctx: ReleaseContext) -> None:
-    """Stream the request's terminal output; runs once, in the plan of its terminal edge."""
+    """Stream the request's terminal output; runs once, in the plan of its terminal edge.
+
+    The reason is the cause the request waited on (`inst.reason`: the first abort or
+    bootstrap failure of a drain or of a wait for the sender), else the reason the
+    terminal event carries."""
     inst = ctx.instance
-    _res(ctx).stream.emit(TerminalOutput(str(inst.key), ctx.target,
-                                         getattr(inst, "reason", "")))
+    reason = getattr(inst, "reason", "") or getattr(ctx.event, "reason", "")
+    _res(ctx).sink.put(TerminalOutput(str(inst.key), ctx.target, message=reason))
 
 
 _LOCAL = (Release("metadata"), Release("hicache"), Release("kv"), Release("mamba"),
@@ -249,6 +247,9 @@ REQUEST_PLANS: dict[str, Plan] = {
         *_LOCAL,
         Action(stream_terminal, best_effort=True),
     ),
+    # Out of awaiting_sender: the sender was told when the wait began, and has stopped
+    # reading (or the deadline passed); it is not told again.
+    "release_aborted_transfer": Plan(*_LOCAL, Action(stream_terminal, best_effort=True)),
     "release_bootstrap_failed": Plan(*_LOCAL, Action(stream_terminal, best_effort=True)),
     "release_failed": Plan(*_LOCAL, Action(stream_terminal, best_effort=True)),
 }
@@ -258,7 +259,9 @@ CHUNK_PLANS: dict[str, Plan] = {
     # The serving loop moved the pages to the request before Commit; a chunk that
     # still owns some here is released by their default releaser, never leaked.
     "release_committed": Plan(),
-    "release_abandoned": Plan(Release("kv")),
+    # The pages go back with the request's, when its drain ended (I10); a chunk with no
+    # request frees them here.
+    "release_abandoned": Plan(Action(hand_kv_to_request), Release("kv")),
 }
 """Plans of `states.chunk.CHUNK`."""
 
@@ -276,13 +279,14 @@ def make_ledger(resources: DisaggResources) -> Ledger:
 class PrefillRequest(DisaggReq):
     """A request instance plus what the loop needs to cut it into chunks."""
 
-    __slots__ = ("chunk_size", "n_chunks", "prompt_len")
+    __slots__ = ("chunk_size", "n_chunks", "prompt_len", "sender_deadline")
 
     def __init__(self, machine: Machine, key: str, prompt_len: int, chunk_size: int) -> None:
         super().__init__(machine, key)
         self.prompt_len = prompt_len
         self.chunk_size = chunk_size
         self.n_chunks = -(-prompt_len // chunk_size)
+        self.sender_deadline: float | None = None  # set when it starts awaiting_sender
 
     def chunk_len(self, k: int) -> int:
         """Tokens in chunk `k`."""
@@ -295,20 +299,34 @@ class DisaggPrefill:
     Every method is one scheduler happening for one request id; each returns the
     `PlanReport` of the release plan it caused, or None. Events that arrive after a
     request's cleanup ran reach the machines and are ignored there, never an effect.
+    `transport` is the KV sender (a `Transport`; the simulator's fake is
+    `terminus.effects.sim.transport.FakeTransport`); `sink` receives each request's one
+    `TerminalOutput` (an `OutputLog` that keeps them when none is given).
+    `sender_deadline_s`: how long a request aborted during its transfer waits for the
+    sender to confirm it stopped reading, measured on `clock` (seconds). `errors`: the
+    best-effort sender calls made outside a plan that raised (the abort notice).
     """
 
     def __init__(self, pools: DisaggPools | None = None, *,
-                 transport: Transport | None = None, cache: PrefixCache | None = None,
-                 stream: TerminalStream | None = None, mamba_per_request: int = 1) -> None:
+                 transport: Transport, cache: PrefixCache | None = None,
+                 sink: OutputSink | None = None, mamba_per_request: int = 1,
+                 sender_deadline_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         pools = pools if pools is not None else DisaggPools.make()
         if mamba_per_request < 1:
             raise ValueError(f"mamba_per_request must be >= 1, got {mamba_per_request}")
+        if not sender_deadline_s > 0:
+            raise ValueError(f"sender_deadline_s must be > 0 seconds, got "
+                             f"{sender_deadline_s!r}")
+        self.sender_deadline_s = float(sender_deadline_s)
+        self.clock = clock
+        self.errors: list[Exception] = []
         self.pools = pools
-        self.transport: Transport = transport if transport is not None else FakeTransport()
+        self.transport: Transport = transport
         self.cache: PrefixCache = cache if cache is not None else CountingPrefixCache(pools.kv)
-        self.stream = stream if stream is not None else TerminalStream()
+        self.sink: OutputSink = sink if sink is not None else OutputLog()
         self.mamba_per_request = mamba_per_request
-        self.resources = DisaggResources(pools, self.transport, self.cache, self.stream)
+        self.resources = DisaggResources(pools, self.transport, self.cache, self.sink)
         self.ledger = make_ledger(self.resources)
         self.requests_machine = DISAGG_PREFILL.bind(REQUEST_PLANS, self.ledger)
         self.chunks_machine = CHUNK.bind(CHUNK_PLANS, self.ledger)
@@ -397,16 +415,33 @@ class DisaggPrefill:
         return self._fail_bootstrap(self.req(rid), reason)
 
     def _fail_bootstrap(self, req: PrefillRequest, reason: str) -> PlanReport | None:
-        if not req.terminal and not req.reason:
+        report = req.fire(BootstrapFailed(reason))  # a refusal raises before any change
+        self._record_cause(req, reason)
+        return report
+
+    def _record_cause(self, req: PrefillRequest, reason: str) -> None:
+        # Only after the machine accepted the event: the first cause of a wait is what
+        # the terminal output will say (a direct terminal edge streams its event's).
+        if req.state in ("draining", "awaiting_sender") and not req.reason:
             req.reason = reason
-        return req.fire(BootstrapFailed(reason))
 
     def abort(self, rid: str, reason: str = "aborted") -> PlanReport | None:
-        """The client or scheduler aborts `rid`."""
+        """The client or scheduler aborts `rid`.
+
+        During the transfer the request waits in `awaiting_sender`: the sender is told
+        now (best-effort: a raising sender is recorded in `errors`, and the deadline
+        still ends the wait) and the KV is kept until `poll_transfer` sees it stopped.
+        """
         req = self.req(rid)
-        if not req.terminal and not req.reason:
-            req.reason = reason
-        return req.fire(Abort(reason))
+        report = req.fire(Abort(reason))
+        self._record_cause(req, reason)
+        if req.state == "awaiting_sender" and req.sender_deadline is None:
+            req.sender_deadline = self.clock() + self.sender_deadline_s
+            try:
+                self.transport.abort(rid)
+            except Exception as e:  # the outside is best-effort (I5)
+                self.errors.append(e)
+        return report
 
     def schedule(self, rid: str) -> Chunk | None:
         """Schedule and launch the next chunk of `rid`; None when it cannot run now.
@@ -494,15 +529,28 @@ class DisaggPrefill:
         return report
 
     def poll_transfer(self, rid: str) -> PlanReport | None:
-        """Poll the KV transfer of `rid`; success or failure ends the request."""
+        """Poll the KV transfer of `rid`; success or failure ends the request.
+
+        A request aborted during its transfer ends (as `aborted`) once the sender says
+        it stopped (success, failure or ABORTED) or its deadline passed.
+        """
         req = self.req(rid)
-        if req.state != "transferring":
+        if req.state not in ("transferring", "awaiting_sender"):
             return None
         p = self.transport.poll(rid)
         if p is Poll.SUCCESS:
             return req.fire(TransferDone())
         if p is Poll.FAILED:
             return req.fire(TransferFailed("transfer failed"))
+        if req.state == "transferring":
+            if p is Poll.ABORTED:
+                return req.fire(TransferFailed("the sender aborted the transfer"))
+            return None
+        if p is Poll.ABORTED:
+            return req.fire(SenderAborted())
+        assert req.sender_deadline is not None  # set by abort() with the state
+        if self.clock() >= req.sender_deadline:
+            return req.fire(SenderDeadline())
         return None
 
     # -- accounting ---------------------------------------------------------------------

@@ -6,7 +6,8 @@ operations (`abort_steps`), and run by one of two drivers:
 
     site.abort(rid, RankCollectives(...))     torch.distributed (gloo on CPU, NCCL on GPU)
     SimulatedRanks(sites, groups).abort(rid)  N ranks in one process, stepped in lockstep,
-                                              deterministically (unit tests, the simulator)
+                                              deterministically (unit tests, the simulator;
+                                              in `terminus.effects.sim.ranks`)
 
 The protocol on every rank, for one aborted request (I7)::
 
@@ -26,9 +27,18 @@ request owned: its reserved host pages (the I/O is stopped; the pages it never w
 freed with the completed ones, after the barrier), the lock reference on its anchor
 pages and its prefetch occupancy; the outstanding barrier is kept as a
 ticket. `retry(rid, ...)` waits on that same barrier again; `close_group(rid)` releases
-after the caller tore the group down (no peer can still be in it). A reduction that
-times out leaves the request in `abort_requested` with nothing decided and nothing
-touched (the I/O still runs); only `close_group(rid)` releases it, stopping the I/O first.
+after the caller tore the group down (no peer can still be in it). A collective that
+raises anything else (gloo's "Connection closed by peer" when a peer process died)
+raises `PrefetchCollectiveFailed`, naming the same; after a barrier the instance is
+`broken` (it keeps everything; the group is unusable, so there is no retry). A reduction
+that times out or raises leaves the request in `abort_requested` with nothing decided
+and nothing touched (the I/O still runs). Either way the recovery is the same: tear the
+group down, then `close_group(rid)` releases everything, exactly once (stopping the I/O
+first). Both errors derive from `PrefetchAbortError`.
+
+An abort of a request whose prefetch this rank already released (a duplicate abort) is
+absorbed locally: no collective, since the peers that did not get the duplicate would
+never join one. A `complete(rid)` that arrives after the abort started is absorbed too.
 """
 
 from __future__ import annotations
@@ -40,36 +50,36 @@ import msgspec
 import torch
 
 from terminus.fsm import Ledger, Machine, Plan, PlanReport, Release, ReleaseContext, release_effect
-from terminus.kernels.collective import CollectiveTimeout, RankCollectives, grid_partitions
+from terminus.kernels.collective import CollectiveError, CollectiveTimeout, RankCollectives
 from terminus.kernels.host import HostPagePool, Prefetch
 from terminus.states.prefetch import (
     PREFETCH,
     BarrierPassed,
     BarrierTimedOut,
+    CollectiveFailed,
     Complete,
     Drained,
     GroupClosed,
     Join,
     Local,
+    PrefetchRelease,
     PrefetchReq,
     Queue,
     Revoked,
     Start,
 )
-from terminus.states.prefetch import Release as ReleaseNow
 
 __all__ = [
     "PREFETCH_PLANS",
     "AbortOutcome",
     "BarrierOp",
     "CollectiveMismatch",
+    "PrefetchAbortError",
     "PrefetchAbortTimeout",
+    "PrefetchCollectiveFailed",
     "PrefetchSite",
     "ReduceOp",
-    "SimulatedAbort",
-    "SimulatedRanks",
     "drive",
-    "simulate_abort",
 ]
 
 
@@ -153,21 +163,38 @@ class AbortOutcome(msgspec.Struct, frozen=True):
     state: str
 
 
-class PrefetchAbortTimeout(TimeoutError):
-    """A collective of a prefetch abort timed out; the rank kept what it owned.
+class PrefetchAbortError(Exception):
+    """A collective of a prefetch abort failed; the rank kept what it owned.
 
-    Fields: ``rid``, ``rank``, ``group``, ``state`` (the instance's state: ``stalled``
-    after a barrier, ``abort_requested`` after the reduction), ``kept`` (what is still
-    held), ``ticket`` (the outstanding barrier, for `PrefetchSite.retry`).
+    Fields: ``rid``, ``rank``, ``group``, ``state`` (the instance's state after the
+    error), ``kept`` (what is still held). Subclasses say how it failed.
     """
 
-    def __init__(self, rid: Any, rank: int, group: str, state: str, kept: str,
-                 ticket: Any, cause: CollectiveTimeout) -> None:
+    rid: Any
+    rank: int
+    group: str
+    state: str
+    kept: str
+
+    def _fields(self, rid: Any, rank: int, group: str, state: str, kept: str) -> None:
         self.rid = rid
         self.rank = rank
         self.group = group
         self.state = state
         self.kept = kept
+
+
+class PrefetchAbortTimeout(PrefetchAbortError, TimeoutError):
+    """A collective of a prefetch abort timed out; the rank kept what it owned.
+
+    Fields as `PrefetchAbortError` (``state``: ``stalled`` after a barrier,
+    ``abort_requested`` after the reduction), plus ``ticket`` (the outstanding barrier,
+    for `PrefetchSite.retry`).
+    """
+
+    def __init__(self, rid: Any, rank: int, group: str, state: str, kept: str,
+                 ticket: Any, cause: CollectiveTimeout) -> None:
+        self._fields(rid, rank, group, state, kept)
         self.ticket = ticket
         fix = ("retry(rid) once the peer arrives, or close_group(rid) after tearing the "
                "group down" if state == "stalled" else
@@ -179,11 +206,36 @@ class PrefetchAbortTimeout(TimeoutError):
         )
 
 
+class PrefetchCollectiveFailed(PrefetchAbortError, RuntimeError):
+    """A collective of a prefetch abort raised (a peer process died, the link broke).
+
+    Fields as `PrefetchAbortError` (``state``: ``broken`` after a barrier,
+    ``abort_requested`` after the reduction), plus ``op`` and ``error`` (what the
+    collective raised; also ``__cause__``). The group is unusable: tear it down, then
+    `PrefetchSite.close_group` releases everything.
+    """
+
+    def __init__(self, rid: Any, rank: int, group: str, state: str, kept: str, op: str,
+                 error: BaseException) -> None:
+        self._fields(rid, rank, group, state, kept)
+        self.op = op
+        self.error = error
+        inner = error.error if isinstance(error, CollectiveError) else error
+        text = str(inner).strip()
+        first = text.splitlines()[0][:300] if text else ""
+        super().__init__(
+            f"prefetch abort of request {rid!r} on rank {rank}: {op} on attention group "
+            f"{group!r} raised {type(inner).__name__}: {first}; the request is {state!r} "
+            f"and keeps {kept}; tear the group down, then close_group(rid) releases it"
+        )
+
+
 class CollectiveMismatch(RuntimeError):
     """Ranks of one group entered different collectives (with torch they would pair up)."""
 
 
 _ABORTABLE = ("none", "pending", "active")
+_TIMED_OUT = ("stalled", "abort_requested", "broken")  # what close_group releases
 
 
 # -- one rank ------------------------------------------------------------------------------
@@ -199,7 +251,7 @@ class PrefetchSite:
     unwritten_pages)``, ``("barrier_enter", rid, group)``, ``("barrier_exit", rid,
     group)``, ``("free_tail", rid, pages)`` (pages the stopped I/O never wrote),
     ``("free_prefix", rid, pages)``, ``("unlock", rid, pages)``,
-    ``("insert", rid, pages)``.
+    ``("insert", rid, pages)``, ``("absorbed", rid)`` (a duplicate abort, no collective).
     """
 
     def __init__(self, host: HostPagePool, *, rank: int = 0, page_size: int = 1,
@@ -265,7 +317,14 @@ class PrefetchSite:
         return p.advance(pages)
 
     def complete(self, rid: Any) -> PlanReport | None:
-        """The I/O finished: the host cache (``insert``) takes the completed prefix."""
+        """The I/O finished: the host cache (``insert``) takes the completed prefix.
+
+        Once the abort of ``rid`` started (or the prefetch already ended) the completion
+        is late: it is absorbed (None), and the abort releases what the I/O completed.
+        """
+        inst = self.requests.get(rid)
+        if inst is not None and inst.state not in _ABORTABLE:
+            return inst.fire(Complete())  # declared ignore in every such state
         if self.insert is None:
             raise ValueError("PrefetchSite(insert=...) is needed to complete a prefetch: "
                              "something must own the pages the cache takes")
@@ -288,12 +347,20 @@ class PrefetchSite:
         tests and the simulator can show it deadlocking.
         """
         inst = self.requests.get(rid)
+        if inst is not None and inst.state == "released":
+            # A duplicate abort: this rank's abort already ran its collectives and
+            # released. Absorb it here: a peer that did not get the duplicate would
+            # never join a new collective, and this rank would wait for it in vain.
+            inst.abort()  # an echo, declared ignored
+            self.trace.append(("absorbed", rid))
+            return AbortOutcome(str(rid), self.rank, int(Local.MISSING), inst.decision,
+                                False, inst.state)
         if inst is not None and not inst.terminal and inst.state not in _ABORTABLE:
             # Raised before any collective: every rank sees the same abort requests, so
             # a second abort of a request whose abort timed out is refused on all of them.
             raise ValueError(
                 f"rank {self.rank}: request {rid!r} is already being aborted (state "
-                f"{inst.state!r}); retry(rid) or close_group(rid) a timed-out abort")
+                f"{inst.state!r}); retry(rid) or close_group(rid) a timed-out or failed abort")
         if inst is None or inst.terminal:
             # No prefetch here (or it already finished): this rank is the missing class,
             # and it still takes part in every collective.
@@ -308,6 +375,8 @@ class PrefetchSite:
                     value = yield ReduceOp(g, value)
                 except CollectiveTimeout as e:
                     raise self._timeout(inst, g, groups, None, e) from e
+                except Exception as e:  # a backend error: nothing decided, nothing touched
+                    raise self._failed(inst, g, groups, "reduce_max", e) from e
         inst.decide(value)
         if inst.state == "revoking":
             # A queued prefetch owns no host pages: revoking it only stops it starting.
@@ -321,7 +390,7 @@ class PrefetchSite:
             self.trace.append(("drain", rid, unwritten))
             inst.fire(Drained())
         if inst.state in ("revoked", "drained"):
-            inst.fire(Join() if value >= Local.ACTIVE else ReleaseNow())
+            inst.fire(Join() if value >= Local.ACTIVE else PrefetchRelease())
         entered = inst.state == "in_barrier"
         if entered:
             yield from self._barrier(inst, groups, 0, None)
@@ -337,6 +406,8 @@ class PrefetchSite:
                 yield BarrierOp(g, ticket)
             except CollectiveTimeout as e:
                 raise self._timeout(inst, g, groups, e.ticket, e) from e
+            except Exception as e:  # a peer process died: the group is unusable
+                raise self._failed(inst, g, groups, "barrier", e) from e
             ticket = None
             self.trace.append(("barrier_exit", rid, g))
         inst.fire(BarrierPassed())
@@ -347,11 +418,20 @@ class PrefetchSite:
             inst.timed_out_group = groups[g]
             inst.fire(BarrierTimedOut(groups[g]))
             self._stalled[inst.key] = (g, ticket)
+        return PrefetchAbortTimeout(inst.key, self.rank, groups[g], inst.state,
+                                    self._kept(inst), ticket, e)
+
+    def _failed(self, inst: PrefetchReq, g: int, groups: Sequence[str], op: str,
+                e: Exception) -> PrefetchCollectiveFailed:
+        if inst.state == "in_barrier":
+            inst.fire(CollectiveFailed(groups[g]))
+        return PrefetchCollectiveFailed(inst.key, self.rank, groups[g], inst.state,
+                                        self._kept(inst), op, e)
+
+    def _kept(self, inst: PrefetchReq) -> str:
         held = [f"{h.kind}" for h in self.ledger.owned(inst)]
-        kept = ("its " + " and ".join(held) if held else "nothing") + (
+        return ("its " + " and ".join(held) if held else "nothing") + (
             f" ({self.occupancy_tokens} prefetch tokens on this rank)")
-        return PrefetchAbortTimeout(inst.key, self.rank, groups[g], inst.state, kept,
-                                    ticket, e)
 
     def retry_steps(self, rid: Any, groups: Sequence[str]) -> Generator[Op, Any, AbortOutcome]:
         """Wait again on the barrier that timed out for ``rid`` (same collective), then release."""
@@ -374,16 +454,18 @@ class PrefetchSite:
                      f"prefetch abort of request {rid!r} on rank {self.rank} (retry)")
 
     def close_group(self, rid: Any) -> PlanReport | None:
-        """Release an abort whose collective timed out, once its group was torn down.
+        """Release an abort whose collective timed out or raised, once its group was
+        torn down.
 
-        The instance is ``stalled`` (barrier timed out) or ``abort_requested`` (the
-        reduction timed out); either way no peer can still be in the collective.
+        The instance is ``stalled`` (barrier timed out), ``broken`` (barrier raised) or
+        ``abort_requested`` (the reduction timed out or raised); either way no peer can
+        still be in the collective.
         """
         inst = self.requests.get(rid)
-        if inst is None or inst.state not in ("stalled", "abort_requested"):
+        if inst is None or inst.state not in _TIMED_OUT:
             now = "none" if inst is None else inst.state
-            raise ValueError(f"rank {self.rank}: request {rid!r} has no timed-out abort "
-                             f"(it is {now!r}); nothing was changed")
+            raise ValueError(f"rank {self.rank}: request {rid!r} has no timed-out or "
+                             f"failed abort (it is {now!r}); nothing was changed")
         self._stalled.pop(rid, None)
         return inst.fire(GroupClosed())
 
@@ -397,7 +479,9 @@ class PrefetchSite:
 
 def drive(steps: Generator[Op, Any, AbortOutcome], collectives: RankCollectives,
           what: str) -> AbortOutcome:
-    """Run a protocol generator on real collectives; a timeout is thrown into it."""
+    """Run a protocol generator on real collectives; whatever a collective raises (a
+    timeout, a backend error) is thrown into it, which turns it into a
+    `PrefetchAbortError` once the instance is in a state `close_group` releases."""
     reply: Any = None
     error: BaseException | None = None
     while True:
@@ -411,184 +495,5 @@ def drive(steps: Generator[Op, Any, AbortOutcome], collectives: RankCollectives,
                 reply = collectives.reduce_max(op.group, op.value, what)
             else:
                 collectives.barrier(op.group, what, op.ticket)
-        except CollectiveTimeout as e:
+        except Exception as e:
             error = e
-
-
-# -- simulated ranks -----------------------------------------------------------------------
-
-
-class SimulatedRanks:
-    """N ranks in one process, their collectives simulated in lockstep (no threads, no
-    sleeps: the same inputs always give the same result).
-
-    ``sites[r]`` is rank r's `PrefetchSite`; ``groups`` is ``[(name, [[ranks], ...]),
-    ...]``: each attention group kind with its partition of the ranks, in reduction order
-    (`kernels.collective.grid_partitions` builds tp/cp grids). A collective completes
-    when every rank of its group waits at it; when no collective can complete while ranks
-    still wait, the peers they wait for will never come, and each waiting rank gets the
-    `CollectiveTimeout` that a real group would give after its timeout.
-    ``reduces[r][g]`` / ``barriers[r][g]`` count the collectives rank r entered.
-    """
-
-    def __init__(self, sites: Sequence[PrefetchSite],
-                 groups: Sequence[tuple[str, Sequence[Sequence[int]]]]) -> None:
-        n = len(sites)
-        for name, parts in groups:
-            flat = sorted(r for p in parts for r in p)
-            if flat != list(range(n)):
-                raise ValueError(f"group kind {name!r} must partition ranks 0..{n - 1}, "
-                                 f"got {[list(p) for p in parts]}")
-        self.sites = list(sites)
-        self.groups = [(name, [list(p) for p in parts]) for name, parts in groups]
-        self.names = tuple(name for name, _ in self.groups)
-        self.reduces = [[0] * len(self.groups) for _ in sites]
-        self.barriers = [[0] * len(self.groups) for _ in sites]
-
-    def abort(self, rid: Any, *, naive: bool | Sequence[bool] = False
-              ) -> list[AbortOutcome | BaseException]:
-        """Abort ``rid`` on every rank; per rank its outcome or the error it raised.
-
-        ``naive``: one flag for all ranks, or one per rank.
-        """
-        flags = [naive] * len(self.sites) if isinstance(naive, bool) else list(naive)
-        return self.run({r: s.abort_steps(rid, self.names, naive=flags[r])
-                         for r, s in enumerate(self.sites)})
-
-    def run(self, gens: dict[int, Generator[Op, Any, AbortOutcome]]
-            ) -> list[AbortOutcome | BaseException]:
-        """Step protocol generators (rank -> generator) until every one has finished."""
-        waiting: dict[int, Op] = {}
-        results: dict[int, AbortOutcome | BaseException] = {}
-
-        def step(r: int, reply: Any = None, error: BaseException | None = None) -> None:
-            g = gens[r]
-            try:
-                op = g.throw(error) if error is not None else g.send(reply)
-            except StopIteration as stop:
-                results[r] = stop.value
-                waiting.pop(r, None)
-                return
-            except Exception as e:  # the rank's error is its result; peers go on
-                results[r] = e
-                waiting.pop(r, None)
-                return
-            waiting[r] = op
-            if isinstance(op, ReduceOp):
-                self.reduces[r][op.group] += 1
-            elif op.ticket is None:
-                self.barriers[r][op.group] += 1
-
-        for r in sorted(gens):
-            step(r)
-        while waiting:
-            progressed = False
-            for gi, (name, parts) in enumerate(self.groups):
-                for members in parts:
-                    ops = [waiting.get(m) for m in members]
-                    if not all(o is not None and o.group == gi for o in ops):
-                        continue
-                    if len({type(o) for o in ops}) > 1:
-                        raise CollectiveMismatch(
-                            f"ranks {members} of group {name!r} entered different "
-                            f"collectives {ops}; with torch.distributed they would pair "
-                            "up and exchange the wrong data")
-                    if isinstance(ops[0], ReduceOp):
-                        v = max(o.value for o in ops if isinstance(o, ReduceOp))
-                        for m in members:
-                            step(m, reply=v)
-                    else:
-                        for m in members:
-                            step(m)
-                    progressed = True
-            if not progressed:
-                for r in sorted(waiting):
-                    op = waiting[r]
-                    name, parts = self.groups[op.group]
-                    members = next(p for p in parts if r in p)
-                    kind = "reduce_max" if isinstance(op, ReduceOp) else "barrier"
-                    step(r, error=CollectiveTimeout(
-                        f"simulated rank {r}", kind, name, members, 0.0, ticket=None))
-        return [results[r] for r in sorted(results)]
-
-
-class SimulatedAbort(msgspec.Struct, frozen=True):
-    """What `simulate_abort` saw, per rank (index = rank).
-
-    ``states``: each rank's state right after the abort (``released``, or ``stalled`` /
-    ``abort_requested`` when a collective timed out); ``barrier``: whether the rank
-    entered the barrier; ``reduces``/``barriers``: collectives entered; ``errors``: the
-    timeout message, or ""; ``traces``: each site's trace; ``released_after_barrier``:
-    every release of a rank that entered the barrier came after its last barrier exit.
-    """
-
-    classes: tuple[int, ...]
-    naive: bool
-    states: tuple[str, ...]
-    barrier: tuple[bool, ...]
-    reduces: tuple[int, ...]
-    barriers: tuple[int, ...]
-    errors: tuple[str, ...]
-    traces: tuple[tuple[tuple[Any, ...], ...], ...]
-    released_after_barrier: bool
-
-    @property
-    def deadlocked(self) -> bool:
-        """Some rank waited in a collective that a peer never entered."""
-        return any(self.errors)
-
-    @property
-    def all_or_none(self) -> bool:
-        """Every rank entered the barrier, or none did."""
-        return len(set(self.barrier)) <= 1
-
-
-def simulate_abort(classes: Sequence[int], *, tp: int | None = None, naive: bool = False,
-                   pages: int = 5, completed: int = 3, anchor: int = 2) -> SimulatedAbort:
-    """Abort one request on ``len(classes)`` simulated ranks whose local classes are given.
-
-    ``classes[r]``: rank r's `Local` class (0 missing, 1 pending, 2 active); ``tp``:
-    ranks per tp group (default: all of them; the rest form cp groups); ``naive``: run
-    the pre-fix logic that decides on the local class alone. Each rank gets its own host
-    pool: a pending prefetch locks ``anchor`` cached pages, an active one also reserves
-    ``pages`` and has written ``completed`` of them. A timed-out abort is released with
-    `PrefetchSite.close_group` afterwards, and every pool is checked full before this
-    returns (raising `AssertionError` if anything leaked), so callers can run many.
-    """
-    n = len(classes)
-    sites = [PrefetchSite(HostPagePool(pages + anchor + 1), rank=r) for r in range(n)]
-    anchors: list[torch.Tensor] = []
-    for site, c in zip(sites, classes, strict=True):
-        local = Local(c)
-        if local >= Local.PENDING:
-            a = site.host.alloc(anchor)
-            assert a is not None
-            anchors.append(a)
-            site.queue("rid", a)
-        if local == Local.ACTIVE:
-            site.start("rid", pages)
-            site.transfer("rid", completed)
-    sim = SimulatedRanks(sites, grid_partitions(n, tp or n) if n > 1 else [])
-    out = sim.abort("rid", naive=naive)
-    states = tuple(site.requests["rid"].state for site in sites)
-    errors = tuple(str(o) if isinstance(o, BaseException) else "" for o in out)
-    after = True
-    for site in sites:
-        kinds = [t[0] for t in site.trace]
-        if "barrier_exit" in kinds:
-            last = max(i for i, k in enumerate(kinds) if k == "barrier_exit")
-            after &= all(i > last for i, k in enumerate(kinds)
-                         if k in ("free_tail", "free_prefix", "unlock"))
-        if site.requests["rid"].state in ("stalled", "abort_requested"):
-            site.close_group("rid")
-        site.assert_released()
-    for site, c in zip(sites, classes, strict=True):
-        if Local(c) >= Local.PENDING:
-            site.host.free(anchors.pop(0))
-        site.host.assert_full()
-        site.ledger.assert_empty()
-    return SimulatedAbort(
-        tuple(int(c) for c in classes), naive, states,
-        tuple(any(t[0] == "barrier_enter" for t in site.trace) for site in sites),
-        tuple(sum(r) for r in sim.reduces), tuple(sum(b) for b in sim.barriers), errors,
-        tuple(tuple(site.trace) for site in sites), after)

@@ -2,7 +2,8 @@
 
 Every plan releases what the ledger says the instance owns *now* (handle kind
 ``"lora"``, value the id the registry handed out), then streams the instance's one
-terminal output; the terminal transition runs once, so the output is streamed once::
+terminal output (`terminus.effects.output.TerminalOutput`, into an `OutputSink`); the
+terminal transition runs once, so the output is streamed once::
 
     request  finished | rejected | errored | dispatch_failed:
                  Release("lora") ─► stream terminal output (best effort, I5)
@@ -22,12 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-import msgspec
-
 from terminus.fsm import Action, Ledger, Machine, Plan, Release, release_effect
 from terminus.kernels.protocols import LoRARegistry
 from terminus.states.request import REQUEST
 from terminus.states.sampling import SAMPLING
+
+from .output import OutputSink, TerminalOutput
 
 __all__ = [
     "LORA",
@@ -46,29 +47,6 @@ __all__ = [
 
 LORA = "lora"
 """The ledger handle kind of a LoRA reference; its value is the acquired adapter id."""
-
-
-class TerminalOutput(msgspec.Struct, frozen=True, gc=False):
-    """The one terminal output of a request id.
-
-    `outcome` is the terminal state (finished, aborted, rejected, errored,
-    dispatch_failed); `status` the HTTP status (200, 499 for an abort, 4xx, 5xx, 503 for
-    a failed dispatch); `finish_reason` the scheduler's reason when finished.
-    """
-
-    rid: Any
-    outcome: str
-    status: int
-    message: str = ""
-    finish_reason: str | None = None
-
-
-@runtime_checkable
-class OutputSink(Protocol):
-    """Where terminal outputs go (the client's stream); called once per request id."""
-
-    def put(self, output: TerminalOutput) -> None:
-        """Deliver `output` to its client."""
 
 
 @runtime_checkable

@@ -23,6 +23,10 @@ collective again instead of posting a new one, so a late peer completes the firs
 barrier rather than pairing with a second. A group whose peer never comes back is
 broken for further collectives (as with any timed-out collective): tear it down.
 
+Any other error of a collective (gloo's "Connection closed by peer" when a peer process
+died, a backend error NCCL reports) is raised as `CollectiveError`, naming the same
+things and chaining the backend's exception; such a group is unusable: tear it down.
+
 Tensors live on ``device``: "cpu" with gloo; with NCCL pass the rank's CUDA device (or,
 as serving engines do, give these helpers the gloo CPU group kept beside the NCCL one).
 """
@@ -38,7 +42,13 @@ import torch.distributed as dist
 
 from terminus.kernels.errors import KernelError
 
-__all__ = ["CollectiveTimeout", "RankCollectives", "attention_groups", "grid_partitions"]
+__all__ = [
+    "CollectiveError",
+    "CollectiveTimeout",
+    "RankCollectives",
+    "attention_groups",
+    "grid_partitions",
+]
 
 
 class CollectiveTimeout(KernelError, TimeoutError):
@@ -70,6 +80,29 @@ class CollectiveTimeout(KernelError, TimeoutError):
             "this collective; find the rank that returned early. Retry with the ticket "
             "once it arrives, or tear the group down."
         )
+
+
+class CollectiveError(KernelError, RuntimeError):
+    """A collective raised a backend error (a peer process died, the link broke).
+
+    Fields: ``what``, ``op``, ``group``, ``ranks`` as `CollectiveTimeout`; ``error``, the
+    backend's exception (also ``__cause__``). The group cannot be used again.
+    """
+
+    def __init__(self, what: str, op: str, group: str, ranks: Sequence[int],
+                 error: BaseException) -> None:
+        self.what = what
+        self.op = op
+        self.group = group
+        self.ranks = list(ranks)
+        self.error = error
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        super().__init__(
+            f"{what}: {op} on attention group {group!r} (ranks {self.ranks}) raised "
+            f"{type(error).__name__}: {first[:300]}. A peer of the group is gone or the "
+            "link broke; the group cannot be used again: tear it down."
+        )
+        self.__cause__ = error
 
 
 def attention_groups(**groups: Any) -> list[tuple[str, Any]]:
@@ -129,19 +162,37 @@ class RankCollectives:
 
     def _wait(self, work: Any, i: int, what: str, op: str) -> None:
         deadline = time.monotonic() + self.timeout
-        while not work.is_completed():
-            if time.monotonic() >= deadline:
-                raise CollectiveTimeout(
-                    what, op, self.groups[i][0], self.ranks(i), self.timeout, work
-                )
-            time.sleep(self.poll_s)
-        work.wait()  # surfaces a backend error of a completed collective
+        try:
+            while not work.is_completed():
+                if time.monotonic() >= deadline:
+                    raise CollectiveTimeout(
+                        what, op, self.groups[i][0], self.ranks(i), self.timeout, work
+                    )
+                time.sleep(self.poll_s)
+            work.wait()  # surfaces a backend error of a completed collective
+        except CollectiveTimeout:
+            raise
+        except Exception as e:
+            raise CollectiveError(what, op, self.groups[i][0], self.ranks(i), e) from e
+
+    def _post(self, i: int, what: str, op: str, t: torch.Tensor,
+              red: Any = None) -> Any:
+        try:
+            if red is None:
+                return dist.all_reduce(t, group=self.groups[i][1], async_op=True)
+            return dist.all_reduce(t, op=red, group=self.groups[i][1], async_op=True)
+        except Exception as e:  # a broken group can refuse the post itself
+            raise CollectiveError(what, op, self.groups[i][0], self.ranks(i), e) from e
 
     def reduce_max(self, i: int, value: int, what: str = "reduce_max") -> int:
-        """MAX of ``value`` over group ``i``; bounded like the barrier (no ticket reuse)."""
+        """MAX of ``value`` over group ``i``; bounded like the barrier (no ticket reuse).
+
+        Raises `CollectiveTimeout` after ``timeout`` seconds, `CollectiveError` when the
+        backend raises.
+        """
         self.reduces[i] += 1
         t = torch.tensor([int(value)], dtype=torch.int32, device=self.device)
-        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups[i][1], async_op=True)
+        work = self._post(i, what, "reduce_max", t, dist.ReduceOp.MAX)
         self._wait(work, i, what, "reduce_max")
         return int(t.item())
 
@@ -150,11 +201,12 @@ class RankCollectives:
 
         ``ticket``: the work of a barrier that timed out before: wait for it again
         (a retry) instead of entering a new one; a retry is not counted as an entry.
+        Raises `CollectiveTimeout` (with the ticket) or `CollectiveError` as `reduce_max`.
         """
         if ticket is None:
             self.barriers[i] += 1
             t = torch.ones(1, dtype=torch.int32, device=self.device)
-            ticket = dist.all_reduce(t, group=self.groups[i][1], async_op=True)
+            ticket = self._post(i, what, "barrier", t)
         self._wait(ticket, i, what, "barrier")
 
 

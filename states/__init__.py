@@ -1,7 +1,6 @@
 """Declared machines of LLM serving (request, sampling group, disaggregated prefill,
-chunk, prefetch, LoRA adapter, scheduler sequence) and the workload generator. The
-reference serving loop that drives them allocates from `kernels`, so it lives in
-`effects.serving`.
+chunk, prefetch, LoRA adapter, scheduler sequence). The reference serving loop that
+drives them, and its workload, live in the simulator (`terminus.effects.sim`).
 
 This package knows no tensors: it imports only `fsm`. Release plans are named here and
 implemented in `effects`.

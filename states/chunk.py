@@ -12,9 +12,12 @@ A chunk owns the KV pages it writes from the moment it is scheduled. While it ru
 launches before this one's result is processed) the GPU writes those pages, so it can
 only be abandoned once its result is in: `Abandon` while running is an error, not a
 free. A committed chunk has handed its pages to its request first (the serving loop
-transfers the ledger handle), so `release_committed` finds nothing left; an abandoned
-chunk (its request was aborted or already retired) frees its pages: never cached, never
-streamed. Late or duplicate results after a chunk settled are ignored.
+transfers the ledger handle), so `release_committed` finds nothing left. An abandoned
+chunk (its request was aborted or already retired) is never cached, never streamed, and
+does not free its pages either: a later chunk of the request that is still running
+attends over them, so `release_abandoned` hands them to the request, whose own release
+frees them once its drain ended (a chunk without a request frees them). Late or
+duplicate results after a chunk settled are ignored.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ class Commit(Event):
 
 
 class Abandon(Event):
-    """The request is aborted or retired: the chunk's pages are freed, never cached."""
+    """The request is aborted or retired: the chunk's pages go back with the request's
+    (never cached)."""
 
 
 class Chunk(Instance):
@@ -68,7 +72,8 @@ CHUNK: Machine = Spec(
         State("overlapped", doc="running while the request's next chunk runs too"),
         State("result_ready", doc="the result is in; the device no longer writes"),
         State("committed", terminal=True, doc="pages handed to the live request"),
-        State("abandoned", terminal=True, doc="request aborted or retired: pages freed"),
+        State("abandoned", terminal=True,
+              doc="request aborted or retired: pages handed back to it, never cached"),
     ),
     events=(Launch, NextLaunched, Result, Commit, Abandon),
     table={

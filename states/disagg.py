@@ -12,10 +12,15 @@
     draining       ChunkResult -> aborted ▸ [drained], else draining;
                    Abort, BootstrapFailed -> ignore; else error
     transferring   TransferDone -> succeeded ▸; TransferFailed -> failed ▸;
-                   Abort -> aborted ▸; else error
+                   Abort -> awaiting_sender; else error
+    awaiting_sender  TransferDone, TransferFailed, SenderAborted, SenderDeadline
+                   -> aborted ▸ release_aborted_transfer;
+                   Abort, BootstrapFailed -> ignore; else error
     T states       succeeded, failed, aborted, bootstrap_failed: ignore everything
 
-    ▸ = the edge runs the release plan named after its target (`release_<target>`)
+    ▸ = the edge runs the release plan named after its target (`release_<target>`);
+        the edges out of `awaiting_sender` run `release_aborted_transfer`: the sender
+        was told of the abort when the wait began, so the plan does not tell it again
 
 The request owns (in the ledger) its hierarchical-cache state from the start, a
 metadata slot once bootstrapped, its request slot and Mamba state once the first chunk
@@ -25,6 +30,14 @@ the device does not release anything: the request waits in `draining` (I8) until
 chunk it launched has settled, and the result that settles the last one runs
 `release_aborted` exactly once. `draining` always ends in `aborted`; the first cause
 (abort or bootstrap failure) is kept in `reason` for the terminal output.
+
+An abort while the KV is being transferred does not free it either: the sender may
+still be reading those pages (I10). The request waits in `awaiting_sender` until the
+sender confirms it stopped (the transfer finished, failed, or was aborted) or the
+deadline for that confirmation passes; only then does `release_aborted_transfer` run.
+A chunk abandoned while a later overlapped chunk still runs hands its pages to the
+request (see `effects.disagg`), so they go back when the drain ends, not before: the
+later chunk attends over them.
 
 Abort is terminal while bootstrapping, so an optimistic bootstrap retry that arrives
 after it is ignored, never a resurrection. Every terminal row ignores everything: a
@@ -47,6 +60,8 @@ __all__ = [
     "ChunkResult",
     "ChunkScheduled",
     "DisaggReq",
+    "SenderAborted",
+    "SenderDeadline",
     "TransferDone",
     "TransferFailed",
 ]
@@ -95,9 +110,21 @@ class TransferFailed(Event):
     reason: str = ""
 
 
+class SenderAborted(Event):
+    """The sender confirms it stopped the transfer of an aborted request: it no longer
+    reads the KV."""
+
+
+class SenderDeadline(Event):
+    """The sender did not confirm in time that it stopped reading the KV of an aborted
+    request; the pages are released anyway."""
+
+
 class DisaggReq(Instance):
-    """A request instance: its chunk instances (`chunks`, in launch order) and the first
-    cause of its end (`reason`), which only the terminal output reads."""
+    """A request instance: its chunk instances (`chunks`, in launch order) and the cause
+    that made it wait before its end (`reason`: the first abort or bootstrap failure of
+    a request that drained or waited for the sender), which only the terminal output
+    reads."""
 
     __slots__ = ("chunks", "reason")
 
@@ -125,6 +152,7 @@ def last_chunk(inst: DisaggReq, ev: Any) -> bool:
 
 _RELEASE_ABORTED = go("aborted", plan="release_aborted")
 _RELEASE_BOOTSTRAP = go("bootstrap_failed", plan="release_bootstrap_failed")
+_RELEASE_TRANSFER = go("aborted", plan="release_aborted_transfer")
 _TERMINAL_ROW = {ANY: IGNORE}
 
 DISAGG_PREFILL: Machine = Spec(
@@ -135,13 +163,15 @@ DISAGG_PREFILL: Machine = Spec(
         State("prefilling", doc="chunks scheduled and run"),
         State("draining", doc="aborted; waits for the chunks still on the device (I8)"),
         State("transferring", doc="KV being sent to the decode side"),
+        State("awaiting_sender", doc="aborted while sending; keeps the KV until the sender "
+                                     "confirms it stopped, or the deadline passes (I10)"),
         State("succeeded", terminal=True, doc="transferred; KV cached once"),
         State("failed", terminal=True, doc="the transfer failed"),
         State("aborted", terminal=True, doc="aborted; never cached"),
         State("bootstrap_failed", terminal=True, doc="the handshake failed"),
     ),
     events=(Bootstrapped, BootstrapRetry, BootstrapFailed, ChunkScheduled, ChunkResult, Abort,
-            TransferDone, TransferFailed),
+            TransferDone, TransferFailed, SenderAborted, SenderDeadline),
     table={
         "bootstrapping": {
             Bootstrapped: go("waiting"),
@@ -172,9 +202,19 @@ DISAGG_PREFILL: Machine = Spec(
             ANY: ERROR,
         },
         "transferring": {
-            Abort: _RELEASE_ABORTED,
+            # The sender may still read the KV: wait for it to confirm (I10).
+            Abort: go("awaiting_sender"),
             TransferDone: go("succeeded", plan="release_succeeded"),
             TransferFailed: go("failed", plan="release_failed"),
+            ANY: ERROR,
+        },
+        "awaiting_sender": {
+            TransferDone: _RELEASE_TRANSFER,
+            TransferFailed: _RELEASE_TRANSFER,
+            SenderAborted: _RELEASE_TRANSFER,
+            SenderDeadline: _RELEASE_TRANSFER,
+            Abort: IGNORE,
+            BootstrapFailed: IGNORE,
             ANY: ERROR,
         },
         "succeeded": _TERMINAL_ROW,
@@ -187,4 +227,4 @@ DISAGG_PREFILL: Machine = Spec(
     doc="Disaggregated prefill request: bootstrap, chunked prefill, KV transfer.",
 ).build()
 """The built machine; plans `release_succeeded`, `release_failed`, `release_aborted`,
-`release_bootstrap_failed`."""
+`release_aborted_transfer`, `release_bootstrap_failed`."""

@@ -2,18 +2,19 @@
 
     none ──Queue──► pending ──Start──► active ──Complete──► completed ▸ release_completed
       │                │                  │
-      └──── Abort ─────┴───── Abort ──────┘   (local class recorded: missing / pending / active)
+      └─ PrefetchAbort ┴── PrefetchAbort ─┘   (local class recorded: missing / pending / active)
                        ▼
                abort_requested ──Reduced(MAX over the attention groups)──► collective decision
                  [local active]  ► draining ──Drained──► drained ──Join──► in_barrier
                  [local pending] ► revoking ──Revoked──► revoked ──Join [barrier]──► in_barrier
-                                                            └────Release [no barrier]──► released
+                                                   └────PrefetchRelease [no barrier]──► released
                  [barrier]       ► in_barrier          (a missing rank only joins)
                  else            ► released ▸ release_aborted
-               abort_requested ──GroupClosed (reduction timed out)──► released ▸ release_aborted
+               abort_requested ──GroupClosed (reduction timed out or raised)──► released ▸
                in_barrier ──BarrierPassed──► released ▸ release_aborted
                           ──BarrierTimedOut──► stalled ──Join (retry)──► in_barrier
                                                        ──GroupClosed──► released ▸ release_aborted
+                          ──CollectiveFailed──► broken ──GroupClosed──► released ▸ release_aborted
 
 Every rank of the attention groups runs one instance per aborted request (a rank with
 no prefetch for it starts one in `none`: it is the "missing" rank). The order is fixed
@@ -27,9 +28,16 @@ terminal edge, i.e. after the barrier when there is one.
 
 A barrier that times out leaves the instance in `stalled` holding everything it owned:
 `Join` retries (waits on the same outstanding barrier), `GroupClosed` says the group was
-torn down so no peer can still be in it, and releases. A reduction that times out
-leaves it in `abort_requested`, nothing decided and nothing touched; `GroupClosed`
-releases it too (the release stops a still-running transfer before freeing anything).
+torn down so no peer can still be in it, and releases. A barrier that raises instead (a
+peer process died: gloo's "Connection closed by peer") leaves it in `broken`, holding
+everything too; the group is unusable, so there is no retry, only `GroupClosed`. A
+reduction that times out or raises leaves it in `abort_requested`, nothing decided and
+nothing touched; `GroupClosed` releases it too (the release stops a still-running
+transfer before freeing anything).
+
+Once the abort started, a late `Complete` from the I/O side (the transfer finished while
+the ranks agreed) and an abort echo (`PrefetchAbort`) are absorbed in every state; the
+abort path releases whatever the I/O completed.
 
 Resource kinds the plans release (the effects in `effects.prefetch` implement them):
 ``"host_pages"`` (the reserved host pages; the abort frees only the completed prefix,
@@ -46,18 +54,18 @@ from terminus.fsm import ANY, ERROR, IGNORE, Event, Instance, Machine, Spec, Sta
 __all__ = [
     "PREFETCH",
     "PREFETCH_PLANS",
-    "Abort",
     "BarrierPassed",
     "BarrierTimedOut",
+    "CollectiveFailed",
     "Complete",
     "Drained",
     "GroupClosed",
     "Join",
     "Local",
+    "PrefetchRelease",
     "PrefetchReq",
     "Queue",
     "Reduced",
-    "Release",
     "Revoked",
     "Start",
     "classify",
@@ -90,7 +98,7 @@ class Complete(Event):
     """The I/O finished (or was stopped by policy); the cache takes the completed prefix."""
 
 
-class Abort(Event):
+class PrefetchAbort(Event):
     """The request was aborted; fire it through `PrefetchReq.abort()` to record the class."""
 
 
@@ -115,7 +123,7 @@ class Join(Event):
     """This rank enters the barrier (again, from `stalled`: a retry)."""
 
 
-class Release(Event):
+class PrefetchRelease(Event):
     """No barrier was decided: a revoked rank releases at once."""
 
 
@@ -129,8 +137,16 @@ class BarrierTimedOut(Event):
     group: str = ""
 
 
+class CollectiveFailed(Event):
+    """The barrier raised (a backend error: a peer process died, the link broke); `group`
+    names the group, which is unusable from now on."""
+
+    group: str = ""
+
+
 class GroupClosed(Event):
-    """After a timeout, the group was torn down: no peer can still be in the barrier."""
+    """After a timeout or a backend error, the group was torn down: no peer can still be
+    in the collective."""
 
 
 # -- instance data and guards ------------------------------------------------------------
@@ -153,10 +169,10 @@ class PrefetchReq(Instance):
         self.timed_out_group = ""
 
     def abort(self) -> None:
-        """Record the local class (from the current state) and fire `Abort`."""
+        """Record the local class (from the current state) and fire `PrefetchAbort`."""
         if self.state in _CLASS:
             self.local = _CLASS[self.state]
-        self.fire(Abort())
+        self.fire(PrefetchAbort())
 
     def decide(self, result: int) -> None:
         """Record the reduced MAX and fire `Reduced(result)`.
@@ -205,7 +221,9 @@ def no_barrier(inst: PrefetchReq, ev: object) -> bool:
 
 # -- the machine -------------------------------------------------------------------------
 
-_LATE = {Abort: IGNORE, ANY: ERROR}  # an abort echo is absorbed after the first abort
+# Once the abort started, an abort echo and a late completion of the I/O are absorbed:
+# the abort path releases whatever the I/O completed.
+_LATE = {PrefetchAbort: IGNORE, Complete: IGNORE, ANY: ERROR}
 
 SPEC = Spec(
     "prefetch",
@@ -217,20 +235,22 @@ SPEC = Spec(
         State("revoking", doc="decision taken; revoking the pending prefetch"),
         State("draining", doc="decision taken; draining the transfer"),
         State("revoked", doc="the pending prefetch will never start"),
-        State("drained", doc="the I/O stopped; unwritten pages went back"),
+        State("drained", doc="the I/O stopped; its pages are kept until the barrier"),
         State("in_barrier", doc="waiting for every rank of every attention group"),
         State("stalled", doc="barrier timed out; everything owned is kept for a retry"),
+        State("broken", doc="the barrier raised; everything owned is kept until the group "
+                            "is torn down"),
         State("released", terminal=True, doc="aborted: completed prefix and locks released"),
         State("completed", terminal=True, doc="the cache took the completed prefix"),
     ),
-    events=(Queue, Start, Complete, Abort, Reduced, Revoked, Drained, Join, Release,
-            BarrierPassed, BarrierTimedOut, GroupClosed),
+    events=(Queue, Start, Complete, PrefetchAbort, Reduced, Revoked, Drained, Join,
+            PrefetchRelease, BarrierPassed, BarrierTimedOut, CollectiveFailed, GroupClosed),
     table={
-        "none": {Queue: go("pending"), Abort: go("abort_requested"), ANY: ERROR},
-        "pending": {Start: go("active"), Abort: go("abort_requested"), ANY: ERROR},
+        "none": {Queue: go("pending"), PrefetchAbort: go("abort_requested"), ANY: ERROR},
+        "pending": {Start: go("active"), PrefetchAbort: go("abort_requested"), ANY: ERROR},
         "active": {
             Complete: go("completed", plan="release_completed"),
-            Abort: go("abort_requested"),
+            PrefetchAbort: go("abort_requested"),
             ANY: ERROR,
         },
         "abort_requested": {
@@ -240,19 +260,16 @@ SPEC = Spec(
                 go("in_barrier", when="barrier_decided"),
                 go("released", plan="release_aborted"),
             ],
-            # The I/O may finish while the ranks reduce; the abort path releases
-            # whatever it completed, so the completion itself changes nothing.
-            Complete: IGNORE,
-            # The reduction timed out and the group was torn down: nothing was decided,
-            # and no peer is left to disagree; the release stops the I/O first.
+            # The reduction timed out or raised and the group was torn down: nothing was
+            # decided, and no peer is left to disagree; the release stops the I/O first.
             GroupClosed: go("released", plan="release_aborted"),
             **_LATE,
         },
         "revoking": {Revoked: go("revoked"), **_LATE},
-        "draining": {Drained: go("drained"), Complete: IGNORE, **_LATE},
+        "draining": {Drained: go("drained"), **_LATE},
         "revoked": {
             Join: go("in_barrier", when="barrier_decided"),
-            Release: go("released", plan="release_aborted", when="no_barrier"),
+            PrefetchRelease: go("released", plan="release_aborted", when="no_barrier"),
             **_LATE,
         },
         # An active rank's own class makes the MAX active: it never skips the barrier.
@@ -260,6 +277,8 @@ SPEC = Spec(
         "in_barrier": {
             BarrierPassed: go("released", plan="release_aborted"),
             BarrierTimedOut: go("stalled"),
+            # A peer process died (or the link broke): the group is unusable, no retry.
+            CollectiveFailed: go("broken"),
             **_LATE,
         },
         "stalled": {
@@ -267,8 +286,9 @@ SPEC = Spec(
             GroupClosed: go("released", plan="release_aborted"),
             **_LATE,
         },
-        "released": {Abort: IGNORE, Complete: IGNORE, ANY: ERROR},
-        "completed": {Abort: IGNORE, Complete: IGNORE, ANY: ERROR},
+        "broken": {GroupClosed: go("released", plan="release_aborted"), **_LATE},
+        "released": {PrefetchAbort: IGNORE, Complete: IGNORE, ANY: ERROR},
+        "completed": {PrefetchAbort: IGNORE, Complete: IGNORE, ANY: ERROR},
     },
     guards={
         "local_active": local_active,

@@ -12,11 +12,11 @@ from terminus.effects.disagg import (
     CHUNK_PLANS,
     DisaggPools,
     DisaggResources,
-    TerminalStream,
     make_ledger,
 )
+from terminus.effects.output import OutputLog
 from terminus.effects.prefix_cache import CountingPrefixCache
-from terminus.effects.transport import FakeTransport
+from terminus.effects.sim.transport import FakeTransport
 from terminus.fsm import TransitionNotAllowed
 from terminus.fsm.oracle import Differential
 from terminus.states.chunk import CHUNK, Abandon, Chunk, Commit, Launch, NextLaunched, Result
@@ -29,6 +29,8 @@ from terminus.states.disagg import (
     ChunkResult,
     ChunkScheduled,
     DisaggReq,
+    SenderAborted,
+    SenderDeadline,
     TransferDone,
     TransferFailed,
 )
@@ -47,7 +49,7 @@ CHUNK_EVENTS = (Launch(), NextLaunched(), Result(), Commit(), Abandon())
 def chunk_world():
     pools = DisaggPools.make()
     res = DisaggResources(pools, FakeTransport(), CountingPrefixCache(pools.kv),
-                          TerminalStream())
+                          OutputLog())
     ledger = make_ledger(res)
     return pools, ledger, CHUNK.bind(CHUNK_PLANS, ledger)
 
@@ -135,7 +137,7 @@ def test_random_chunk_sequences_agree_with_the_oracle(seq):
 
 REQUEST_EVENTS = st.one_of(
     st.sampled_from([Bootstrapped(), BootstrapRetry(), BootstrapFailed("b"), Abort("a"),
-                     TransferDone(), TransferFailed("t")]),
+                     TransferDone(), TransferFailed("t"), SenderAborted(), SenderDeadline()]),
     st.builds(ChunkScheduled, chunk=st.integers(0, 3)),
     st.builds(ChunkResult, chunk=st.integers(0, 3), last=st.booleans()),
 )

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from terminus.effects.disagg import DisaggPools, DisaggPrefill, TerminalOutput
-from terminus.effects.transport import FakeTransport, TransportError
+from terminus.effects.disagg import DisaggPools, DisaggPrefill
+from terminus.effects.output import TerminalOutput
+from terminus.effects.sim.transport import FakeTransport
+from terminus.effects.transport import Poll, TransportError
 from terminus.fsm import TransitionNotAllowed
 from terminus.fsm.oracle import Differential
 from terminus.states.chunk import Abandon, Commit, Result
@@ -19,9 +21,21 @@ from terminus.states.disagg import (
     BootstrapRetry,
     ChunkResult,
     ChunkScheduled,
+    SenderAborted,
+    SenderDeadline,
     TransferDone,
     TransferFailed,
 )
+
+
+class Clock:
+    """A clock the test moves by hand (no timed assertions)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def engine(**kw):
@@ -55,7 +69,7 @@ def test_abort_while_a_middle_chunk_runs_releases_once_when_its_result_arrives()
     assert req.chunks[0].state == "abandoned"
     assert plans(e, "release_aborted") == 1
     assert t.aborts["r"] == 1
-    assert e.stream.outputs == [TerminalOutput("r", "aborted", "aborted")]
+    assert e.sink.outputs == [TerminalOutput("r", "aborted", message="aborted")]
     assert e.cache.inserts["r"] == 0
     e.finish()
 
@@ -68,13 +82,13 @@ def test_abort_with_a_later_overlapped_chunk_waits_for_it_then_releases_once():
     assert e.result("r", 0) is None  # the later chunk still writes: no release (I8)
     assert req.state == "draining"
     assert plans(e, "release_aborted") == 0
-    assert e.stream.counts["r"] == 0
+    assert e.sink.counts["r"] == 0
     e.assert_accounted()
     report = e.result("r", 1)
     assert report is not None and report.plan == "release_aborted"
     assert plans(e, "release_aborted") == 1
     assert e.chunks_machine.stats.plans_run["release_abandoned"] == 2
-    assert e.stream.counts["r"] == 1 and t.aborts["r"] == 1
+    assert e.sink.counts["r"] == 1 and t.aborts["r"] == 1
     e.finish()
 
 
@@ -96,7 +110,7 @@ def test_aborted_final_chunk_is_released_without_cache_insert_or_send():
     assert slot.index == -1
     assert e.pools.host.prefetch_occupied == 0  # hierarchical-cache state released
     assert [h.kind for h in report.released].count("hicache") == 1
-    assert e.stream.outputs == [TerminalOutput("r", "aborted", "client gone")]
+    assert e.sink.outputs == [TerminalOutput("r", "aborted", message="client gone")]
     e.finish()
 
 
@@ -114,12 +128,12 @@ def test_a_delayed_result_after_cleanup_releases_nothing_and_streams_nothing(cau
         t.complete("r")
         e.poll_transfer("r")
         assert req.state == "succeeded"
-    released, streamed, aborts = e.ledger.released, len(e.stream.outputs), t.aborts["r"]
+    released, streamed, aborts = e.ledger.released, len(e.sink.outputs), t.aborts["r"]
     ignored = sum(e.requests_machine.stats.ignored.values())
     for k in (0, 1, 5):  # duplicates of settled chunks, and a chunk never scheduled
         assert e.result("r", k) is None
     assert e.ledger.released == released
-    assert len(e.stream.outputs) == streamed == 1
+    assert len(e.sink.outputs) == streamed == 1
     assert t.aborts["r"] == aborts == 0
     stale = sum(1 for k in (0, 1, 5) if k >= len(req.chunks))
     assert sum(e.requests_machine.stats.ignored.values()) == ignored + stale
@@ -139,7 +153,7 @@ def test_a_failing_sender_abort_skips_no_local_release_and_the_abort_streams_onc
     assert sorted({h.kind for h in report.released}) == ["hicache", "kv", "mamba", "metadata",
                                                         "req_slot"]
     assert req.state == "aborted"
-    assert e.stream.outputs == [TerminalOutput("r", "aborted", "aborted")]
+    assert e.sink.outputs == [TerminalOutput("r", "aborted", message="aborted")]
     assert e.ledger.errors == report.errors
     e.finish()
 
@@ -152,7 +166,7 @@ def test_bootstrap_failure_before_the_metadata_slot_releases_the_host_state():
     assert req.state == "bootstrap_failed"
     assert report is not None and [h.kind for h in report.released] == ["hicache"]
     assert e.pools.metadata.available == e.pools.metadata.capacity
-    assert e.stream.counts["r"] == 1 and t.aborts["r"] == 0
+    assert e.sink.counts["r"] == 1 and t.aborts["r"] == 0
     e.finish()
 
 
@@ -165,7 +179,7 @@ def test_bootstrap_failure_after_the_metadata_slot_frees_it_to_minus_one():
     assert report is not None
     meta = [h.value for h in report.released if h.kind == "metadata"]
     assert len(meta) == 1 and meta[0].index == -1
-    assert e.stream.outputs[0].status == "bootstrap_failed"
+    assert e.sink.outputs[0].outcome == "bootstrap_failed"
     e.finish()
 
 
@@ -181,7 +195,7 @@ def test_abort_is_terminal_before_an_optimistic_bootstrap_retry():
     assert e.bootstrap("r") is None
     assert req.state == "aborted" and t.calls == calls  # no handshake after the abort
     assert e.pools.metadata.available == e.pools.metadata.capacity
-    assert e.stream.counts["r"] == 1
+    assert e.sink.counts["r"] == 1
     e.finish()
 
 
@@ -195,7 +209,7 @@ def test_the_same_terminal_event_twice_releases_once(event):
     assert req.fire(event) is None
     assert e.requests_machine.stats.ignored[(req.state, type(event).__name__)] == 1
     assert sum(e.requests_machine.stats.plans_run.values()) == 1
-    assert e.stream.counts["r"] == 1
+    assert e.sink.counts["r"] == 1
     e.finish()
 
 
@@ -217,7 +231,7 @@ def test_success_caches_the_kv_once_transfers_it_and_frees_the_metadata():
     assert e.cache.inserts == {"r": 1} and e.cache.held_tokens == 10
     assert slot.index == -1
     assert t.aborts["r"] == 0
-    assert e.stream.outputs == [TerminalOutput("r", "succeeded", "")]
+    assert e.sink.outputs == [TerminalOutput("r", "succeeded")]
     e.finish()
 
 
@@ -238,19 +252,146 @@ def test_a_send_that_cannot_start_fails_the_request():
     req = started(e, prompt=4, chunks=1)
     report = e.result("r", 0)
     assert report is not None and report.plan == "release_failed"
-    assert req.state == "failed" and e.stream.counts["r"] == 1
+    assert req.state == "failed" and e.sink.counts["r"] == 1
     e.finish()
 
 
-def test_abort_during_the_transfer_notifies_the_sender_and_never_caches():
-    e, t = engine()
+def kv_ids(e, owner):
+    return {int(i) for h in e.ledger.owned(owner, "kv") for i in h.value.tolist()}
+
+
+@pytest.mark.parametrize("confirm", ["aborted", "done", "failed", "deadline"])
+def test_abort_during_the_transfer_keeps_the_kv_until_the_sender_confirms(confirm):
+    clock = Clock()
+    e, t = engine(clock=clock, sender_deadline_s=5.0)
+    if confirm == "deadline":
+        t.fail("abort", "r")  # the notice is lost: the sender may read until the deadline
+    req = started(e, prompt=8, chunks=2)
+    e.result("r", 0)
+    e.result("r", 1)
+    assert req.state == "transferring"
+    sent = kv_ids(e, req)
+    assert e.abort("r", "client gone") is None
+    assert req.state == "awaiting_sender" and t.aborts["r"] == 1
+    assert kv_ids(e, req) == sent  # the sender may still read these pages (I10)
+    e.assert_accounted()
+    # The next request is not handed a page the sender may still read.
+    started(e, "n", prompt=8, chunks=1)
+    assert not kv_ids(e, e.req("n").chunks[0]) & sent
+    assert e.abort("r", "second cause") is None  # absorbed, and changes nothing
+    assert e.bootstrap_failed("r", "late") is None
+    if confirm == "deadline":
+        assert len(e.errors) == 1 and isinstance(e.errors[0], TransportError)
+        clock.now += 4.9
+        assert e.poll_transfer("r") is None and req.state == "awaiting_sender"
+        clock.now += 0.1
+    elif confirm == "done":
+        t.complete("r")
+    elif confirm == "failed":
+        t.break_transfer("r")
+    else:
+        assert t.poll("r") is Poll.ABORTED
+    assert e.sink.counts["r"] == 0 and kv_ids(e, req) == sent
+    report = e.poll_transfer("r")
+    assert report is not None and report.plan == "release_aborted_transfer" and report.ok
+    assert req.state == "aborted" and e.cache.inserts["r"] == 0
+    assert t.aborts["r"] == 1  # told once, when the wait began
+    assert e.sink.outputs == [TerminalOutput("r", "aborted", message="client gone")]
+    assert e.poll_transfer("r") is None
+    e.abort("n")
+    e.result("n", 0)
+    e.finish()
+
+
+def test_an_abandoned_middle_chunk_keeps_its_pages_until_the_drain_ends():
+    e, _ = engine()
+    req = started(e, prompt=12, chunks=2)  # chunk 1 overlaps chunk 0 and attends over it
+    first = kv_ids(e, req.chunks[0])
+    e.abort("r", "client gone")
+    assert e.result("r", 0) is None
+    assert req.chunks[0].state == "abandoned" and req.chunks[1].state == "running"
+    assert kv_ids(e, req) == first  # the request holds them now; nothing went back
+    e.assert_accounted()
+    # The next request is not handed a page chunk 1 still reads.
+    started(e, "n", prompt=4, chunks=1)
+    assert not kv_ids(e, e.req("n").chunks[0]) & first
+    report = e.result("r", 1)
+    assert report is not None and report.plan == "release_aborted"
+    assert first <= {int(i) for h in report.released if h.kind == "kv"
+                     for i in h.value.tolist()}
+    assert e.chunks_machine.stats.plans_run["release_abandoned"] == 2
+    e.abort("n")
+    e.result("n", 0)
+    e.finish()
+
+
+def test_a_refused_bootstrap_failure_changes_nothing_not_even_the_reason():
+    e, _ = engine()
     req = started(e, prompt=4, chunks=1)
     e.result("r", 0)
-    report = e.abort("r")
-    assert report is not None and req.state == "aborted"
-    assert t.aborts["r"] == 1 and e.cache.inserts["r"] == 0
+    assert req.state == "transferring"
+    with pytest.raises(TransitionNotAllowed, match="'BootstrapFailed' is not allowed in "
+                       "state 'transferring'"):
+        e.bootstrap_failed("r", "a late handshake failure")
+    assert req.state == "transferring" and req.reason == ""
+    e.abort("r", "client gone")
+    e.poll_transfer("r")
+    assert e.sink.outputs == [TerminalOutput("r", "aborted", message="client gone")]
+    e.finish()
+
+
+def _succeed(e, t):
+    started(e, prompt=4, chunks=1)
+    e.result("r", 0)
     t.complete("r")
-    assert e.poll_transfer("r") is None
+    return e.poll_transfer("r")
+
+
+def _fail_transfer(e, t):
+    started(e, prompt=4, chunks=1)
+    e.result("r", 0)
+    t.break_transfer("r")
+    return e.poll_transfer("r")
+
+
+def _abort_drain(e, t):
+    started(e, chunks=1)
+    e.abort("r")
+    return e.result("r", 0)
+
+
+def _abort_transfer(e, t):
+    started(e, prompt=4, chunks=1)
+    e.result("r", 0)
+    e.abort("r")
+    return e.poll_transfer("r")
+
+
+TERMINAL_PATHS = {
+    "release_succeeded": _succeed,
+    "release_failed": _fail_transfer,
+    "release_aborted": _abort_drain,
+    "release_aborted_transfer": _abort_transfer,
+    "release_bootstrap_failed": lambda e, t: (e.add("r", 8, chunk_size=4, host_pages=2),
+                                              e.bootstrap("r"), e.bootstrap_failed("r"))[2],
+}
+
+
+@pytest.mark.parametrize("plan", list(TERMINAL_PATHS))
+def test_a_failing_client_stream_is_recorded_and_skips_no_release(plan):
+    e, t = engine()
+    e.sink.failing.add("r")
+    report = TERMINAL_PATHS[plan](e, t)
+    assert report is not None and report.plan == plan
+    assert [(er.step, er.best_effort, type(er.error)) for er in report.errors] == [
+        ("stream_terminal", True, ConnectionError)]
+    assert "client stream of 'r' is closed" in str(report.errors[0])
+    assert e.sink.counts["r"] == 1  # tried once, never retried by a later event
+    assert e.ledger.count() == 0  # every handle went back although the stream raised
+    e.abort("r")
+    assert e.sink.counts["r"] == 1
+    if plan == "release_succeeded":
+        assert e.cache.inserts["r"] == 1
     e.finish()
 
 
@@ -262,7 +403,7 @@ def test_bootstrap_failure_while_a_chunk_runs_drains_first():
     assert e.abort("r") is None  # a second cause is absorbed
     e.result("r", 0)
     assert req.state == "aborted"
-    assert e.stream.outputs == [TerminalOutput("r", "aborted", "peer lost")]
+    assert e.sink.outputs == [TerminalOutput("r", "aborted", message="peer lost")]
     e.finish()
 
 
@@ -347,6 +488,8 @@ BUILDERS = {
     "draining_one": lambda e, t: (started(e, chunks=1), e.abort("r")),
     "draining_two": lambda e, t: (started(e, chunks=2), e.abort("r")),
     "transferring": lambda e, t: (started(e, prompt=4, chunks=1), e.result("r", 0)),
+    "awaiting_sender": lambda e, t: (started(e, prompt=4, chunks=1), e.result("r", 0),
+                                     e.abort("r")),
     "succeeded": _to_succeeded,
     "failed": _to_failed,
     "aborted": lambda e, t: (started(e, chunks=0), e.abort("r")),
@@ -363,6 +506,8 @@ EVENTS = {
     "Abort": lambda req: Abort("x"),
     "TransferDone": lambda req: TransferDone(),
     "TransferFailed": lambda req: TransferFailed("x"),
+    "SenderAborted": lambda req: SenderAborted(),
+    "SenderDeadline": lambda req: SenderDeadline(),
 }
 
 
@@ -384,12 +529,14 @@ def _cleanup(e, t):
     req = e.req("r")
     if not req.terminal:
         e.abort("r")
+    if req.state == "awaiting_sender":
+        e.poll_transfer("r")  # the sender confirms the abort it was told of
     for c in req.chunks:
         if not c.terminal:
             e.result("r", c.index)
     assert req.terminal
     e.finish()
-    assert e.stream.counts["r"] == 1
+    assert e.sink.counts["r"] == 1
 
 
 @pytest.mark.parametrize("event", list(EVENTS))
@@ -451,4 +598,5 @@ def test_a_final_result_before_an_earlier_ones_is_refused_and_changes_nothing():
     e.result("r", 1)
     assert req.state == "transferring" and t.sends["r"] == 1
     e.abort("r", "done with it")
+    e.poll_transfer("r")  # the sender confirms it stopped reading the KV
     e.finish()

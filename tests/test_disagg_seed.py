@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from terminus.effects.scenarios import DisaggLeak, disagg_seed
+from terminus.effects.sim.scenarios import DisaggLeak, disagg_seed
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from terminus.effects.disagg import DisaggPools, DisaggPrefill
-from terminus.effects.transport import STEPS, FakeTransport
+from terminus.effects.sim.transport import STEPS, FakeTransport
+from terminus.fsm import TransitionNotAllowed
 
 RIDS = [f"r{i}" for i in range(6)]
 STATS: Counter[str] = Counter()  # what the walks reached, for the summary test below
@@ -22,10 +24,12 @@ class DisaggWorld(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.t = FakeTransport()
+        self.now = 0.0  # the clock of the sender deadline, moved by the `wait` rule
         # Small pools so that shortages happen too.
         self.e = DisaggPrefill(DisaggPools.make(kv_tokens=40, requests=4, mamba_slots=6,
                                                 metadata_slots=3, host_pages=6),
-                               transport=self.t, mamba_per_request=1)
+                               transport=self.t, mamba_per_request=1,
+                               sender_deadline_s=10.0, clock=lambda: self.now)
         self.in_flight: dict[str, list[int]] = {}
 
     def live(self):
@@ -84,6 +88,15 @@ class DisaggWorld(RuleBasedStateMachine):
         req = self.e.req(rid)
         if roll == 0 and (req.terminal or req.state != "transferring"):
             self.e.bootstrap_failed(rid)
+        elif roll == 0:  # declared an error there: refused, and it changes nothing
+            with pytest.raises(TransitionNotAllowed):
+                self.e.bootstrap_failed(rid)
+            assert req.state == "transferring" and req.reason == ""
+
+    @rule(seconds=st.sampled_from([1.0, 6.0, 12.0]))
+    def wait(self, seconds):
+        """Time passes (sender deadlines may expire at the next poll)."""
+        self.now += seconds
 
     @precondition(lambda self: self.e.requests)
     @rule(i=st.integers(0, 5), outcome=st.sampled_from(["complete", "break", "poll"]))
@@ -103,8 +116,16 @@ class DisaggWorld(RuleBasedStateMachine):
         req = self.e.req(rid)
         if req.state == "bootstrapping":
             self.e.bootstrap(rid)
-        elif req.state == "transferring":
-            self.t.complete(rid)
+        elif req.state == "transferring":  # the transfer ends, either way, or is aborted
+            how = data.draw(st.sampled_from(["complete", "break", "abort"]))
+            if how == "complete":
+                self.t.complete(rid)
+            elif how == "break":
+                self.t.break_transfer(rid)
+            else:
+                self.e.abort(rid)  # aborted while the sender reads the KV
+            self.e.poll_transfer(rid)
+        elif req.state == "awaiting_sender":
             self.e.poll_transfer(rid)
         elif self.in_flight[rid] and data.draw(st.booleans()):
             self.e.result(rid, self.in_flight[rid].pop(0))
@@ -137,7 +158,7 @@ class DisaggWorld(RuleBasedStateMachine):
     @invariant()
     def terminal_requests_streamed_once_others_never(self):
         for rid, req in self.e.requests.items():
-            assert self.e.stream.counts[rid] == (1 if req.terminal else 0)
+            assert self.e.sink.counts[rid] == (1 if req.terminal else 0)
             if req.terminal:
                 assert self.e.cache.inserts[rid] == (1 if req.state == "succeeded" else 0)
 
@@ -147,12 +168,15 @@ class DisaggWorld(RuleBasedStateMachine):
         self.t.heal()
         for rid in self.e.requests:
             self.e.abort(rid)
+        self.now += 1e6  # a sender that never confirms: its deadline passes
+        for rid in self.e.requests:
+            self.e.poll_transfer(rid)
         for rid, ks in self.in_flight.items():
             for k in ks:
                 self.e.result(rid, k)
         for rid, req in self.e.requests.items():
             assert req.terminal, (rid, req.state)
-            assert self.e.stream.counts[rid] == 1
+            assert self.e.sink.counts[rid] == 1
         self.e.finish()
 
 
@@ -165,6 +189,6 @@ def test_the_walks_reach_drains_successes_and_every_terminal_plan():
     # Runs after TestDisaggWorld in file order; alone, it runs the walks itself.
     if not STATS:
         TestDisaggWorld("runTest").runTest()
-    for plan in ("release_aborted", "release_bootstrap_failed", "release_failed",
-                 "release_succeeded", "abandoned"):
+    for plan in ("release_aborted", "release_aborted_transfer", "release_bootstrap_failed",
+                 "release_failed", "release_succeeded", "abandoned"):
         assert STATS[plan] > 0, (plan, dict(STATS))

@@ -57,7 +57,7 @@ def test_the_wheel_holds_only_terminus_and_its_metadata(tmp_path: Path):
     tops = {n.split("/", 1)[0] for n in names}
     assert tops == {"terminus", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1]
                     + ".dist-info"}
-    for sub in SUBPACKAGES:
+    for sub in (*SUBPACKAGES, "effects/sim"):
         assert f"terminus/{sub}/__init__.py" in names
     assert "terminus/__init__.py" in names and "terminus/py.typed" in names
     assert not any(n.startswith("terminus/tests/") for n in names)

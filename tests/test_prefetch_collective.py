@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import os
 import queue
 import socket
 import traceback
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from terminus.effects.prefetch import PrefetchSite
+from terminus.effects.prefetch import PrefetchCollectiveFailed, PrefetchSite
 from terminus.kernels.collective import RankCollectives, grid_partitions
 from terminus.kernels.host import HostPagePool
 from terminus.states.prefetch import Local
@@ -153,3 +154,81 @@ def test_two_ranks_every_combination_enter_the_barrier_all_or_none() -> None:
 
 def test_four_ranks_on_a_tp_cp_grid_every_combination_enter_the_barrier_all_or_none() -> None:
     check_world(4, 2)
+
+
+# -- a peer process that dies after the reduction ---------------------------------------------
+
+
+def dies_after_reduce(rank: int, port: int, out: Any) -> None:
+    """Spawned rank: rank 0 has active I/O; rank 1 (missing) takes part in the reduction,
+    then its process exits where it would enter the barrier."""
+    try:
+        coll = init_groups(rank, 2, 2, port)
+        coll.timeout = 60.0  # the error must come from the backend, not from our deadline
+        site = PrefetchSite(HostPagePool(16), rank=rank)
+        if rank == 1:
+            assert coll.reduce_max(0, int(Local.MISSING), "peer") == Local.ACTIVE
+            out.put((rank, "exiting", None))
+            out.close()
+            out.join_thread()
+            os._exit(0)  # no barrier, no teardown: the process is simply gone
+        anchor = prepare(site, "rid", Local.ACTIVE)
+        try:
+            site.abort("rid", coll)
+            raise AssertionError("the abort returned although its peer died")
+        except PrefetchCollectiveFailed as e:
+            err = (e.rid, e.rank, e.group, e.state, type(e.error).__name__, str(e))
+        kept = (site.host.locked_pages(), site.occupancy_tokens)
+        try:
+            site.retry("rid", coll)
+            retried = "accepted"
+        except ValueError:
+            retried = "refused"
+        dist.destroy_process_group()  # the documented recovery: tear the group down ...
+        report = site.close_group("rid")  # ... then release, exactly once
+        released = sorted(h.kind for h in report.released) if report is not None else []
+        try:
+            site.close_group("rid")
+            again = "accepted"
+        except ValueError:
+            again = "refused"
+        site.assert_released()
+        assert anchor is not None
+        site.host.free(anchor)
+        site.host.assert_full()
+        site.ledger.assert_empty()
+        out.put((rank, (err, kept, retried, released, again,
+                        site.machine.stats.plans_run["release_aborted"]), None))
+    except BaseException:
+        out.put((rank, None, traceback.format_exc()))
+
+
+def test_a_peer_process_that_dies_after_the_reduction_raises_ours_and_close_group_releases(
+) -> None:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=dies_after_reduce, args=(r, port, out), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    try:
+        for _ in range(2):
+            rank, result, err = out.get(timeout=RESULT_WAIT_S)
+            assert err is None, f"rank {rank}:\n{err}"
+            got[rank] = result
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert got[1] == "exiting"
+    (rid, rank, group, state, cause, message), kept, retried, released, again, runs = got[0]
+    assert (rid, rank, group, state, cause) == ("rid", 0, "tp", "broken", "CollectiveError")
+    assert message.startswith("prefetch abort of request 'rid' on rank 0: barrier on "
+                              "attention group 'tp' raised RuntimeError: ")
+    assert "close_group(rid) releases it" in message
+    assert kept == (ANCHOR, PAGES)  # nothing released before the group was torn down
+    assert retried == "refused" and again == "refused"
+    assert released == ["host_lock", "host_pages"] and runs == 1

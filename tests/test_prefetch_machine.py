@@ -17,20 +17,21 @@ import torch
 from terminus.effects.prefetch import (
     AbortOutcome,
     BarrierOp,
+    PrefetchAbortError,
     PrefetchAbortTimeout,
+    PrefetchCollectiveFailed,
     PrefetchSite,
     ReduceOp,
-    SimulatedRanks,
 )
+from terminus.effects.sim.ranks import SimulatedRanks
 from terminus.fsm import TransitionNotAllowed
 from terminus.fsm.oracle import Differential
 from terminus.fsm.paths import Step
 from terminus.fsm.testing import drive_machine
-from terminus.kernels.collective import RankCollectives, grid_partitions
+from terminus.kernels.collective import CollectiveTimeout, RankCollectives, grid_partitions
 from terminus.kernels.host import HostPagePool
 from terminus.states.prefetch import (
     PREFETCH,
-    Abort,
     BarrierPassed,
     BarrierTimedOut,
     Complete,
@@ -38,10 +39,12 @@ from terminus.states.prefetch import (
     GroupClosed,
     Join,
     Local,
+    PrefetchAbort,
+    PrefetchRelease,
     PrefetchReq,
     Queue,
     Reduced,
-    Release,
+    Revoked,
     Start,
     classify,
 )
@@ -140,7 +143,7 @@ def _arrange(site: PrefetchSite) -> Any:
             assert p is not None
             p.advance(DONE)
             site.ledger.acquire(inst, "host_pages", p)
-        if ev is Abort and step.source in ("none", "pending", "active"):
+        if ev is PrefetchAbort and step.source in ("none", "pending", "active"):
             inst.local = classify(step.source)
         if ev is Reduced and step.source == "abort_requested":
             local = {"local_active": Local.ACTIVE, "local_pending": Local.PENDING}.get(
@@ -340,9 +343,9 @@ def test_an_active_rank_can_never_skip_the_barrier() -> None:
     inst.decide(Local.ACTIVE)
     r.site.prefetch_of("rid").terminate()  # type: ignore[union-attr]
     inst.fire(Drained())
-    with pytest.raises(TransitionNotAllowed, match=r"'Release' is not allowed in state "
+    with pytest.raises(TransitionNotAllowed, match=r"'PrefetchRelease' is not allowed in state "
                        r"'drained'"):
-        inst.fire(Release())
+        inst.fire(PrefetchRelease())
     assert inst.state == "drained" and r.site.host.locked_pages() == ANCHOR
     inst.fire(Join())
     inst.fire(BarrierPassed())
@@ -355,7 +358,7 @@ def test_abort_echo_and_late_completion_after_release_release_nothing() -> None:
     simulated(rs, 2).abort("rid")
     inst = rs[0].site.requests["rid"]
     runs = rs[0].site.machine.stats.plans_run["release_aborted"]
-    inst.fire(Abort())
+    inst.fire(PrefetchAbort())
     inst.fire(Complete())
     assert rs[0].site.machine.stats.plans_run["release_aborted"] == runs
     assert inst.state == "released"
@@ -439,3 +442,159 @@ def test_a_barrier_timeout_leads_to_stalled_and_only_a_closed_group_releases() -
         inst.fire(BarrierPassed())
     inst.fire(GroupClosed())
     assert inst.state == "released"
+
+
+# -- errors of the collectives, late completions, duplicate aborts ----------------------------
+
+AFTER_ABORT = ("abort_requested", "revoking", "draining", "revoked", "drained", "in_barrier",
+               "stalled", "broken", "released")
+
+
+def _abort_until(r: Rank, state: str) -> Any:
+    """Start the abort of `rid` on rank 0 of a tp pair and stop in `state`; returns the
+    suspended protocol generator, if the state is reached through it."""
+    site = r.site
+    r.prepare("rid", Local.PENDING if state in ("revoking", "revoked") else Local.ACTIVE)
+    inst = site.requests["rid"]
+    if state in ("revoking", "draining", "revoked", "drained"):
+        inst.abort()
+        inst.decide(int(inst.local))  # the peer was missing: the MAX is this rank's class
+        if state == "revoked":
+            inst.fire(Revoked())
+        if state == "drained":
+            site.prefetch_of("rid").stop()  # type: ignore[union-attr]
+            inst.fire(Drained())
+        return None
+    gen = site.abort_steps("rid", ("tp",))
+    assert next(gen) == ReduceOp(0, Local.ACTIVE)
+    if state == "abort_requested":
+        return gen
+    assert gen.send(Local.ACTIVE) == BarrierOp(0, None)
+    if state == "stalled":
+        with pytest.raises(PrefetchAbortTimeout):
+            gen.throw(CollectiveTimeout("peer", "barrier", "tp", [0, 1], 1.0, ticket=None))
+    elif state == "broken":
+        with pytest.raises(PrefetchCollectiveFailed):
+            gen.throw(RuntimeError("Connection closed by peer"))
+    elif state == "released":
+        with pytest.raises(StopIteration):
+            gen.send(None)
+    return gen
+
+
+def _finish_abort(r: Rank, state: str, gen: Any) -> None:
+    """Take the abort from `state` to `released` the way its driver would."""
+    site, inst = r.site, r.site.requests["rid"]
+    if state in ("abort_requested", "stalled", "broken"):
+        if gen is not None:
+            gen.close()
+        site.close_group("rid")
+    elif state == "in_barrier":
+        with pytest.raises(StopIteration):
+            gen.send(None)
+    elif state in ("revoking", "revoked"):
+        if state == "revoking":
+            inst.fire(Revoked())
+        inst.fire(PrefetchRelease())
+    elif state in ("draining", "drained"):
+        if state == "draining":
+            site.prefetch_of("rid").stop()  # type: ignore[union-attr]
+            inst.fire(Drained())
+        inst.fire(Join())
+        inst.fire(BarrierPassed())
+    assert inst.state == "released"
+
+
+@pytest.mark.parametrize("state", AFTER_ABORT)
+def test_a_late_completion_is_absorbed_in_every_state_after_the_abort_started(
+        state: str) -> None:
+    r = Rank(0)
+    gen = _abort_until(r, state)
+    site, inst = r.site, r.site.requests["rid"]
+    assert inst.state == state
+    held = [(h.kind, h.hid) for h in site.ledger.owned(inst)]
+    assert site.complete("rid") is None  # the I/O side reports its end late
+    assert inst.fire(Complete()) is None
+    assert inst.state == state and [(h.kind, h.hid) for h in site.ledger.owned(inst)] == held
+    assert site.machine.stats.plans_run["release_completed"] == 0 and not r.inserted
+    if state != "released":
+        _finish_abort(r, state, gen)
+    assert site.machine.stats.plans_run["release_aborted"] == 1
+    r.finish()
+
+
+def test_a_duplicate_abort_of_a_released_prefetch_is_absorbed_without_a_collective() -> None:
+    rs = ranks(2)
+    rs[0].prepare("rid", Local.ACTIVE)
+    sim = simulated(rs, 2)
+    sim.abort("rid")
+    reduces, runs = [list(x) for x in sim.reduces], rs[0].site.machine.stats.plans_run.copy()
+    # Only rank 0 gets the duplicate: its peer never joins a collective for it.
+    (out,) = sim.run({0: rs[0].site.abort_steps("rid", sim.names)})
+    assert isinstance(out, AbortOutcome), out
+    assert (out.state, out.barrier) == ("released", False)
+    assert sim.reduces == reduces and sim.barriers == [[1], [1]]
+    assert rs[0].site.machine.stats.plans_run == runs
+    assert rs[0].site.trace[-1] == ("absorbed", "rid")
+    # With real collectives too: a group object that must never be touched.
+    untouchable = RankCollectives([("tp", object())], timeout=1.0)
+    assert rs[1].site.abort("rid", untouchable).state == "released"
+    assert untouchable.reduces == [0] and untouchable.barriers == [0]
+    for r in rs:
+        r.finish()
+
+
+class PeerDiesAfterReduce:
+    """Collectives of a rank whose only peer exits after the reduction, as gloo reports
+    it: the barrier raises the backend's RuntimeError."""
+
+    names = ("tp",)
+
+    def __init__(self, fail: str = "barrier") -> None:
+        self.fail = fail
+
+    def reduce_max(self, i: int, value: int, what: str = "") -> int:
+        if self.fail == "reduce":
+            raise RuntimeError("[pair.cc:537] Read error: Connection reset by peer")
+        return int(Local.ACTIVE)
+
+    def barrier(self, i: int, what: str = "", ticket: Any = None) -> None:
+        raise RuntimeError("[pair.cc:598] Connection closed by peer [127.0.0.1]:1234")
+
+
+@pytest.mark.parametrize(("fail", "state"), [("barrier", "broken"),
+                                             ("reduce", "abort_requested")])
+def test_a_collective_error_names_request_rank_and_group_and_close_group_releases_once(
+        fail: str, state: str) -> None:
+    r = Rank(3)
+    r.prepare("rid", Local.ACTIVE)
+    site = r.site
+    with pytest.raises(PrefetchCollectiveFailed) as info:
+        site.abort("rid", PeerDiesAfterReduce(fail))  # type: ignore[arg-type]
+    err = info.value
+    assert isinstance(err, PrefetchAbortError) and isinstance(err.error, RuntimeError)
+    assert (err.rid, err.rank, err.group, err.state) == ("rid", 3, "tp", state)
+    assert str(err).startswith(f"prefetch abort of request 'rid' on rank 3: "
+                               f"{'barrier' if fail == 'barrier' else 'reduce_max'} on "
+                               "attention group 'tp' raised RuntimeError: ")
+    assert "close_group(rid) releases it" in str(err) and "host_lock" in err.kept
+    inst = site.requests["rid"]
+    assert inst.state == state
+    # Nothing was released: the pages, the anchor lock and the occupancy are all kept.
+    assert site.host.locked_pages() == ANCHOR and site.occupancy_tokens == PAGES
+    assert site.machine.stats.plans_run["release_aborted"] == 0
+    # A retry or a second abort is refused without changing anything; no peer is left.
+    with pytest.raises(ValueError, match=r"has no stalled prefetch"):
+        next(site.retry_steps("rid", ("tp",)))
+    with pytest.raises(ValueError, match=r"already being aborted"):
+        next(site.abort_steps("rid", ("tp",)))
+    assert inst.state == state
+    # The documented recovery: the caller tears the group down, then close_group.
+    report = site.close_group("rid")
+    assert report is not None and report.ok
+    assert sorted(h.kind for h in report.released) == ["host_lock", "host_pages"]
+    assert site.machine.stats.plans_run["release_aborted"] == 1
+    with pytest.raises(ValueError, match=r"has no timed-out or failed abort \(it is "
+                       r"'released'\); nothing was changed"):
+        site.close_group("rid")
+    r.finish()

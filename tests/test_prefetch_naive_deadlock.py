@@ -25,8 +25,8 @@ from terminus.effects.prefetch import (
     AbortOutcome,
     PrefetchAbortTimeout,
     PrefetchSite,
-    SimulatedRanks,
 )
+from terminus.effects.sim.ranks import SimulatedRanks
 from terminus.kernels.collective import RankCollectives, grid_partitions
 from terminus.kernels.host import HostPagePool
 from terminus.states.prefetch import Local
@@ -146,7 +146,7 @@ def test_naive_abort_on_gloo_times_out_instead_of_hanging_and_a_retry_releases()
 
 def test_simulate_abort_shows_the_naive_logic_breaking_all_or_none_and_the_fix_keeping_it(
 ) -> None:
-    from terminus.effects.prefetch import simulate_abort
+    from terminus.effects.sim.ranks import simulate_abort
 
     naive = simulate_abort([Local.ACTIVE, Local.MISSING, Local.PENDING, Local.MISSING],
                            tp=2, naive=True)

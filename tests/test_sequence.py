@@ -225,8 +225,8 @@ def test_a_refused_batched_release_still_tells_the_owner_which_rows_retired(pool
 
 
 def test_one_echo_that_raises_does_not_keep_the_other_retired_rows_silent(pools):
-    from terminus.effects.serving import SimConfig, SimScheduler
-    from terminus.states.workload import RequestSpec
+    from terminus.effects.sim.serving import SimConfig, SimScheduler
+    from terminus.effects.sim.workload import RequestSpec
 
     heard = []
 

@@ -8,15 +8,16 @@ import json
 import msgspec
 import pytest
 
-from terminus.effects.simulate import main, run_simulation
+from terminus.effects.sim.naive import naive_parts
+from terminus.effects.sim.simulate import main, run_simulation
+from terminus.effects.sim.workload import WorkloadConfig, generate
 from terminus.fsm import TransitionRecord
-from terminus.states.workload import WorkloadConfig, generate
 
 
 @pytest.fixture(scope="module")
 def small_runs():
     cfg = WorkloadConfig(requests=600, seed=3, abort_rate=0.3, fault_rate=0.1, n=3)
-    return run_simulation(cfg), run_simulation(cfg, naive=True)
+    return run_simulation(cfg), run_simulation(cfg, parts=naive_parts)
 
 
 def test_the_machines_leak_nothing_and_stream_once_per_request(small_runs):
@@ -30,6 +31,22 @@ def test_the_machines_leak_nothing_and_stream_once_per_request(small_runs):
         assert states.get(s, 0) > 0, s
     assert machines["transitions"] > machines["requests"]
     assert machines["effects"] > 0
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["machines", "naive"])
+def test_terminal_states_count_one_outcome_per_client_request(small_runs, which):
+    r = small_runs[which]
+    assert sum(r["terminal_states"].values()) == r["requests"] == 600
+    # Sampling groups (n=3) that fanned out count once, as fanned_out; their children
+    # are counted apart, one outcome each.
+    children = r["child_terminal_states"]
+    assert r["terminal_states"]["fanned_out"] > 0
+    assert sum(children.values()) >= 3 * r["terminal_states"]["fanned_out"] - 3 * (
+        r["terminal_states"].get("no_output", 0))
+    assert children.get("finished", 0) > 0
+    if which == 0:  # the machines: every client request streamed exactly one outcome
+        assert "no_output" not in r["terminal_states"]
+        assert sum(children.values()) == 3 * r["terminal_states"]["fanned_out"]
 
 
 def test_the_naive_baseline_shows_each_seeds_leak_on_the_same_workload(small_runs):
@@ -54,16 +71,22 @@ def test_simulate_writes_the_documented_json_and_a_trace(tmp_path, capsys):
     assert main(["--requests", "150", "--seed", "2", "--no-progress", "--json", str(out),
                  "--trace", str(trace), "--baseline", "naive"]) == 0
     r = json.loads(out.read_text())
-    for key in ("requests", "seconds", "terminal_states", "max_streams_per_request",
-                "leaks", "baseline"):
+    for key in ("loop", "requests", "seconds", "steps", "requests_per_second",
+                "terminal_states", "child_terminal_states", "max_streams_per_request",
+                "transitions", "transitions_by_machine", "effects", "peak", "leaks",
+                "baseline"):
         assert key in r
     assert r["requests"] == 150 and set(r["leaks"].values()) == {0}
-    assert r["baseline"]["requests"] == 150
+    assert sum(r["terminal_states"].values()) == 150
+    assert r["baseline"]["requests"] == 150 and r["baseline"]["loop"] == "naive"
+    assert sum(r["baseline"]["terminal_states"].values()) == 150
     lines = trace.read_bytes().splitlines()
     assert len(lines) == r["trace_records"] > 0
     rec = msgspec.json.decode(lines[0], type=TransitionRecord)
     assert rec.decision in ("transition", "ignore", "error")
-    assert "leak: kv tokens" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "leak: kv tokens" in printed
+    assert "sampling children" in printed and "child ended finished" in printed
 
 
 def test_a_msgpack_trace_is_length_prefixed_transition_records(tmp_path):

@@ -2,7 +2,7 @@
 
 A workload is a list of `RequestSpec`s drawn from a seeded generator, so the same
 options always give the same requests (and the naive baseline and the machines see the
-same ones). It knows no pools and no tensors: `effects.serving` executes it.
+same ones). It knows no pools and no tensors: `terminus.effects.sim.serving` executes it.
 
     kind        "colocated" (tokenizer -> scheduler -> decode batch),
                 "disagg"    (disaggregated prefill over a transport),

@@ -1,7 +1,8 @@
 """The naive baseline: the pre-fix logic of the three seeds, on the simulator's workload.
 
-`terminus simulate --baseline naive` runs the same workload twice: through the declared
-machines (`effects.serving.ServingLoop`) and through this, the logic each seed fixed,
+`terminus simulate --baseline naive` runs the same workload twice through the serving
+loop (`terminus.effects.sim.serving.ServingLoop`): with the declared machines
+(`machine_parts`) and with these parts (`naive_parts`), the logic each seed fixed,
 written out as it was, so the summary can show each one's leak side by side:
 
 * LoRA counters (seeds/lora-usage-counter-lifecycle.txt): a reference is released when
@@ -12,7 +13,7 @@ written out as it was, so the summary can show each one's leak side by side:
 * The scheduler (seeds/disagg-prefill-abort-leak.txt): an abort while prefill chunks are
   in flight only marks the sequence, and the aborted chunk's result is dropped without
   releasing what the sequence holds (its row, KV tokens and Mamba state).
-* Disaggregated prefill: `effects.scenarios`' naive loop (middle results dropped, final
+* Disaggregated prefill: `terminus.effects.sim.scenarios`' naive loop (middle results dropped, final
   results not checked, a raising sender abort skipping the local releases).
 * Prefetch abort (seeds/unified-radix-prefetch-abort.txt): each rank decides on its own
   local state; ranks without active I/O skip the barrier the active ranks wait in.
@@ -20,20 +21,21 @@ written out as it was, so the summary can show each one's leak side by side:
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
+from terminus.effects.disagg import DisaggPools
+from terminus.effects.output import OutputSink, TerminalOutput
+from terminus.effects.prefix_cache import CountingPrefixCache
+from terminus.effects.tokenizer import InvalidRequest
+from terminus.effects.transport import TransportError
 from terminus.kernels import ReleaseUnderflow
 
-from .disagg import DisaggPools, TerminalOutput, TerminalStream
-from .prefix_cache import CountingPrefixCache
-from .request import TerminalOutput as RequestOutput
 from .scenarios import _Naive, _Plan
-from .serving import SimConfig, SimScheduler
-from .tokenizer import InvalidRequest
-from .transport import FakeTransport, TransportError
+from .serving import Parts, Shared, SimConfig, SimPrefetch, SimScheduler
+from .transport import FakeTransport
 
-__all__ = ["NaiveDisagg", "NaiveScheduler", "NaiveTokenizer"]
+__all__ = ["NaiveDisagg", "NaiveParts", "NaivePrefetch", "NaiveScheduler", "NaiveTokenizer",
+           "naive_parts"]
 
 
 class NaiveTokenizer:
@@ -72,7 +74,7 @@ class NaiveTokenizer:
             return
         self._release(st.get("lora_id"))
         if st.get("stream", True):
-            self.sink.put(RequestOutput(rid, outcome, status))
+            self.sink.put(TerminalOutput(rid, outcome, status))
 
     async def submit(self, prompt: Any, lora: str | None = None, *, rid: Any) -> None:
         """One request: acquire, tokenize, send."""
@@ -219,7 +221,7 @@ class NaiveDisagg:
     same happenings as the machines.
     """
 
-    def __init__(self, cfg: SimConfig, specs: list[Any]) -> None:
+    def __init__(self, cfg: SimConfig, specs: list[Any], sink: OutputSink) -> None:
         self.cfg = cfg
         c = cfg.chunk_size
         tokens = sum(s.prompt_len for s in specs) + c
@@ -230,8 +232,8 @@ class NaiveDisagg:
                                       device=cfg.device, strict=False)
         self.transport = FakeTransport(auto_complete=True)
         self.cache = CountingPrefixCache(self.pools.kv)
-        self.stream = TerminalStream()
-        self.loop = _Naive(self.pools, self.transport, self.cache, self.stream, c, 1)
+        self.sink = sink
+        self.loop = _Naive(self.pools, self.transport, self.cache, sink, c, 1)
         self.live: dict[str, list[int]] = {}
 
     def add(self, spec: Any) -> None:
@@ -243,7 +245,7 @@ class NaiveDisagg:
                      spec.fault == "sender_abort", min(spec.prefetch_pages, 4))
         self.loop.add(plan)
         if spec.fault == "bootstrap":
-            self.stream.emit(TerminalOutput(spec.rid, "bootstrap_failed", "bootstrap"))
+            self.sink.put(TerminalOutput(spec.rid, "bootstrap_failed", message="bootstrap"))
             self.loop.reqs[spec.rid].state = "bootstrap_failed"
             return
         self.loop.bootstrap(spec.rid)
@@ -282,9 +284,9 @@ class NaiveDisagg:
         """No request is live."""
         return not self.live
 
-    def terminal_states(self) -> Counter[str]:
-        """Requests by the state the naive loop left them in."""
-        return Counter(r.state for r in self.loop.reqs.values())
+    def stuck(self) -> list[Any]:
+        """A few live requests (for the did-not-drain error)."""
+        return list(self.live)[:5]
 
     def leaks(self) -> dict[str, int]:
         """Units missing from each pool once the cache is evicted."""
@@ -303,3 +305,49 @@ class NaiveDisagg:
         """Every request id it was given."""
         return list(self.loop.reqs)
 
+
+class NaivePrefetch(SimPrefetch):
+    """The pre-fix prefetch abort: each rank decides on its own local state, so ranks
+    without active I/O skip the barrier the active ranks wait in."""
+
+    def abort_on_ranks(self, rid: Any) -> list[Any]:
+        """Run the naive protocol (no reduction) of `rid` on every rank."""
+        return self.ranks.abort(rid, naive=True)
+
+
+class NaiveParts:
+    """The seeds' pre-fix logic as a serving loop's parts (no declared machines)."""
+
+    loop = "naive"
+
+    def __init__(self, shared: Shared) -> None:
+        self.scheduler = NaiveScheduler(shared.running, shared.cfg, shared.spec_of)
+        self.tokenizer = NaiveTokenizer(shared.registry, shared.tokenizer, self.scheduler,
+                                        shared.sink)
+        self.scheduler.tokenizer = self.tokenizer  # type: ignore[assignment]
+        self.disagg = NaiveDisagg(shared.cfg, [s for s in shared.workload
+                                               if s.kind == "disagg"], shared.sink)
+        self.prefetch = NaivePrefetch(shared.cfg)
+
+    def machines(self) -> list[Any]:
+        """None: the naive loop has no declared machines of its own."""
+        return []
+
+    @property
+    def settled(self) -> bool:
+        """Always: the naive tokenizer can hold states nothing will ever pop."""
+        return True
+
+    def leaks(self) -> dict[str, int]:
+        """References orphaned by aborts that overtook an acquire, and counter underflows."""
+        return {"lora_refs": self.tokenizer.orphans,
+                "lora_underflows": self.tokenizer.underflows}
+
+    def stuck(self) -> dict[str, Any]:
+        """Live disagg requests."""
+        return {"disagg": self.disagg.stuck()}
+
+
+def naive_parts(shared: Shared) -> Parts:
+    """The parts that run the seeds' pre-fix logic (`terminus simulate --baseline naive`)."""
+    return NaiveParts(shared)

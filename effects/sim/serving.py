@@ -13,8 +13,12 @@ Nothing here frees a resource: the loop delivers events, and only the machines'
 terminal transitions release what the ledger (or the batch row) owns. A real engine
 replaces the fakes at the edges (tokenizer, transport, model) and keeps the rest.
 
-The loop lives in `effects/` because it allocates from `kernels/`; `states/` holds the
-machines and the workload (`states.workload`), which know no pools.
+The loop owns what both of its variants share (the workload, the scheduler's pools and
+running batch, the LoRA registry, the fake tokenizer and the one `OutputLog` every
+terminal output goes to: a `Shared`). The rest, the `Parts` (tokenizer side, scheduler,
+disagg server, prefetch ranks), comes from a factory: `machine_parts` (here: the
+declared machines) or `terminus.effects.sim.naive.naive_parts` (the seeds' pre-fix
+logic). The loop itself has no branch on which it drives.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import msgspec
 import torch
@@ -32,7 +37,13 @@ import torch
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import ExceptionGroup
 
-from terminus.fsm import Ledger, TransitionRecord
+from terminus.effects.disagg import DisaggPools, DisaggPrefill
+from terminus.effects.output import OutputLog
+from terminus.effects.prefetch import PrefetchAbortTimeout, PrefetchSite
+from terminus.effects.request import RequestResources, lora_ledger
+from terminus.effects.sequence import RunningBatch, SchedulerPools
+from terminus.effects.tokenizer import InvalidRequest, TokenizerSide
+from terminus.fsm import TransitionRecord
 from terminus.kernels import HostPagePool, LoRARegistry
 from terminus.kernels.collective import grid_partitions
 from terminus.states.sequence import Abort as SeqAbort
@@ -44,16 +55,26 @@ from terminus.states.sequence import (
     LastChunkDone,
     Token,
 )
-from terminus.states.workload import RequestSpec
 
-from .disagg import DisaggPools, DisaggPrefill
-from .prefetch import PrefetchAbortTimeout, PrefetchSite, SimulatedRanks
-from .request import RequestResources, TerminalOutput, lora_ledger
-from .sequence import RunningBatch, SchedulerPools
-from .tokenizer import InvalidRequest, TokenizerSide
+from .ranks import SimulatedRanks
 from .transport import FakeTransport
+from .workload import RequestSpec
 
-__all__ = ["ServingLoop", "SimConfig", "StreamCounter"]
+__all__ = [
+    "LEAK_KEYS",
+    "NO_OUTPUT",
+    "FakeTokenizer",
+    "MachineParts",
+    "Parts",
+    "PartsFactory",
+    "ServingLoop",
+    "Shared",
+    "SimConfig",
+    "SimDisagg",
+    "SimPrefetch",
+    "SimScheduler",
+    "machine_parts",
+]
 
 _STATUS = {"scheduler_400": 400, "scheduler_500": 500, "scheduler_503": 503}
 
@@ -61,6 +82,10 @@ LEAK_KEYS = ("kv_tokens", "mamba_slots", "request_slots", "metadata_slots", "hos
              "prefetch_tokens", "lora_refs", "lora_underflows", "ledger_handles",
              "missing_streams", "duplicate_streams", "collective_deadlocks")
 """The leak audit's resources, in the order the summary prints them."""
+
+NO_OUTPUT = "no_output"
+"""The outcome counted for a client request that streamed no terminal output at all (a
+leak the naive loop has; the machines never count one)."""
 
 
 class SimConfig(msgspec.Struct, frozen=True):
@@ -87,19 +112,6 @@ class _RegistryWithLatency(LoRARegistry):
     async def acquire(self, names: Any) -> Any:
         await asyncio.sleep(0)
         return await super().acquire(names)
-
-
-class StreamCounter:
-    """The client side: counts terminal outputs per request id (an OutputSink)."""
-
-    def __init__(self) -> None:
-        self.count: Counter[Any] = Counter()
-        self.outcomes: Counter[str] = Counter()
-
-    def put(self, output: TerminalOutput) -> None:
-        """Record one terminal output."""
-        self.count[output.rid] += 1
-        self.outcomes[output.outcome] += 1
 
 
 class FakeTokenizer:
@@ -307,7 +319,7 @@ class SimScheduler:
 class SimDisagg:
     """Disaggregated-prefill requests over a fake KV sender that fails on cue."""
 
-    def __init__(self, cfg: SimConfig) -> None:
+    def __init__(self, cfg: SimConfig, sink: OutputLog) -> None:
         self.cfg = cfg
         self.transport = FakeTransport(auto_complete=True)
         pools = DisaggPools.make(kv_tokens=cfg.disagg_kv_tokens, requests=cfg.disagg_rows,
@@ -315,7 +327,7 @@ class SimDisagg:
                                  host_pages=cfg.host_pages,
                                  max_context_len=cfg.max_context_len, device=cfg.device,
                                  strict=cfg.strict)
-        self.engine = DisaggPrefill(pools, transport=self.transport)
+        self.engine = DisaggPrefill(pools, transport=self.transport, sink=sink)
         self.live: dict[str, deque[int]] = {}  # rid -> chunks in flight, oldest first
 
     def add(self, spec: RequestSpec) -> None:
@@ -335,11 +347,6 @@ class SimDisagg:
     def pools(self) -> DisaggPools:
         """The disaggregated-prefill server's pools."""
         return self.engine.pools
-
-    @property
-    def stream(self) -> Any:
-        """Its terminal-output stream."""
-        return self.engine.stream
 
     def abort(self, rid: str) -> None:
         """The client aborts `rid` (absorbed when it already ended)."""
@@ -377,9 +384,9 @@ class SimDisagg:
         """No request is live."""
         return not self.live
 
-    def terminal_states(self) -> Counter[str]:
-        """Requests by terminal state."""
-        return Counter(r.state for r in self.engine)
+    def stuck(self) -> list[Any]:
+        """A few live requests and their states (for the did-not-drain error)."""
+        return [(r, self.engine.req(r).state) for r in list(self.live)[:5]]
 
     def leaks(self) -> dict[str, int]:
         """Units missing from each pool once the cache is evicted."""
@@ -444,19 +451,23 @@ class SimPrefetch:
         if any(s.host.available < s.host.capacity // 4 for s in self.sites):
             self.evict()
 
-    def abort(self, rid: Any, naive: bool = False) -> None:
+    def abort(self, rid: Any) -> None:
         """Abort `rid` on every rank together (a no-op once every rank completed)."""
         if rid not in self.live:
             return
         del self.live[rid]
         self.aborts += 1
-        outcomes = self.ranks.abort(rid, naive=naive)
+        outcomes = self.abort_on_ranks(rid)
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         for e in errors:
             if not isinstance(e, PrefetchAbortTimeout):
                 raise e  # a bug, not a peer that never came: fail loudly
         if errors:
             self.deadlocks += 1
+
+    def abort_on_ranks(self, rid: Any) -> list[Any]:
+        """Run the rank-collective abort protocol of `rid`; each rank's outcome."""
+        return self.ranks.abort(rid)
 
     def evict(self) -> None:
         """The host cache drops every prefix it holds."""
@@ -479,18 +490,135 @@ class SimPrefetch:
         }
 
 
+@dataclass
+class Shared:
+    """What a serving loop builds once and lends to its parts."""
+
+    cfg: SimConfig
+    workload: list[RequestSpec]
+    running: RunningBatch
+    registry: LoRARegistry
+    tokenizer: FakeTokenizer
+    sink: OutputLog
+    spec_of: Callable[[Any], RequestSpec]
+
+
+class Parts(Protocol):
+    """The half of a serving loop that differs between the machines and the naive
+    baseline. `tokenizer` is a tokenizer side (`submit`, `submit_batch`, `abort`,
+    `drain`, `live`, and the scheduler's `on_output` / `on_finish` / `on_error`);
+    `disagg` takes the disaggregated-prefill requests (`add`, `abort`, `step`, `idle`,
+    `pools`, `leaks()`, `stuck()`)."""
+
+    @property
+    def loop(self) -> str:
+        """The summary's `loop`: "machines" or "naive"."""
+        ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer side the client talks to."""
+        ...
+
+    @property
+    def scheduler(self) -> SimScheduler:
+        """The scheduler over the loop's running batch."""
+        ...
+
+    @property
+    def disagg(self) -> Any:
+        """The disaggregated-prefill server."""
+        ...
+
+    @property
+    def prefetch(self) -> SimPrefetch:
+        """The storage prefetches across the attention ranks."""
+        ...
+
+    def machines(self) -> list[Any]:
+        """Every bound machine object the parts drive (for traces and counts)."""
+        ...
+
+    @property
+    def settled(self) -> bool:
+        """The tokenizer side holds nothing that can still end."""
+        ...
+
+    def leaks(self) -> dict[str, int]:
+        """What only these parts can count, added to the loop's audit (`LEAK_KEYS`)."""
+        ...
+
+    def stuck(self) -> dict[str, Any]:
+        """What is still live, by part (for the did-not-drain error)."""
+        ...
+
+
+PartsFactory = Callable[[Shared], Parts]
+"""Builds a loop's parts from what it shares: `machine_parts` or `naive_parts`."""
+
+
+class MachineParts:
+    """The declared machines: `TokenizerSide` over one LoRA ledger, `SimScheduler`'s
+    running batch, `DisaggPrefill` and the prefetch ranks' collective abort."""
+
+    loop = "machines"
+
+    def __init__(self, shared: Shared) -> None:
+        self.running = shared.running
+        self.scheduler = SimScheduler(shared.running, shared.cfg, shared.spec_of)
+        self.ledger = lora_ledger(RequestResources(shared.registry, shared.sink,
+                                                   self.scheduler))
+        self.tokenizer = TokenizerSide(shared.registry, shared.tokenizer, self.scheduler,
+                                       shared.sink, ledger=self.ledger,
+                                       retain_terminal=1 << 30)
+        self.scheduler.tokenizer = self.tokenizer
+        self.disagg = SimDisagg(shared.cfg, shared.sink)
+        self.prefetch = SimPrefetch(shared.cfg)
+
+    def machines(self) -> list[Any]:
+        """The tokenizer's REQUEST and SAMPLING, SEQUENCE, DISAGG_PREFILL, CHUNK and
+        each rank's PREFETCH."""
+        return [self.tokenizer.requests, self.tokenizer.sampling,
+                self.running.batch.machine, self.disagg.engine.requests_machine,
+                self.disagg.engine.chunks_machine,
+                *(site.machine for site in self.prefetch.sites)]
+
+    @property
+    def settled(self) -> bool:
+        """No request of the tokenizer side is live."""
+        return not self.tokenizer.live
+
+    def leaks(self) -> dict[str, int]:
+        """Handles the LoRA ledger still records as owned."""
+        return {"ledger_handles": self.ledger.count()}
+
+    def stuck(self) -> dict[str, Any]:
+        """Live disagg and tokenizer-side requests with their states."""
+        return {"disagg": self.disagg.stuck(),
+                "tokenizer": [(k, v.state) for k, v in list(self.tokenizer.live.items())[:5]]}
+
+
+def machine_parts(shared: Shared) -> Parts:
+    """The parts that drive the declared machines (the default of `ServingLoop`)."""
+    return MachineParts(shared)
+
+
 class ServingLoop:
-    """Runs a workload through the machines over real pools; see the module docstring."""
+    """Runs a workload through its parts over real pools; see the module docstring.
+
+    `parts` builds the tokenizer side, scheduler, disagg server and prefetch ranks from
+    what the loop shares (`machine_parts` by default; `naive.naive_parts` for the
+    seeds' pre-fix logic).
+    """
 
     def __init__(self, workload: list[RequestSpec], cfg: SimConfig | None = None, *,
+                 parts: PartsFactory = machine_parts,
                  adapters: tuple[str, ...] = ("sql-lora", "chat-lora", "code-lora"),
-                 naive: bool = False,
                  trace: Callable[[TransitionRecord], None] | None = None,
                  progress: Callable[[int], None] | None = None) -> None:
         self.cfg = cfg or SimConfig()
         self.workload = workload
         self.adapters = adapters
-        self.naive = naive
         self.trace = trace
         self.progress = progress
         self.specs = {s.rid: s for s in workload}
@@ -501,29 +629,14 @@ class ServingLoop:
                                     device=self.cfg.device, strict=self.cfg.strict)
         self.running = RunningBatch(self.pools)
         self.registry = _RegistryWithLatency()
-        self.sink = StreamCounter()
+        self.sink = OutputLog()
         self.tokenizer_fake = FakeTokenizer()
-        self.prefetch = SimPrefetch(self.cfg)
-        self.ledger: Ledger | None = None
-        self.tokenizer: Any
-        self.disagg: Any
-        if naive:
-            from .naive import NaiveDisagg, NaiveScheduler, NaiveTokenizer
-
-            self.scheduler: SimScheduler = NaiveScheduler(self.running, self.cfg,
-                                                          self.spec_of)
-            self.tokenizer = NaiveTokenizer(self.registry, self.tokenizer_fake,
-                                            self.scheduler, self.sink)
-            self.disagg = NaiveDisagg(self.cfg, [s for s in workload if s.kind == "disagg"])
-        else:
-            self.scheduler = SimScheduler(self.running, self.cfg, self.spec_of)
-            self.ledger = lora_ledger(RequestResources(self.registry, self.sink,
-                                                       self.scheduler))
-            self.tokenizer = TokenizerSide(self.registry, self.tokenizer_fake,
-                                           self.scheduler, self.sink, ledger=self.ledger,
-                                           retain_terminal=1 << 30)
-            self.disagg = SimDisagg(self.cfg)
-        self.scheduler.tokenizer = self.tokenizer
+        self.parts = parts(Shared(self.cfg, workload, self.running, self.registry,
+                                  self.tokenizer_fake, self.sink, self.spec_of))
+        self.tokenizer = self.parts.tokenizer
+        self.scheduler = self.parts.scheduler
+        self.disagg = self.parts.disagg
+        self.prefetch = self.parts.prefetch
         self.steps = 0
         self.seconds = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -536,12 +649,7 @@ class ServingLoop:
 
     def machines(self) -> list[Any]:
         """Every bound machine object the loop drives (for traces and counts)."""
-        if self.naive:
-            return []
-        return [self.tokenizer.requests, self.tokenizer.sampling,
-                self.running.batch.machine, self.disagg.engine.requests_machine,
-                self.disagg.engine.chunks_machine,
-                *(site.machine for site in self.prefetch.sites)]
+        return self.parts.machines()
 
     async def run(self) -> None:
         """Drive the whole workload to completion."""
@@ -586,8 +694,7 @@ class ServingLoop:
                     self.progress(arrived)
             if (now > last_arrival and not aborts and not self._tasks
                     and self.scheduler.idle and self.disagg.idle and self.prefetch.idle
-                    # The naive tokenizer can hold states nothing will ever pop.
-                    and (self.naive or not self.tokenizer.live)):
+                    and self.parts.settled):
                 break
             if now > last_arrival + 10_000:
                 raise RuntimeError(f"the simulation did not drain: {self._stuck()}")
@@ -604,11 +711,8 @@ class ServingLoop:
             "queued": [q.rid for q in list(sch.queue)[:5]],
             "running": [(q.rid, self.running.batch.machine.states[
                 int(self.running.batch.states[q.row])]) for q in list(sch.by_row.values())[:5]],
-            "disagg": [(r, self.disagg.engine.req(r).state) for r in list(self.disagg.live)[:5]]
-            if not self.naive else list(self.disagg.live)[:5],
+            **self.parts.stuck(),
             "prefetch": list(self.prefetch.live)[:5],
-            "tokenizer": [(k, v.state) for k, v in list(self.tokenizer.live.items())[:5]]
-            if not self.naive else [],
             "tasks": len(self._tasks),
         }
         return ", ".join(f"{k}={v}" for k, v in parts.items() if v)
@@ -643,7 +747,7 @@ class ServingLoop:
             self.disagg.abort(rid)
             return
         if kind == "prefetch":
-            self.prefetch.abort(rid, naive=self.naive)
+            self.prefetch.abort(rid)
         self.tokenizer.abort(rid)
 
     def _submit(self, spec: RequestSpec, now: int) -> None:
@@ -671,14 +775,13 @@ class ServingLoop:
             out[k] += v
         for k, v in self.prefetch.leaks().items():
             out[k] += v
-        # References not returned: what the registry still counts, plus references a
-        # loop dropped with no owner left to return them (the naive loop's orphans;
-        # the machines have none: a late acquire is released at once).
-        counts = self.registry.counts().values()
-        out["lora_refs"] = sum(abs(c) for c in counts) + getattr(self.tokenizer, "orphans", 0)
-        out["lora_underflows"] = getattr(self.tokenizer, "underflows", 0)
-        if self.ledger is not None:
-            out["ledger_handles"] += self.ledger.count()
+        # References not returned: what the registry still counts, plus (from the
+        # parts) references a loop dropped with no owner left to return them (the
+        # naive loop's orphans; the machines have none: a late acquire is released
+        # at once), counter underflows and ledger handles.
+        out["lora_refs"] = sum(abs(c) for c in self.registry.counts().values())
+        for k, v in self.parts.leaks().items():
+            out[k] += v
         streams = self.stream_counts()
         out["missing_streams"] = sum(1 for rid in self._expected_streams()
                                      if not self._streamed(rid, streams))
@@ -687,25 +790,45 @@ class ServingLoop:
         return {k: int(out[k]) for k in LEAK_KEYS}
 
     def stream_counts(self) -> Counter[Any]:
-        """Terminal outputs per request id, both paths."""
-        c = Counter(self.sink.count)
-        c.update(self.disagg.stream.counts)
-        return c
+        """Terminal outputs per request id, every path."""
+        return Counter(self.sink.counts)
 
     def _expected_streams(self) -> list[Any]:
         return [s.rid for s in self.workload]
 
+    def _children(self, spec: RequestSpec) -> list[Any]:
+        """The request ids of a sampling request's children."""
+        return [f"{spec.rid}-{k}" for k in range(spec.n)] if spec.n > 1 else []
+
     def _streamed(self, rid: Any, streams: Counter[Any]) -> bool:
         # A sampling group streams through its children once it fanned out.
-        spec = self.specs[rid]
-        return streams[rid] > 0 or any(streams[f"{rid}-{k}"] for k in range(spec.n))
+        return streams[rid] > 0 or any(streams[c] for c in self._children(self.specs[rid]))
 
     def max_streams_per_request(self) -> int:
         """The most terminal outputs any one request id streamed (1 is right)."""
         return max(self.stream_counts().values(), default=0)
 
     def terminal_states(self) -> Counter[str]:
-        """Terminal outputs by state (a sampling group's children count one each)."""
-        c: Counter[str] = Counter(self.sink.outcomes)
-        c.update(self.disagg.terminal_states())
-        return c
+        """One outcome per client request (the values sum to the workload's size).
+
+        A request's outcome is its first terminal output's; a sampling group that fanned
+        out streams none itself and counts as `fanned_out` (the group's terminal state),
+        its children under `child_terminal_states`; a request that streamed nothing at
+        all counts as `NO_OUTPUT`.
+        """
+        first = self.sink.first()
+        out: Counter[str] = Counter()
+        for spec in self.workload:
+            own = first.get(spec.rid)
+            if own is not None:
+                out[own.outcome] += 1
+            elif any(c in first for c in self._children(spec)):
+                out["fanned_out"] += 1
+            else:
+                out[NO_OUTPUT] += 1
+        return out
+
+    def child_terminal_states(self) -> Counter[str]:
+        """Sampling children by the outcome of their first terminal output."""
+        return Counter(o.outcome for rid, o in self.sink.first().items()
+                       if rid not in self.specs)

@@ -11,7 +11,7 @@ script drives either
   is dropped without release; a final result is not checked, so an aborted request is
   cached, sent and reported as finished; the sender's abort is called before the local
   releases and, when it raises, skips them; or
-* the declared machines (`naive=False`): `effects.disagg.DisaggPrefill`.
+* the declared machines (`naive=False`): `terminus.effects.disagg.DisaggPrefill`.
 
 Either way the run ends by evicting the prefix cache, and the report counts what the
 pools are still missing and what reached the outside wrongly.
@@ -26,9 +26,12 @@ from typing import Any
 import msgspec
 import torch
 
-from .disagg import DisaggPools, DisaggPrefill, TerminalOutput, TerminalStream
-from .prefix_cache import CountingPrefixCache
-from .transport import FakeTransport, Poll, TransportError
+from terminus.effects.disagg import DisaggPools, DisaggPrefill
+from terminus.effects.output import OutputLog, OutputSink, TerminalOutput
+from terminus.effects.prefix_cache import CountingPrefixCache
+from terminus.effects.transport import Poll, TransportError
+
+from .transport import FakeTransport
 
 __all__ = ["DisaggLeak", "disagg_seed"]
 
@@ -117,8 +120,8 @@ class _Naive:
     """The pre-fix result loop, kept deliberately as it was (see the module docstring)."""
 
     def __init__(self, pools: DisaggPools, transport: FakeTransport, cache: CountingPrefixCache,
-                 stream: TerminalStream, chunk_size: int, mamba_per_request: int) -> None:
-        self.pools, self.transport, self.cache, self.stream = pools, transport, cache, stream
+                 sink: OutputSink, chunk_size: int, mamba_per_request: int) -> None:
+        self.pools, self.transport, self.cache, self.sink = pools, transport, cache, sink
         self.chunk_size = chunk_size
         self.mamba_per_request = mamba_per_request
         self.reqs: dict[str, _NaiveReq] = {}
@@ -158,7 +161,7 @@ class _Naive:
         r.state = "aborted"
         self.transport.abort(r.plan.rid)  # raises before the local releases: the bug
         self._release_local(r)
-        self.stream.emit(TerminalOutput(r.plan.rid, "aborted", "aborted"))
+        self.sink.put(TerminalOutput(r.plan.rid, "aborted", message="aborted"))
 
     def abort(self, rid: str) -> None:
         r = self.reqs[rid]
@@ -213,7 +216,7 @@ class _Naive:
         if self.transport.poll(rid) is Poll.SUCCESS:
             r.state = "succeeded"
             self._release_local(r)
-            self.stream.emit(TerminalOutput(rid, "succeeded", ""))
+            self.sink.put(TerminalOutput(rid, "succeeded"))
 
 
 class _Machines:
@@ -241,7 +244,8 @@ class _Machines:
         self.e.result(rid, k)
 
     def transferring(self, rid: str) -> bool:
-        return self.e.req(rid).state == "transferring"
+        # Aborted while sending, it still waits for the sender's confirmation (a poll).
+        return self.e.req(rid).state in ("transferring", "awaiting_sender")
 
     def poll(self, rid: str) -> None:
         self.e.poll_transfer(rid)
@@ -268,12 +272,12 @@ def disagg_seed(naive: bool, seed: int = 0, *, requests: int = 64, chunk_size: i
     if failing:
         transport.fail("abort", failing)
     cache = CountingPrefixCache(pools.kv)
-    stream = TerminalStream()
+    sink = OutputLog()
     loop: Any
     if naive:
-        loop = _Naive(pools, transport, cache, stream, chunk_size, mamba_per_request)
+        loop = _Naive(pools, transport, cache, sink, chunk_size, mamba_per_request)
     else:
-        engine = DisaggPrefill(pools, transport=transport, cache=cache, stream=stream,
+        engine = DisaggPrefill(pools, transport=transport, cache=cache, sink=sink,
                                mamba_per_request=mamba_per_request)
         loop = _Machines(engine)
         loop.chunk_size = chunk_size
@@ -303,14 +307,14 @@ def disagg_seed(naive: bool, seed: int = 0, *, requests: int = 64, chunk_size: i
                     abort(rid)
                 loop.result(rid, k)
             if loop.transferring(rid):
-                if p.abort_at == p.n_chunks:
+                if p.abort_at == p.n_chunks and rid not in aborted:
                     abort(rid)
                 else:
                     loop.poll(rid)
 
     cache.evict_all()
     outs: dict[str, list[TerminalOutput]] = {}
-    for o in stream.outputs:
+    for o in sink.outputs:
         outs.setdefault(o.rid, []).append(o)
     kv, mamba = pools.kv, pools.mamba
     kv_leak = kv.capacity - kv.available  # type: ignore[attr-defined]
@@ -331,6 +335,6 @@ def disagg_seed(naive: bool, seed: int = 0, *, requests: int = 64, chunk_size: i
         aborted_sent=sum(1 for r, n in aborted.items() if transport.sends[r] > n),
         streams_missing=sum(1 for p in plans if p.rid not in outs),
         streams_duplicated=sum(1 for o in outs.values() if len(o) > 1),
-        wrong_status=sum(1 for r in aborted if r in outs and outs[r][0].status != "aborted"),
+        wrong_status=sum(1 for r in aborted if r in outs and outs[r][0].outcome != "aborted"),
         ledger_handles=0 if naive else engine.ledger.count(),
     )

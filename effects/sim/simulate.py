@@ -16,12 +16,16 @@ import os
 import time
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from terminus.fsm.cli import CliError, parser, write_json
-from terminus.states.workload import WorkloadConfig, generate
+
+from .workload import WorkloadConfig, generate
+
+if TYPE_CHECKING:
+    from .serving import PartsFactory
 
 __all__ = ["main", "run_simulation"]
 
@@ -89,21 +93,26 @@ def _check_writable(path: str | None, what: str) -> None:
                        "not writable")
 
 
-def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu", naive: bool = False,
-                   trace: Any = None, progress: Any = None) -> dict[str, Any]:
-    """Run one workload through the machines (or the naive baseline); the summary dict."""
+def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu",
+                   parts: PartsFactory | None = None, trace: Any = None,
+                   progress: Any = None) -> dict[str, Any]:
+    """Run one workload through the serving loop; the summary dict.
+
+    `parts`: `serving.machine_parts` (the default: the declared machines) or
+    `naive.naive_parts` (the seeds' pre-fix logic).
+    """
     import torch
 
     from terminus.fsm import observe
 
-    from .serving import ServingLoop, SimConfig
+    from .serving import ServingLoop, SimConfig, machine_parts
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tensors here are small: threads only add contention
     workload = generate(wcfg)
     cfg = SimConfig(device=device, chunk_size=wcfg.chunk_size)
-    loop = ServingLoop(workload, cfg, adapters=wcfg.adapters, naive=naive, trace=trace,
-                       progress=progress)
+    loop = ServingLoop(workload, cfg, parts=parts or machine_parts, adapters=wcfg.adapters,
+                       trace=trace, progress=progress)
     counter = _Counting()
     prev = observe.set_recorder(counter)
     try:
@@ -114,12 +123,13 @@ def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu", naive: bool = F
     leaks = loop.leaks()
     effects = sum(sum(m.stats.plans_run.values()) for m in loop.machines())
     return {
-        "loop": "naive" if naive else "machines",
+        "loop": loop.parts.loop,
         "requests": len(workload),
         "seconds": loop.seconds,
         "steps": loop.steps,
         "requests_per_second": len(workload) / loop.seconds if loop.seconds else 0.0,
         "terminal_states": dict(sorted(loop.terminal_states().items())),
+        "child_terminal_states": dict(sorted(loop.child_terminal_states().items())),
         "max_streams_per_request": loop.max_streams_per_request(),
         "transitions": sum(counter.transitions.values()),
         "transitions_by_machine": dict(sorted(counter.transitions.items())),
@@ -150,6 +160,11 @@ def _table(result: dict[str, Any], baseline: dict[str, Any] | None) -> None:
         baseline["terminal_states"] if baseline else ()))
     for s in states:
         row(f"  ended {s}", lambda r, s=s: f"{r['terminal_states'].get(s, 0):,}")
+    children = sorted(set(result["child_terminal_states"]) | set(
+        baseline["child_terminal_states"] if baseline else ()))
+    row("sampling children", lambda r: f"{sum(r['child_terminal_states'].values()):,}")
+    for s in children:
+        row(f"  child ended {s}", lambda r, s=s: f"{r['child_terminal_states'].get(s, 0):,}")
     # The naive loop has no declared machines of its own: nothing to count there.
     row("transitions fired", lambda r: "n/a" if r["loop"] == "naive" else
         f"{r['transitions']:,}")
@@ -214,7 +229,7 @@ def main(argv: list[str]) -> int:
 
     trace = _TraceWriter(a.trace) if a.trace else None
     try:
-        result = _run_with_progress(wcfg, a.device, False, trace, not a.no_progress)
+        result = _run_with_progress(wcfg, a.device, "machines", trace, not a.no_progress)
     finally:
         if trace is not None:
             trace.close()
@@ -222,7 +237,7 @@ def main(argv: list[str]) -> int:
         result["trace_records"] = trace.records
     baseline = None
     if a.baseline == "naive":
-        baseline = _run_with_progress(wcfg, a.device, True, None, not a.no_progress)
+        baseline = _run_with_progress(wcfg, a.device, "naive", None, not a.no_progress)
         result["baseline"] = baseline
     _table(result, baseline)
     if a.json:
@@ -254,13 +269,17 @@ def _disagg_seed(seed: int, json_path: str | None) -> int:
     return 0
 
 
-def _run_with_progress(wcfg: WorkloadConfig, device: str, naive: bool, trace: Any,
+def _run_with_progress(wcfg: WorkloadConfig, device: str, loop: str, trace: Any,
                        show: bool) -> dict[str, Any]:
+    from .naive import naive_parts
+    from .serving import machine_parts
+
+    parts = naive_parts if loop == "naive" else machine_parts
     if not show:
-        return run_simulation(wcfg, device=device, naive=naive, trace=trace)
+        return run_simulation(wcfg, device=device, parts=parts, trace=trace)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    label = "naive baseline" if naive else "machines"
+    label = "naive baseline" if loop == "naive" else "machines"
     with Progress("[progress.description]{task.description}", BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn(), transient=True) as bar:
         task = bar.add_task(f"simulating ({label})", total=wcfg.requests)
@@ -273,5 +292,5 @@ def _run_with_progress(wcfg: WorkloadConfig, device: str, naive: bool, trace: An
                 last[0] = now
                 bar.refresh()
 
-        return run_simulation(wcfg, device=device, naive=naive, trace=trace,
+        return run_simulation(wcfg, device=device, parts=parts, trace=trace,
                               progress=advance)

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from terminus.states.workload import WorkloadConfig, generate
-
-from .serving import ServingLoop, SimConfig
+from .naive import naive_parts
+from .serving import ServingLoop, SimConfig, machine_parts
+from .workload import WorkloadConfig, generate
 
 _POOL_METHODS = ("alloc", "free", "prefetch", "lock", "unlock")
 
@@ -69,7 +69,7 @@ def _pools_of(loop: ServingLoop) -> list[Any]:
 
 
 def _run(workload: list[Any], naive: bool) -> tuple[float, float]:
-    loop = ServingLoop(workload, SimConfig(), naive=naive)
+    loop = ServingLoop(workload, SimConfig(), parts=naive_parts if naive else machine_parts)
     clock = _PoolClock()
     for pool in _pools_of(loop):
         clock.wrap(pool)

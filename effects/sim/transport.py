@@ -1,0 +1,105 @@
+"""An in-memory KV sender for the simulator and the tests: it fails on cue.
+
+`FakeTransport` implements `terminus.effects.transport.Transport`, records every call and
+can be told to fail any step, for every request or for some, once or always.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+
+from terminus.effects.transport import Poll, TransportError
+
+__all__ = ["STEPS", "FakeTransport"]
+
+STEPS = ("bootstrap", "init", "send", "poll", "abort")
+"""The sender steps a `FakeTransport` can be told to fail."""
+
+
+class FakeTransport:
+    """An in-memory sender. `fail(step, rids=None, times=None)` arms a fault.
+
+    `rids=None` arms it for every request; `times=None` keeps it armed, an int fails
+    that many calls. `complete(rid)` / `break_transfer(rid)` decide what `poll` says for
+    a transfer in flight; `auto_complete=True` makes every sent transfer succeed at its
+    first poll. `calls` lists every (step, rid); `aborts`, `sends` count per rid.
+    """
+
+    def __init__(self, *, auto_complete: bool = False) -> None:
+        self.auto_complete = auto_complete
+        self.calls: list[tuple[str, str]] = []
+        self.aborts: Counter[str] = Counter()
+        self.sends: Counter[str] = Counter()
+        self.sent_tokens: Counter[str] = Counter()
+        self._faults: list[tuple[str, frozenset[str] | None, list[int | None]]] = []
+        self._transfers: dict[str, Poll] = {}
+
+    def fail(self, step: str, rids: Iterable[str] | str | None = None,
+             times: int | None = None) -> None:
+        """Make `step` raise `TransportError` for `rids` (all when None), `times` times."""
+        if step not in STEPS:
+            raise ValueError(f"FakeTransport.fail: unknown step {step!r}; "
+                             f"use one of {', '.join(STEPS)}")
+        if times is not None and times < 1:
+            raise ValueError(f"FakeTransport.fail: times must be >= 1 or None, got {times}")
+        who = None if rids is None else frozenset([rids] if isinstance(rids, str) else rids)
+        self._faults.append((step, who, [times]))
+
+    def heal(self, step: str | None = None) -> None:
+        """Disarm the faults of `step` (all steps when None)."""
+        self._faults = [f for f in self._faults if step is not None and f[0] != step]
+
+    def _call(self, step: str, rid: str) -> None:
+        self.calls.append((step, rid))
+        for s, who, left in self._faults:
+            if s != step or (who is not None and rid not in who):
+                continue
+            if left[0] is None:
+                raise TransportError(f"injected {step} failure for {rid!r}")
+            if left[0] > 0:
+                left[0] -= 1
+                raise TransportError(f"injected {step} failure for {rid!r}")
+
+    def bootstrap(self, rid: str) -> None:
+        """Handshake; fails when armed."""
+        self._call("bootstrap", rid)
+
+    def init(self, rid: str, num_kv: int, metadata_index: int) -> None:
+        """Announce sizes; fails when armed, or for a metadata index of -1 (none)."""
+        self._call("init", rid)
+        if metadata_index < 0:
+            raise TransportError(f"init for {rid!r} without a metadata slot (index -1)")
+
+    def send(self, rid: str, kv_indices: torch.Tensor) -> None:
+        """Start a transfer; fails when armed."""
+        self._call("send", rid)
+        self.sends[rid] += 1
+        self.sent_tokens[rid] += int(kv_indices.numel())
+        self._transfers[rid] = Poll.SUCCESS if self.auto_complete else Poll.TRANSFERRING
+
+    def poll(self, rid: str) -> Poll:
+        """The transfer's state; an armed poll fault reports FAILED."""
+        try:
+            self._call("poll", rid)
+        except TransportError:
+            return Poll.FAILED
+        return self._transfers.get(rid, Poll.FAILED)
+
+    def complete(self, rid: str) -> None:
+        """Make the transfer of `rid` succeed at its next poll."""
+        self._transfers[rid] = Poll.SUCCESS
+
+    def break_transfer(self, rid: str) -> None:
+        """Make the transfer of `rid` fail at its next poll."""
+        self._transfers[rid] = Poll.FAILED
+
+    def abort(self, rid: str) -> None:
+        """Count the abort; fails (after counting) when armed. A transfer still in flight
+        stops: the next `poll` says ABORTED (a failed abort leaves it running)."""
+        self.aborts[rid] += 1
+        self._call("abort", rid)
+        if self._transfers.get(rid) is Poll.TRANSFERRING:
+            self._transfers[rid] = Poll.ABORTED

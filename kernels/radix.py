@@ -1,0 +1,391 @@
+"""A radix (prefix) tree over token ids whose nodes hold KV indices: the prefix cache.
+
+Requests that share a prompt prefix share its KV pages. The tree keeps, for each cached
+prefix, the KV token indices that hold it; a running request locks the path it matched
+(``inc_lock_ref``) so eviction cannot free pages it attends over, and unlocks it when it
+ends (``dec_lock_ref``, from its terminal plan: ownership is the effects' business, this
+module only keeps the tree and the counts)::
+
+    root ── (1 2 3 4) ── (5 6)          a node: key (token ids, whole pages),
+       │              └─ (7 8 9 10)             value (the KV indices of those tokens),
+       └── (11 12)                              lock_ref (requests locking this path)
+
+Nodes are page-granular: keys and values are whole pages (``page_size`` tokens), so a
+match, an insert and an eviction never split a page between two holders. A match that
+ends inside a node splits the node at that page boundary (as SGLang's ``RadixCache``
+does), so a lock covers exactly what was matched.
+
+Where this differs from SGLang's ``RadixCache`` (0.5.x):
+
+- ``insert`` accounts for every index the caller hands it: ``taken`` (now the tree's),
+  ``duplicates`` (already cached: the caller frees them) and ``leftover`` (the unaligned
+  tail the tree does not take); ``owned_from`` says where the caller's own indices
+  start (its matched, locked prefix is the tree's, not the caller's). SGLang leaves this
+  arithmetic to each caller.
+- An insert whose matched prefix is no longer cached (``owned_from`` past what the tree
+  holds) is refused before anything changes: the caller's indices below ``owned_from``
+  were the tree's and may have been freed by an eviction, so caching them again could
+  hand a freed page to two holders.
+- ``evict`` returns the indices it dropped instead of freeing them, so the effects free
+  them through the ledger; it never drops a locked node or the root.
+- Recency is a counter, not a clock: runs are reproducible.
+- ``dec_lock_ref`` below zero, or on a node that is no longer in the tree, raises
+  (SGLang asserts, or silently corrupts its sizes).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from terminus.kernels.errors import KernelError
+
+__all__ = ["LockUnderflow", "RadixInsert", "RadixMatch", "RadixNode", "RadixTree", "StaleNode"]
+
+
+class LockUnderflow(KernelError):
+    """``dec_lock_ref`` on a path one of whose nodes is not locked: an unlock without its
+    lock (a release that ran twice, or a lock taken on another node)."""
+
+
+class StaleNode(KernelError):
+    """A node that is not (or no longer) in this tree: evicted, or from another tree."""
+
+
+class RadixNode:
+    """One node of the tree: ``key`` (token ids, whole pages), ``value`` (their KV indices)."""
+
+    __slots__ = ("children", "key", "last_access", "lock_ref", "parent", "value")
+
+    def __init__(self, key: tuple[int, ...], value: torch.Tensor,
+                 parent: RadixNode | None) -> None:
+        self.key = key
+        self.value = value
+        self.parent = parent
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.lock_ref = 0
+        self.last_access = 0
+
+    def __repr__(self) -> str:
+        head = ", ".join(map(str, self.key[:6])) + (", ..." if len(self.key) > 6 else "")
+        return f"RadixNode(({head}), tokens={len(self.key)}, lock_ref={self.lock_ref})"
+
+    # A heap of evictable leaves orders them by recency.
+    def __lt__(self, other: RadixNode) -> bool:
+        return self.last_access < other.last_access
+
+
+class RadixMatch:
+    """What ``match_prefix`` found: ``length`` cached tokens, their KV ``indices``, and
+    the ``node`` the match ended at (lock it to keep the prefix from eviction)."""
+
+    __slots__ = ("indices", "length", "node")
+
+    def __init__(self, indices: torch.Tensor, node: RadixNode) -> None:
+        self.indices = indices
+        self.length = int(indices.numel())
+        self.node = node
+
+
+class RadixInsert:
+    """What ``insert`` did with the caller's indices ``kv_indices[owned_from:]``.
+
+    ``taken``: now held by the tree; ``duplicates``: the tree already held those tokens
+    (the caller frees these indices); ``leftover``: the tail past the last whole page,
+    not cached (the caller frees these too). ``prefix_len``: tokens that were already
+    cached; ``node``: the node the inserted sequence ends at.
+    """
+
+    __slots__ = ("duplicates", "leftover", "node", "prefix_len", "taken")
+
+    def __init__(self, prefix_len: int, node: RadixNode, taken: torch.Tensor,
+                 duplicates: torch.Tensor, leftover: torch.Tensor) -> None:
+        self.prefix_len = prefix_len
+        self.node = node
+        self.taken = taken
+        self.duplicates = duplicates
+        self.leftover = leftover
+
+
+def _common(a: tuple[int, ...], b: tuple[int, ...], page: int) -> int:
+    """Length of the common prefix of `a` and `b`, rounded down to whole pages.
+
+    A binary search over slice equality: O(log n) comparisons done in C, instead of a
+    Python loop over every token.
+    """
+    hi = min(len(a), len(b)) // page
+    if a[:hi * page] == b[:hi * page]:
+        return hi * page
+    lo = 0  # a[:lo*page] == b[:lo*page] holds; a[:hi*page] != b[:hi*page]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid * page] == b[:mid * page]:
+            lo = mid
+        else:
+            hi = mid
+    return lo * page
+
+
+class RadixTree:
+    """The prefix cache's tree (see the module docstring).
+
+    Args:
+        page_size: tokens per KV page; keys are cut to whole pages.
+        device: where the empty index tensors it returns live (values keep the device
+            of the indices they were inserted with).
+    """
+
+    def __init__(self, page_size: int = 1, device: str | torch.device = "cpu") -> None:
+        if page_size < 1:
+            raise ValueError(f"RadixTree: page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.root = RadixNode((), self._empty, None)
+        self.root.lock_ref = 1  # the root is never evicted
+        self._clock = 0
+        self._evictable = 0
+        self._protected = 0
+
+    # -- sizes ----------------------------------------------------------------------------
+
+    def evictable_size(self) -> int:
+        """Cached tokens no running request locks (eviction may free them)."""
+        return self._evictable
+
+    def protected_size(self) -> int:
+        """Cached tokens some running request locks."""
+        return self._protected
+
+    def total_size(self) -> int:
+        """Every cached token."""
+        return self._evictable + self._protected
+
+    # -- lookups --------------------------------------------------------------------------
+
+    def _aligned(self, tokens: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.tolist()
+        key = tokens if type(tokens) is tuple else tuple(tokens)
+        cut = len(key) - len(key) % self.page_size
+        return key if cut == len(key) else key[:cut]
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _child_key(self, key: tuple[int, ...]) -> tuple[int, ...]:
+        return key[:self.page_size]
+
+    def _split(self, child: RadixNode, at: int) -> RadixNode:
+        """Cut `child` after `at` tokens (a page boundary): a new parent holds the head."""
+        parent = child.parent
+        assert parent is not None and 0 < at < len(child.key)
+        head = RadixNode(child.key[:at], child.value[:at], parent)
+        head.lock_ref = child.lock_ref
+        head.last_access = child.last_access
+        child.key, child.value = child.key[at:], child.value[at:]
+        child.parent = head
+        head.children[self._child_key(child.key)] = child
+        parent.children[self._child_key(head.key)] = head
+        return head
+
+    def _walk(self, key: tuple[int, ...]) -> tuple[RadixNode, int, list[torch.Tensor]]:
+        """Follow `key` from the root, splitting the last node where the match ends
+        inside it: (last matched node, tokens matched, the matched nodes' values)."""
+        node, done, values = self.root, 0, []
+        now = self._tick()
+        node.last_access = now
+        while done < len(key):
+            child = node.children.get(self._child_key(key[done:]))
+            if child is None:
+                break
+            n = _common(child.key, key[done:], self.page_size)
+            if n == 0:
+                break
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            values.append(child.value)
+            node, done = child, done + n
+        return node, done, values
+
+    def match_prefix(self, tokens: Sequence[int]) -> RadixMatch:
+        """The longest cached prefix of `tokens` in whole pages (may be empty).
+
+        The match may split a node at the page where it ends (the cached data is
+        unchanged). Lock the returned node before anything can evict it.
+        """
+        key = self._aligned(tokens)
+        node, _, values = self._walk(key)
+        indices = torch.cat(values) if len(values) > 1 else values[0] if values \
+            else self._empty
+        return RadixMatch(indices, node)
+
+    # -- insert ---------------------------------------------------------------------------
+
+    def insert(self, tokens: Sequence[int], kv_indices: torch.Tensor,
+               *, owned_from: int = 0) -> RadixInsert:
+        """Cache `tokens` (their KV at `kv_indices`, one index per token).
+
+        `owned_from`: the caller's own indices start there; below it is the prefix the
+        caller matched and still locks (the tree's already). Returns how every one of
+        the caller's indices was accounted for (see `RadixInsert`).
+
+        Raises ValueError (nothing changed) when the lengths differ, `owned_from` is out
+        of range, or the tree no longer holds the caller's matched prefix.
+        """
+        if kv_indices.dim() != 1 or kv_indices.numel() != len(tokens):
+            raise ValueError(
+                f"RadixTree.insert: {len(tokens)} tokens but kv_indices of shape "
+                f"{tuple(kv_indices.shape)}; pass one KV index per token (a 1-D tensor)")
+        if kv_indices.is_floating_point() or kv_indices.dtype == torch.bool:
+            raise ValueError(f"RadixTree.insert: kv_indices must be an integer tensor, "
+                             f"got {kv_indices.dtype}")
+        if not 0 <= owned_from <= len(tokens):
+            raise ValueError(f"RadixTree.insert: owned_from={owned_from} is outside "
+                             f"0..{len(tokens)} (the length of the sequence)")
+        key = self._aligned(tokens)
+        # Read-only pass first: decide, then mutate.
+        cached = self._cached_len(key)
+        if cached < min(owned_from, len(key)):
+            raise ValueError(
+                f"RadixTree.insert: the caller's matched prefix ({owned_from} tokens) is "
+                f"no longer cached (the tree holds {cached} of them); lock the matched "
+                "node from match_prefix until the insert so eviction cannot drop it")
+        node, prefix_len, _ = self._walk(key)
+        values = kv_indices.to(torch.int64)
+        taken = self._empty
+        if prefix_len < len(key):
+            taken = values[prefix_len:len(key)].clone()
+            new = RadixNode(key[prefix_len:], taken, node)
+            new.last_access = self._tick()
+            node.children[self._child_key(new.key)] = new
+            self._evictable += len(new.key)
+            node = new
+        dup_end = max(prefix_len, owned_from)
+        duplicates = values[owned_from:dup_end]
+        leftover = values[max(len(key), owned_from):]
+        return RadixInsert(prefix_len, node, taken, duplicates, leftover)
+
+    def _cached_len(self, key: tuple[int, ...]) -> int:
+        node, done = self.root, 0
+        while done < len(key):
+            child = node.children.get(self._child_key(key[done:]))
+            if child is None:
+                break
+            n = _common(child.key, key[done:], self.page_size)
+            done += n
+            if n < len(child.key):
+                break
+            node = child
+        return done
+
+    # -- locks ----------------------------------------------------------------------------
+
+    def _path(self, node: RadixNode) -> list[RadixNode]:
+        """`node` and its ancestors up to (not including) the root; raises if detached."""
+        path = []
+        cur: RadixNode | None = node
+        while cur is not self.root:
+            if cur is None or cur.parent is None or \
+                    cur.parent.children.get(self._child_key(cur.key)) is not cur:
+                raise StaleNode(f"{node!r} is not in this tree (evicted, or from another "
+                                "tree); lock the node match_prefix returned before evicting")
+            path.append(cur)
+            cur = cur.parent
+        return path
+
+    def inc_lock_ref(self, node: RadixNode) -> int:
+        """Lock the path from `node` to the root; returns the tokens that became protected."""
+        delta = 0
+        for n in self._path(node):
+            if n.lock_ref == 0:
+                delta += len(n.key)
+            n.lock_ref += 1
+        self._evictable -= delta
+        self._protected += delta
+        return delta
+
+    def dec_lock_ref(self, node: RadixNode) -> int:
+        """Unlock the path from `node`; returns the tokens that became evictable.
+
+        Raises `LockUnderflow` (nothing changed) when a node on the path is not locked.
+        """
+        path = self._path(node)
+        bad = next((n for n in path if n.lock_ref <= 0), None)
+        if bad is not None:
+            raise LockUnderflow(f"dec_lock_ref({node!r}): {bad!r} is not locked; every "
+                                "dec_lock_ref must follow an inc_lock_ref of the same node")
+        delta = 0
+        for n in path:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                delta += len(n.key)
+        self._evictable += delta
+        self._protected -= delta
+        return delta
+
+    # -- eviction -------------------------------------------------------------------------
+
+    def _nodes(self) -> Iterator[RadixNode]:
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        """Drop least-recently-used unlocked leaves until `num_tokens` tokens are dropped
+        (or nothing evictable is left); returns their KV indices, for the caller to free.
+        Never drops a locked node (nor, so, any ancestor of one)."""
+        if num_tokens < 0:
+            raise ValueError(f"RadixTree.evict: num_tokens must be >= 0, got {num_tokens}")
+        heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        dropped: list[torch.Tensor] = []
+        count = 0
+        while count < num_tokens and heap:
+            leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[self._child_key(leaf.key)]
+            leaf.parent = None
+            dropped.append(leaf.value)
+            count += len(leaf.key)
+            self._evictable -= len(leaf.key)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+        if not dropped:
+            return self._empty
+        return torch.cat(dropped) if len(dropped) > 1 else dropped[0]
+
+    # -- audits ---------------------------------------------------------------------------
+
+    def cached_indices(self, *, locked: bool | None = None) -> torch.Tensor:
+        """Every KV index the tree holds (`locked=True`/`False`: only locked/unlocked)."""
+        vals = [n.value for n in self._nodes()
+                if locked is None or (n.lock_ref > 0) == locked]
+        return torch.cat(vals) if vals else self._empty
+
+    def check(self) -> None:
+        """Recount the tree and raise AssertionError naming the first inconsistency: keys
+        not whole pages, a child under the wrong key, a value of the wrong length, a lock
+        count below its children's, or sizes that disagree with the nodes."""
+        evictable = protected = 0
+        for n in self._nodes():
+            assert n.parent is not None
+            assert len(n.key) and len(n.key) % self.page_size == 0, f"{n!r}: partial page"
+            assert n.value.numel() == len(n.key), f"{n!r}: {n.value.numel()} indices"
+            assert n.parent.children.get(self._child_key(n.key)) is n, f"{n!r}: misplaced"
+            below = sum(c.lock_ref for c in n.children.values())
+            assert n.lock_ref >= below, f"{n!r}: lock_ref below its children's ({below})"
+            if n.lock_ref:
+                protected += len(n.key)
+            else:
+                evictable += len(n.key)
+        assert (evictable, protected) == (self._evictable, self._protected), (
+            f"sizes: counted evictable={evictable}, protected={protected}; kept "
+            f"{self._evictable}, {self._protected}")

@@ -1,0 +1,278 @@
+"""The prefix cache's radix tree (terminus.kernels.radix) over a real KV allocator:
+matching, deduplicating inserts, locks along the path, LRU eviction of unlocked leaves.
+Every test ends with the pool full and the tree empty."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
+
+from terminus.kernels import TokenKVAllocator
+from terminus.kernels.radix import LockUnderflow, RadixTree, StaleNode
+
+
+def _drain(tree: RadixTree, kv: TokenKVAllocator) -> None:
+    kv.free(tree.evict(tree.total_size()))
+    assert tree.total_size() == 0
+    kv.assert_full()
+
+
+def _alloc(kv: TokenKVAllocator, n: int) -> torch.Tensor:
+    out = kv.alloc(n)
+    assert out is not None
+    return out
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_a_second_request_matches_the_first_ones_prefix_in_whole_pages(page: int):
+    kv = TokenKVAllocator(256, page_size=page)
+    tree = RadixTree(page)
+    a = list(range(10))
+    a_kv = _alloc(kv, len(a))
+    ins = tree.insert(a, a_kv)
+    aligned = len(a) - len(a) % page
+    assert ins.prefix_len == 0 and ins.taken.tolist() == a_kv[:aligned].tolist()
+    assert ins.duplicates.numel() == 0 and ins.leftover.tolist() == a_kv[aligned:].tolist()
+    kv.free(ins.leftover)
+
+    m = tree.match_prefix([*a[:7], 99, 98, 97])
+    assert m.length == 7 - 7 % page
+    assert m.indices.tolist() == a_kv[:m.length].tolist()
+    tree.check()
+    _drain(tree, kv)
+
+
+def test_an_insert_returns_what_is_already_cached_as_duplicates_for_the_caller_to_free():
+    kv = TokenKVAllocator(64)
+    tree = RadixTree()
+    first = _alloc(kv, 6)
+    kv.free(tree.insert([1, 2, 3, 4, 5, 6], first).leftover)
+    # A second request computed the same first four tokens itself (no match taken).
+    second = _alloc(kv, 8)
+    ins = tree.insert([1, 2, 3, 4, 9, 9, 9, 9], second)
+    assert ins.prefix_len == 4
+    assert ins.duplicates.tolist() == second[:4].tolist()
+    assert ins.taken.tolist() == second[4:].tolist()
+    kv.free(ins.duplicates)
+    assert tree.total_size() == 10
+    tree.check()
+    _drain(tree, kv)
+
+
+def test_the_callers_matched_prefix_is_neither_a_duplicate_nor_taken():
+    kv = TokenKVAllocator(64)
+    tree = RadixTree()
+    base = _alloc(kv, 4)
+    tree.insert([1, 2, 3, 4], base)
+    m = tree.match_prefix([1, 2, 3, 4, 5, 6])
+    tree.inc_lock_ref(m.node)
+    own = _alloc(kv, 2)
+    row = torch.cat([m.indices, own])
+    ins = tree.insert([1, 2, 3, 4, 5, 6], row, owned_from=m.length)
+    assert ins.duplicates.numel() == 0 and ins.taken.tolist() == own.tolist()
+    tree.dec_lock_ref(m.node)
+    tree.check()
+    _drain(tree, kv)
+
+
+def test_a_locked_prefix_is_never_evicted_and_unlocking_makes_it_evictable():
+    kv = TokenKVAllocator(64)
+    tree = RadixTree()
+    tree.insert([1, 2, 3, 4], _alloc(kv, 4))
+    tree.insert([7, 8], _alloc(kv, 2))
+    m = tree.match_prefix([1, 2, 3])
+    assert tree.inc_lock_ref(m.node) == 3
+    assert (tree.protected_size(), tree.evictable_size()) == (3, 3)
+    dropped = tree.evict(100)
+    # [7, 8] and the unlocked tail [4] go; the locked [1, 2, 3] stays.
+    assert sorted(dropped.tolist()) == sorted(set(dropped.tolist())) and dropped.numel() == 3
+    kv.free(dropped)
+    assert tree.match_prefix([1, 2, 3, 4]).length == 3
+    assert tree.dec_lock_ref(m.node) == 3
+    tree.check()
+    _drain(tree, kv)
+
+
+def test_eviction_takes_the_least_recently_used_leaf_first():
+    kv = TokenKVAllocator(64)
+    tree = RadixTree()
+    old, new = _alloc(kv, 2), _alloc(kv, 2)
+    tree.insert([1, 1], old)
+    tree.insert([2, 2], new)
+    tree.match_prefix([1, 1])  # touch: [2, 2] is now the older one
+    dropped = tree.evict(1)
+    assert dropped.tolist() == new.tolist()
+    kv.free(dropped)
+    _drain(tree, kv)
+
+
+def test_an_unlock_without_its_lock_raises_and_changes_nothing():
+    kv = TokenKVAllocator(64)
+    tree = RadixTree()
+    tree.insert([1, 2, 3], _alloc(kv, 3))
+    m = tree.match_prefix([1, 2, 3])
+    with pytest.raises(LockUnderflow, match=r"is not locked; every dec_lock_ref must follow"):
+        tree.dec_lock_ref(m.node)
+    assert (tree.evictable_size(), tree.protected_size()) == (3, 0)
+    tree.check()
+    _drain(tree, kv)
+
+
+def test_locking_an_evicted_node_raises():
+    kv = TokenKVAllocator(64)
+    tree = RadixTree()
+    tree.insert([1, 2], _alloc(kv, 2))
+    m = tree.match_prefix([1, 2])
+    kv.free(tree.evict(2))
+    with pytest.raises(StaleNode, match="is not in this tree"):
+        tree.inc_lock_ref(m.node)
+    _drain(tree, kv)
+
+
+def test_an_insert_whose_matched_prefix_was_evicted_is_refused_and_changes_nothing():
+    kv = TokenKVAllocator(64)
+    tree = RadixTree()
+    tree.insert([1, 2, 3, 4], _alloc(kv, 4))
+    m = tree.match_prefix([1, 2, 3, 4, 5])
+    # No lock taken: eviction is free to drop the matched prefix.
+    kv.free(tree.evict(4))
+    own = _alloc(kv, 1)
+    with pytest.raises(ValueError, match=r"matched prefix \(4 tokens\) is no longer cached"):
+        tree.insert([1, 2, 3, 4, 5], torch.cat([m.indices, own]), owned_from=4)
+    assert tree.total_size() == 0
+    kv.free(own)
+    _drain(tree, kv)
+
+
+@pytest.mark.parametrize(("tokens", "indices", "kw", "message"), [
+    ([1, 2], torch.tensor([3]), {}, r"2 tokens but kv_indices of shape \(1,\)"),
+    ([1, 2], torch.tensor([3.0, 4.0]), {}, r"must be an integer tensor, got torch.float32"),
+    ([1, 2], torch.tensor([3, 4]), {"owned_from": 3}, r"owned_from=3 is outside 0..2"),
+])
+def test_bad_insert_input_names_what_was_wrong(tokens, indices, kw, message):
+    tree = RadixTree()
+    with pytest.raises(ValueError, match=message):
+        tree.insert(tokens, indices, **kw)
+    assert tree.total_size() == 0
+
+
+_PROMPTS = ((1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9), (5, 5, 5, 5, 5, 5, 5, 5, 5))
+
+
+class RadixWithRequests(RuleBasedStateMachine):
+    """Many requests over one tree and one KV pool. After every step each KV page has
+    exactly one holder (the pool's free list, the tree, or one live request), every live
+    request's matched prefix is still cached, and the tree's counts agree with its nodes."""
+
+    page = 1
+    live = Bundle("live")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = TokenKVAllocator(512, page_size=self.page)
+        self.tree = RadixTree(self.page)
+        self.reqs: dict[int, tuple[list[int], object, torch.Tensor, torch.Tensor]] = {}
+        self.next_id = 0
+
+    @rule(target=live, prompt=st.sampled_from(_PROMPTS),
+          suffix=st.lists(st.integers(0, 3), max_size=6))
+    def start(self, prompt, suffix):
+        tokens = list(prompt) + suffix
+        m = self.tree.match_prefix(tokens)
+        self.tree.inc_lock_ref(m.node)
+        own = self.kv.alloc(len(tokens) - m.length)
+        if own is None:  # pool dry: evict, as a scheduler would, then retry once
+            self.kv.free(self.tree.evict(len(tokens)))
+            own = self.kv.alloc(len(tokens) - m.length)
+        if own is None:
+            self.tree.dec_lock_ref(m.node)
+            return multiple()
+        rid = self.next_id
+        self.next_id += 1
+        self.reqs[rid] = (tokens, m.node, m.indices, own)
+        return rid
+
+    @rule(rid=consumes(live))
+    def finish(self, rid):
+        tokens, node, matched, own = self.reqs.pop(rid)
+        ins = self.tree.insert(tokens, torch.cat([matched, own]), owned_from=matched.numel())
+        self.kv.free(torch.cat([ins.duplicates, ins.leftover]))
+        self.tree.dec_lock_ref(node)
+
+    @rule(rid=consumes(live))
+    def abort(self, rid):
+        _, node, _, own = self.reqs.pop(rid)
+        self.kv.free(own)  # never inserted
+        self.tree.dec_lock_ref(node)
+
+    @rule(n=st.integers(0, 40))
+    def evict(self, n):
+        self.kv.free(self.tree.evict(n))
+
+    @precondition(lambda self: self.tree.total_size() > 0)
+    @rule(prompt=st.sampled_from(_PROMPTS))
+    def lookup(self, prompt):
+        self.tree.match_prefix(prompt)  # may split a node; holds nothing
+
+    @invariant()
+    def every_page_has_exactly_one_holder(self):
+        held = [self.tree.cached_indices()] + [own for *_, own in self.reqs.values()]
+        # A page is held by one holder (whose indices on it may be several); no index
+        # is held twice.
+        owners: dict[int, int] = {}
+        for h, t in enumerate(held):
+            assert t.unique().numel() == t.numel(), f"holder {h} holds an index twice"
+            for p in torch.div(t, self.page, rounding_mode="floor").unique().tolist():
+                assert owners.setdefault(p, h) == h, f"page {p} held twice"
+        assert len(owners) * self.page == self.kv.capacity - self.kv.available
+
+    @invariant()
+    def every_live_match_is_still_cached(self):
+        cached = set(self.tree.cached_indices(locked=True).tolist())
+        for _, _, matched, _ in self.reqs.values():
+            assert set(matched.tolist()) <= cached
+
+    @invariant()
+    def the_tree_is_consistent(self):
+        self.tree.check()
+
+    def teardown(self):
+        for rid in list(self.reqs):
+            self.abort(rid)
+        assert self.tree.protected_size() == 0
+        _drain(self.tree, self.kv)
+
+
+class RadixWithRequestsPaged(RadixWithRequests):
+    page = 4
+
+
+TestRadixWithRequests = RadixWithRequests.TestCase
+TestRadixWithRequests.settings = settings(max_examples=60, stateful_step_count=30,
+                                          deadline=None)
+TestRadixWithRequestsPaged = RadixWithRequestsPaged.TestCase
+TestRadixWithRequestsPaged.settings = settings(max_examples=60, stateful_step_count=30,
+                                               deadline=None)
+
+
+def test_the_radix_benchmark_reports_every_figure_beside_its_baseline():
+    from terminus.kernels import bench_radix
+
+    r = bench_radix.run(quick=True)
+    assert r["cached_tokens"] >= 1 << 16
+    assert r["matched_tokens"] == 3000 - 3000 % r["page_size"]
+    for k in ("match_us", "insert_us", "evict_ms"):
+        assert r[k] > 0 and r[f"baseline_{k}"] > 0
+        assert r["speedup_vs_dict"][k.rsplit("_", 1)[0]] > 0
+    assert len(bench_radix.rows(r)) == 3
