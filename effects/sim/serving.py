@@ -393,11 +393,12 @@ class SimDisagg:
         """Units missing from each pool once the cache is evicted."""
         self.engine.cache.evict_all()  # type: ignore[attr-defined]
         p = self.engine.pools
+        used = p.in_use()  # our pools: every one is audited
         return {
-            "kv_tokens": p.kv.capacity - p.kv.available,  # type: ignore[attr-defined]
-            "mamba_slots": p.mamba.capacity - p.mamba.available,  # type: ignore[attr-defined]
-            "request_slots": p.table.capacity - p.table.available,
-            "metadata_slots": p.metadata.capacity - p.metadata.available,
+            "kv_tokens": used["kv"],
+            "mamba_slots": used["mamba"],
+            "request_slots": used["table"],
+            "metadata_slots": used["metadata"],
             "host_pages": p.host.occupied,
             "ledger_handles": self.engine.ledger.count(),
         }
@@ -718,13 +719,12 @@ class ServingLoop:
 
     def _sample_peaks(self) -> None:
         p, d = self.pools, self.disagg.pools
+        pu, du = p.in_use(), d.in_use()  # our pools: every one is audited
         now = {
-            "kv_tokens": p.kv.capacity - p.kv.available + d.kv.capacity - d.kv.available,
-            "request_rows": p.table.capacity - p.table.available
-            + d.table.capacity - d.table.available,
-            "mamba_slots": p.mamba.capacity - p.mamba.available
-            + d.mamba.capacity - d.mamba.available,
-            "metadata_slots": d.metadata.capacity - d.metadata.available,
+            "kv_tokens": pu["kv"] + du["kv"],
+            "request_rows": pu["table"] + du["table"],
+            "mamba_slots": pu["mamba"] + du["mamba"],
+            "metadata_slots": du["metadata"],
             "host_pages": sum(s.host.occupied for s in self.prefetch.sites)
             + d.host.occupied,
             "live_requests": len(self.tokenizer.live),
