@@ -97,6 +97,7 @@ class SimConfig(msgspec.Struct, frozen=True):
     mamba_slots: int = 512
     max_context_len: int = 512
     chunk_size: int = 64
+    page_size: int = 1  # KV tokens per page, scheduler and disaggregated prefill
     device: str = "cpu"
     strict: bool = False
     disagg_rows: int = 64
@@ -327,7 +328,7 @@ class SimDisagg:
                                  mamba_slots=cfg.disagg_rows, metadata_slots=cfg.disagg_rows,
                                  host_pages=cfg.host_pages,
                                  max_context_len=cfg.max_context_len, device=cfg.device,
-                                 strict=cfg.strict)
+                                 strict=cfg.strict, page_size=cfg.page_size)
         self.engine = DisaggPrefill(pools, transport=self.transport, sink=sink)
         self.live: dict[str, deque[int]] = {}  # rid -> chunks in flight, oldest first
 
@@ -627,7 +628,8 @@ class ServingLoop:
                                     max_context_len=self.cfg.max_context_len,
                                     kv_tokens=self.cfg.kv_tokens,
                                     mamba_slots=self.cfg.mamba_slots,
-                                    device=self.cfg.device, strict=self.cfg.strict)
+                                    device=self.cfg.device, strict=self.cfg.strict,
+                                    page_size=self.cfg.page_size)
         self.running = RunningBatch(self.pools)
         self.registry = _RegistryWithLatency()
         self.sink = OutputLog()
