@@ -13,8 +13,8 @@ import torch
 from terminus.effects.disagg import DisaggPools, DisaggPrefill
 from terminus.effects.lora_adapter import AdapterManager
 from terminus.effects.sequence import RunningBatch, SchedulerPools
-from terminus.effects.tokenizer import TokenizerSide
 from terminus.effects.sim.transport import FakeTransport
+from terminus.effects.tokenizer import TokenizerSide
 from terminus.kernels import MambaStatePool, MetadataSlots, TokenKVAllocator, UnloadTimeout
 from terminus.kernels.protocols import (
     AdapterRegistry,
