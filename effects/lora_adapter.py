@@ -7,7 +7,8 @@
 
 The machine makes the waiting visible (an adapter stuck in `unloading` is a leaked
 reference somewhere, and the timeout names its id and count); the registry does the
-counting (`kernels.lora.LoRARegistry`).
+counting: ours (`kernels.lora.LoRARegistry`) or any `kernels.protocols.AdapterRegistry`,
+such as SGLang's `LoRARegistry` (no `upsert`, no `count`, no timeout of its own).
 """
 
 from __future__ import annotations
