@@ -324,3 +324,23 @@ def test_a_rows_partial_last_page_is_filled_before_a_new_page_is_taken():
     assert pools.kv.available == pools.kv.capacity - 4 * 16
     rb.fire(rows, Abort)
     pools.assert_full()
+
+
+def test_scheduler_pools_check_runs_each_audited_pools_own_check():
+    from terminus.kernels import DoubleFree
+    from tests import sglang_shapes as sg
+
+    pools = SchedulerPools(rows=2, max_context_len=8, kv_tokens=16, mamba_slots=2)
+    t = pools.kv.alloc(4)
+    pools.kv.free(t[:2])
+    pools.kv.free(t[:2])  # not strict: recorded on the device, not raised here
+    with pytest.raises(DoubleFree, match=f"double free of {sorted(t[:2].tolist())}"):
+        pools.check()
+    pools.kv.clear()
+    pools.check()
+    pools.assert_full()
+    theirs = SchedulerPools(rows=2, max_context_len=8, mamba_slots=2,
+                            kv=sg.TokenAllocator(16))
+    assert theirs.unchecked() == ["kv"] and "kv_tokens" not in theirs.leaks()
+    theirs.check()  # nothing it can check on an engine's pool
+    theirs.assert_full()
