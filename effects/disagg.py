@@ -167,12 +167,13 @@ class DisaggPools:
         return {n: p.capacity - p.available for n, p in self.pools().items()
                 if isinstance(p, AuditedPool)}
 
-    def assert_full(self) -> None:
+    def assert_full(self) -> list[str]:
         """`assert_full()` on every `AuditedPool` (raises `LeakError` naming what is
-        held); the others cannot say: see `unchecked()`."""
+        held); returns the names of the pools it could not check (`unchecked()`)."""
         for p in self.pools().values():
             if isinstance(p, AuditedPool):
                 p.assert_full()
+        return self.unchecked()
 
     def kv_alloc(self, n: int) -> torch.Tensor | None:
         """`n` KV token indices on whole pages of their own (`alloc` of the pages they
@@ -648,11 +649,13 @@ class DisaggPrefill:
                 "ledger and pools disagree (owned, handed out): "
                 + ", ".join(f"{k}={v}" for k, v in bad.items()))
 
-    def finish(self) -> None:
+    def finish(self) -> list[str]:
         """End of a run: evict the prefix cache into the KV pool, check every pool is
-        full and the ledger empty (raises naming what leaked)."""
+        full and the ledger empty (raises naming what leaked). Returns the names of
+        the pools that could not be checked (not `AuditedPool`s)."""
         evict = getattr(self.cache, "evict_all", None)
         if evict is not None:
             evict()
-        self.pools.assert_full()
+        unchecked = self.pools.assert_full()
         self.ledger.assert_empty()
+        return unchecked

@@ -90,12 +90,13 @@ class SchedulerPools:
             if isinstance(p, AuditedPool):
                 p.check()
 
-    def assert_full(self) -> None:
-        """Raise naming what any pool is missing (pools that cannot say are skipped:
-        see `unchecked()`)."""
+    def assert_full(self) -> list[str]:
+        """Raise naming what any `AuditedPool` is missing; returns the names of the
+        pools it could not check (`unchecked()`)."""
         for p in self.pools().values():
             if isinstance(p, AuditedPool):
                 p.assert_full()
+        return self.unchecked()
 
 
 Retired = Callable[[torch.Tensor, str], None]
@@ -174,8 +175,7 @@ class RunningBatch:
         (nothing taken) when the KV pool is short.
         """
         table, kv, ps = self.pools.table, self.pools.kv, self.pools.page_size
-        rows, counts = self._check_append(rows, counts)
-        total = int(counts.sum())
+        rows, counts, total = self._check_append(rows, counts)
         if total == 0:
             return True
         lengths = table.lengths.index_select(0, rows).to(torch.int64)
@@ -209,9 +209,9 @@ class RunningBatch:
         return True
 
     def _check_append(self, rows: torch.Tensor, counts: torch.Tensor,
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rows` and `counts` as int64 on the table's device, or a ValueError naming
-        what is wrong (nothing taken)."""
+                      ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`rows` and `counts` as int64 on the table's device and the total count, or a
+        ValueError naming what is wrong (nothing taken). One host sync when all is well."""
         table = self.pools.table
         rows = rows.to(device=table.device, dtype=torch.int64).reshape(-1)
         counts = counts.to(device=table.device, dtype=torch.int64).reshape(-1)
@@ -219,22 +219,26 @@ class RunningBatch:
             raise ValueError(f"append_kv: {rows.numel()} rows but {counts.numel()} counts; "
                              "pass one count per row")
         if rows.numel() == 0:
-            return rows, counts
+            return rows, counts, 0
         neg = counts < 0
-        if bool(neg.any()):
-            raise ValueError(f"append_kv: negative token counts {counts[neg].tolist()} for "
-                             f"rows {rows[neg].tolist()}; counts must be >= 0")
-        if torch.unique(rows).numel() != rows.numel():
-            raise ValueError(f"append_kv: rows {rows.tolist()} name a row more than once; "
-                             "pass each row once with its total count")
         ends = table.lengths.index_select(0, rows).to(torch.int64) + counts
         over = ends > table.max_context_len
-        if bool(over.any()):
+        s = torch.sort(rows).values
+        twice = (s[1:] == s[:-1]).any()
+        total, any_neg, any_twice, any_over = torch.stack(
+            (counts.sum(), neg.any(), twice, over.any())).tolist()
+        if any_neg:
+            raise ValueError(f"append_kv: negative token counts {counts[neg].tolist()} for "
+                             f"rows {rows[neg].tolist()}; counts must be >= 0")
+        if any_twice:
+            raise ValueError(f"append_kv: rows {rows.tolist()} name a row more than once; "
+                             "pass each row once with its total count")
+        if any_over:
             raise ValueError(
                 f"append_kv: rows {rows[over].tolist()} would hold {ends[over].tolist()} "
                 f"tokens, past the table's max_context_len {table.max_context_len}; "
                 "finish or abort them, or raise max_context_len")
-        return rows, counts
+        return rows, counts, int(total)
 
     # -- stepping ----------------------------------------------------------------------
 

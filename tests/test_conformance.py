@@ -134,7 +134,7 @@ def test_the_running_batch_over_sglang_pools_places_tokens_as_alloc_extend_would
     assert retired == ["finished", "aborted", "failed"]
     assert_all_pages_back(kv)
     assert mamba.available_size() == 4
-    pools.assert_full()
+    assert pools.assert_full() == ["kv", "mamba"]  # only the table could say
 
 
 def _run_disagg(e):
@@ -159,7 +159,7 @@ def _run_disagg(e):
         "succeeded", "aborted", "bootstrap_failed"]
     assert e.cache.inserts["r0"] == 1 and e.cache.inserts["r1"] == 0
     e.assert_accounted()
-    e.finish()
+    return e.finish()
 
 
 @pytest.mark.parametrize("ps", [1, 16])
@@ -175,7 +175,7 @@ def test_disaggregated_prefill_over_an_engines_pools(kind, ps):
                                          else set())
     assert set(e.accounting()) == audited
     assert pools.unchecked() == ([] if kind == "ours" else ["kv", "mamba", "metadata"])
-    _run_disagg(e)
+    assert _run_disagg(e) == pools.unchecked()
     if kind != "ours":
         assert_all_pages_back(kv)
         assert mamba.available_size() == 8 and meta.available_size() == 4
