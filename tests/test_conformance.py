@@ -139,24 +139,31 @@ def test_the_running_batch_over_sglang_pools_places_tokens_as_alloc_extend_would
 
 def _run_disagg(e):
     """r0 succeeds over chunks of 24 and 16 tokens (a partial page with pages of 16),
-    r1 is aborted with a chunk in flight, r2 fails at bootstrap."""
+    r3 over one chunk of 5 (less than a page: SGLang's alloc(5) would give nothing), r1
+    is aborted with a chunk in flight, r2 fails at bootstrap."""
     e.transport.fail("bootstrap", "r2", times=1)
-    for rid in ("r0", "r1", "r2"):
-        e.add(rid, 40, chunk_size=24, host_pages=2)
+    for rid, prompt in (("r0", 40), ("r1", 40), ("r2", 40), ("r3", 5)):
+        e.add(rid, prompt, chunk_size=24, host_pages=2)
         e.bootstrap(rid)
     assert e.requests["r2"].state == "bootstrap_failed"
     for rid in ("r0", "r1"):
         assert e.schedule(rid) is not None
         assert e.schedule(rid) is not None
+    assert e.schedule("r3") is not None
+    assert e.pools.table.tokens(int(e.ledger.owned(e.requests["r3"], "req_slot")[0]
+                                    .value[0])).numel() == 5
     e.assert_accounted()
     e.abort("r1")
     for k in (0, 1):
         e.result("r0", k)
         e.result("r1", k)
-    e.transport.complete("r0")
-    e.poll_transfer("r0")
-    assert [e.requests[r].state for r in ("r0", "r1", "r2")] == [
-        "succeeded", "aborted", "bootstrap_failed"]
+    e.result("r3", 0)
+    for rid in ("r0", "r3"):
+        e.transport.complete(rid)
+        e.poll_transfer(rid)
+    assert [e.requests[r].state for r in ("r0", "r1", "r2", "r3")] == [
+        "succeeded", "aborted", "bootstrap_failed", "succeeded"]
+    assert e.transport.sent_tokens["r0"] == 40 and e.transport.sent_tokens["r3"] == 5
     assert e.cache.inserts["r0"] == 1 and e.cache.inserts["r1"] == 0
     e.assert_accounted()
     return e.finish()
