@@ -44,7 +44,8 @@ class CountingPrefixCache:
             torch.unique(torch.div(kv_indices, ps, rounding_mode="floor")).numel())
 
     def evict_all(self) -> int:
-        """Free every held page to the KV pool; returns the number of tokens freed."""
+        """Free every held page to the KV pool; returns the token slots freed (whole
+        pages)."""
         n = self.held_tokens
         if self._held:
             self.kv.free(torch.cat(self._held))
