@@ -24,7 +24,7 @@ from terminus.kernels.protocols import (
     MambaPool,
     SlotAllocator,
 )
-from terminus.states.sequence import Abort, ChunkDone, ChunkLaunched, Fail, Finish, Token
+from terminus.states.sequence import ChunkDone, ChunkLaunched, Fail, Finish, SequenceAbort, Token
 from terminus.states.sequence import LastChunkDone as LastDone
 from tests import sglang_shapes as sg
 from tests.tokenizer_side import FakeScheduler, FakeTokenizer, RecordingSink, settle
@@ -129,7 +129,7 @@ def test_the_running_batch_over_sglang_pools_places_tokens_as_alloc_extend_would
     # Retire one row at a time: each frees its own pages only, none twice.
     rb.fire(rows[:1], Finish)
     assert kv.available_size() == 1024 - sum(len(p) for p in pages[1:]) * ps
-    rb.fire(rows[1:2], Abort)
+    rb.fire(rows[1:2], SequenceAbort)
     rb.fire(rows[2:], Fail)
     assert retired == ["finished", "aborted", "failed"]
     assert_all_pages_back(kv)

@@ -285,7 +285,7 @@ def test_append_kv_refuses_bad_counts_before_taking_any_kv(pools, rows_counts, w
     with pytest.raises(ValueError, match="2 rows but 1 counts"):
         rb.append_kv(rows, torch.tensor([1]))
     assert pools.kv.available == kv_free
-    rb.fire(rows, Abort)
+    rb.fire(rows, SequenceAbort)
 
 
 def test_each_request_has_pages_of_its_own_and_the_first_retirement_frees_only_its_own():
@@ -324,7 +324,7 @@ def test_a_rows_partial_last_page_is_filled_before_a_new_page_is_taken():
         assert rb.append_kv(rows[:1], torch.ones(1, dtype=torch.int64))
     assert len(pages_of(pools, rows[0])) == 2
     assert pools.kv.available == pools.kv.capacity - 4 * 16
-    rb.fire(rows, Abort)
+    rb.fire(rows, SequenceAbort)
     pools.assert_full()
 
 
