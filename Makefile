@@ -26,11 +26,13 @@ test: $(STAMP) $(TYPECHECK)
 	$(BIN)/terminus diagrams --check
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -n 2 -q --fsm-coverage-fail-under 100
 
 lint: $(STAMP) $(TYPECHECK)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 # The package as it installs (terminus/ = the root's __init__.py + the four folders), as
 # links that mypy reads through (see [tool.mypy] in pyproject.toml).

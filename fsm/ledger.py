@@ -17,20 +17,32 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from .errors import DoubleRelease, OwnershipError
+from .errors import DoubleRelease, OwnershipError, ReleaseOutsideTerminal
 from .plan import (
-    _ENGINE,
+    Action,
     EffectError,
+    Plan,
     PlanReport,
+    Release,
     ReleaseContext,
-    _require_effect,
     call_step,
+    release_context,
+    require_effect,
 )
 
-if TYPE_CHECKING:
-    from .machine import Instance
+
+class Owner(Protocol):
+    """What the ledger reads of an owner (an `fsm.Instance`)."""
+
+    @property
+    def machine(self) -> Any: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def terminal(self) -> bool: ...
+
 
 
 class Handle:
@@ -38,7 +50,7 @@ class Handle:
 
     __slots__ = ("hid", "kind", "owner", "released", "value")
 
-    def __init__(self, hid: int, kind: str, value: Any, owner: Instance) -> None:
+    def __init__(self, hid: int, kind: str, value: Any, owner: Owner) -> None:
         self.hid = hid
         self.kind = kind
         self.value = value
@@ -81,12 +93,17 @@ class Ledger:
 
     def register_kind(self, kind: str, release: Callable[..., Any]) -> None:
         """Set the default release effect for handles of `kind`."""
-        _require_effect(release, f"releaser for kind {kind!r}")
+        require_effect(release, f"releaser for kind {kind!r}")
         self._releasers[kind] = release
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        """The handle kinds this ledger has a default releaser for."""
+        return frozenset(self._releasers)
 
     # -- ownership ----------------------------------------------------------------
 
-    def acquire(self, owner: Instance, kind: str, value: Any) -> Handle:
+    def acquire(self, owner: Owner, kind: str, value: Any) -> Handle:
         """Record that `owner` now owns `value`; returns its handle.
 
         When `owner` is already terminal, the handle is released at once (I6) and
@@ -104,7 +121,7 @@ class Ledger:
             self._release_late(h)
         return h
 
-    def transfer(self, handle: Handle, to: Instance) -> None:
+    def transfer(self, handle: Handle, to: Owner) -> None:
         """Move ownership of `handle` to `to`; released at once if `to` is terminal."""
         if handle.released:
             raise OwnershipError(f"cannot transfer {handle!r}: it was already released")
@@ -126,7 +143,7 @@ class Ledger:
         if to.terminal and id(to) not in self._in_plan:
             self._release_late(handle)
 
-    def _require_mine(self, owner: Instance, what: str) -> None:
+    def _require_mine(self, owner: Owner, what: str) -> None:
         # Only a machine bound to this ledger runs this ledger's releases at its terminal
         # transition; a handle owned by any other instance would never be released.
         if owner.machine.ledger is not self:
@@ -136,7 +153,7 @@ class Ledger:
                 "handle; bind the machine with ledger=<this ledger>"
             )
 
-    def observe(self, handle: Handle, observer: Instance) -> None:
+    def observe(self, handle: Handle, observer: Owner) -> None:
         """Record `observer` as a non-owner user of `handle`: its terminal releases nothing."""
         if observer is handle.owner:
             raise OwnershipError(f"{observer!r} owns {handle!r}; an owner is not an observer")
@@ -174,6 +191,35 @@ class Ledger:
 
     # -- release (engine only) ------------------------------------------------------
 
+    def run_plan(self, ctx: ReleaseContext, plan: Plan, report: PlanReport) -> None:
+        """Run `plan` over what `ctx.instance` owns, inside the engine's live context.
+
+        Steps run in order, each even when an earlier one raised (errors go to
+        `report.errors`): `Release(kind)` releases every handle of that kind the
+        instance owns at that moment, `Action` runs once. Then every handle the plan did
+        not name is released by its kind's default releaser, so a plan can order
+        releases but cannot forget one (I3). While the plan runs, a handle acquired for
+        (or transferred to) the instance is the plan's to release, not a late release.
+        The engine calls this for a terminal transition; `ctx` must be live.
+        """
+        if not ctx.live:
+            raise ReleaseOutsideTerminal(f"Ledger.run_plan({report.plan!r})")
+        owner = ctx.instance
+        key = id(owner)
+        self._in_plan.add(key)
+        try:
+            for step in plan.steps:
+                if isinstance(step, Release):
+                    self._release_owned(ctx, owner, step.kind, step.fn, report, step.name,
+                                        step.best_effort)
+                else:
+                    assert isinstance(step, Action)
+                    self._call(step.fn, (ctx,), report, step.name, step.best_effort)
+            self._release_owned(ctx, owner, None, None, report, None, False)
+        finally:
+            self._in_plan.discard(key)
+        self.errors.extend(report.errors)
+
     def _mark_released(self, handle: Handle) -> None:
         if handle.released:
             raise DoubleRelease(handle)
@@ -186,15 +232,21 @@ class Ledger:
         self._observers.pop(handle.hid, None)
         self.released += 1
 
+    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], report: PlanReport,
+              step: str, best_effort: bool) -> None:
+        task = call_step(fn, args, report, step, best_effort)
+        if task is not None:
+            self._keep(task, report, step, best_effort)
+
     def _release(self, ctx: ReleaseContext, handle: Handle, fn: Callable[..., Any] | None,
                  report: PlanReport, step: str, best_effort: bool) -> None:
         """Release one handle inside a running plan; marks it first, so never twice."""
         self._mark_released(handle)
         report.released.append(handle)
         release = fn if fn is not None else self._releasers[handle.kind]
-        call_step(release, (ctx, handle), report, self, step, best_effort)
+        self._call(release, (ctx, handle), report, step, best_effort)
 
-    def _release_owned(self, ctx: ReleaseContext, owner: Instance, kind: str | None,
+    def _release_owned(self, ctx: ReleaseContext, owner: Owner, kind: str | None,
                        fn: Callable[..., Any] | None, report: PlanReport, step: str | None,
                        best_effort: bool) -> None:
         """Release what `owner` owns (of `kind`) inside its plan.
@@ -212,13 +264,10 @@ class Ledger:
         owner = handle.owner
         m = owner.machine
         state = owner.state
-        ctx = ReleaseContext(_ENGINE, m.name, owner, None, "<late acquire>", state, state,
-                             self)
         report = PlanReport(m.name, owner, "<late acquire>")
-        try:
+        with release_context(m.name, owner, None, "<late acquire>", state, state,
+                             self) as ctx:
             self._release(ctx, handle, None, report, f"release {handle.kind} (late)", False)
-        finally:
-            ctx._live = False
         self.late_released += 1
         self.errors.extend(report.errors)
         if report.errors:

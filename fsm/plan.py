@@ -26,13 +26,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 from .errors import FsmError, ReleaseOutsideTerminal
-
-if TYPE_CHECKING:
-    from .ledger import Handle, Ledger
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -44,11 +42,15 @@ class ReleaseContext:
 
     Fields: `machine` (name), `instance`, `event` (the event that caused the terminal
     transition, None for a late release), `plan` (name), `source` and `target` (state
-    names), `ledger`, and `resources` (whatever the ledger was given, for effects).
+    names), `ledger` (the machine's `Ledger`, or None), `resources` (whatever the ledger
+    was given, for effects), and `rows` (for a batched plan, the int64 indices of the
+    rows that took an edge running it in this step; None for a scalar instance).
+
+    Only the engine makes one, through `release_context()`.
     """
 
-    __slots__ = ("_live", "event", "instance", "ledger", "machine", "plan", "source",
-                 "target")
+    __slots__ = ("_live", "event", "instance", "ledger", "machine", "plan", "rows",
+                 "source", "target")
 
     def __init__(
         self,
@@ -59,11 +61,13 @@ class ReleaseContext:
         plan: str,
         source: str,
         target: str,
-        ledger: Ledger | None,
+        ledger: Any,
+        rows: Any = None,
     ) -> None:
         if token is not _ENGINE:
             raise ReleaseOutsideTerminal("ReleaseContext()")
         self._live = True
+        self.rows = rows
         self.machine = machine
         self.instance = instance
         self.event = event
@@ -87,6 +91,23 @@ class ReleaseContext:
                 f"plan={self.plan!r}, live={self._live})")
 
 
+@contextmanager
+def release_context(machine: str, instance: Any, event: Any, plan: str, source: str,
+                    target: str, ledger: Any, rows: Any = None) -> Iterator[ReleaseContext]:
+    """The one place a `ReleaseContext` is opened and closed (engine only).
+
+    The machine (a terminal transition), the ledger (a late release) and a batch (a
+    batched plan) run their release steps inside it; the context is dead once the
+    block ends, whatever it raised, so an effect that kept it cannot run later (I1).
+    """
+    ctx = ReleaseContext(_ENGINE, machine, instance, event, plan, source, target, ledger,
+                         rows)
+    try:
+        yield ctx
+    finally:
+        ctx._live = False
+
+
 def release_effect(fn: F) -> F:
     """Mark `fn(ctx, ...)` as a release effect: it runs only with a live ReleaseContext.
 
@@ -108,7 +129,8 @@ def is_release_effect(fn: Any) -> bool:
     return bool(getattr(fn, "__terminus_release__", False))
 
 
-def _require_effect(fn: Any, what: str) -> None:
+def require_effect(fn: Any, what: str) -> None:
+    """Raise TypeError naming `what` unless `fn` is decorated with `@release_effect`."""
     if not is_release_effect(fn):
         raise TypeError(
             f"{what} {getattr(fn, '__qualname__', fn)!r} is not a release effect; "
@@ -128,7 +150,7 @@ class Action:
 
     def __init__(self, fn: Callable[..., Any], *, best_effort: bool = False,
                  name: str | None = None) -> None:
-        _require_effect(fn, "Action step")
+        require_effect(fn, "Action step")
         self.fn = fn
         self.best_effort = best_effort
         self.name: str = name or str(getattr(fn, "__name__", "action"))
@@ -149,7 +171,7 @@ class Release:
     def __init__(self, kind: str, fn: Callable[..., Any] | None = None, *,
                  best_effort: bool = False) -> None:
         if fn is not None:
-            _require_effect(fn, f"Release({kind!r}) step")
+            require_effect(fn, f"Release({kind!r}) step")
         self.kind = kind
         self.fn = fn
         self.best_effort = best_effort
@@ -172,6 +194,13 @@ class Plan:
             if not isinstance(s, (Action, Release)):
                 raise TypeError(f"plan step {s!r} is neither an Action nor a Release")
         self.steps = steps
+
+    def run_actions(self, ctx: ReleaseContext, report: PlanReport) -> None:
+        """Run the plan's steps in order where no ledger is involved (a machine bound
+        without one, a batched plan): every step is an `Action`, called `fn(ctx)`."""
+        for step in self.steps:
+            assert isinstance(step, Action), "Release steps need a ledger (Ledger.run_plan)"
+            call_step(step.fn, (ctx,), report, step.name, step.best_effort)
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -212,7 +241,8 @@ class PlanReport:
         self.machine = machine
         self.instance = instance
         self.plan = plan
-        self.released: list[Handle] = []
+        self.released: list[Any] = []
+        """The `Handle`s the plan released, in order."""
         self.errors: list[EffectError] = []
         self.tasks: list[asyncio.Future[Any]] = []
 
@@ -230,18 +260,18 @@ def call_step(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     report: PlanReport,
-    ledger: Ledger | None,
     step: str,
     best_effort: bool,
-) -> None:
-    """Run one step; record its error; keep an async result referenced until it ends."""
+) -> asyncio.Future[Any] | None:
+    """Run one step and record its error. An async result becomes a task, listed in
+    `report.tasks` and returned, for the caller (the ledger) to keep referenced."""
     try:
         res = fn(*args)
     except Exception as e:  # every step runs; the error is reported, never swallowed
         report.errors.append(EffectError(report.machine, report.plan, step, best_effort, e))
-        return
+        return None
     if res is None or not inspect.isawaitable(res):
-        return
+        return None
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError as e:
@@ -251,12 +281,10 @@ def call_step(
             report.machine, report.plan, step, best_effort,
             RuntimeError(f"{e}: an async release step needs a running event loop; fire "
                          "the terminal event from a coroutine, or make the step sync")))
-        return
-    else:
-        task = loop.create_task(_as_coro(res))
-        report.tasks.append(task)
-        if ledger is not None:
-            ledger._keep(task, report, step, best_effort)
+        return None
+    task = loop.create_task(_as_coro(res))
+    report.tasks.append(task)
+    return task
 
 
 async def _as_coro(aw: Awaitable[Any]) -> Any:
