@@ -7,14 +7,14 @@ packed int64 table gives everything a step needs from one gather:
     packed[b + e] =  next row base                   bits  0..39
                    | newly-terminal flag             bit   40
                    | (plan id + 1)                   bits 41..
-                   or -1 (error) / -2 (guarded: not batchable) / -3 (event id out
-                   of range: set per step), negative
+                   or -1 (error) / -2 (guarded: not batchable), negative
 
 Because the target of an unguarded cell depends only on (state, event), "became
 terminal in this step" is a property of the cell and is precomputed. A step is one
-clamp, one add, one gather, one where, one min/max reduction (its min rejects bad ids
-and pairs, its max says whether anyone became terminal) and one mask. The min/max pair
-is the step's only read back to the host (one device synchronisation on CUDA); only a
+clamp, one add, one gather, two min/max reductions (the ids' reject an id out of range;
+the cells' min rejects bad pairs, their max says whether anyone became terminal) and
+one mask. The four numbers are the step's only read back to the host (one device
+synchronisation on CUDA); only a
 step in which some instance became terminal pays for a nonzero and, when the batch has
 plans, one more read to group the rows by plan; the plans' releases are one batched
 call per plan.
@@ -39,7 +39,6 @@ from .table import DECISIONS, GUARDED, IGNORED, Tables
 _NEWLY_SHIFT = 40
 _PLAN_SHIFT = 41
 _BASE_MASK = (1 << _NEWLY_SHIFT) - 1
-_BAD_EVENT = -3  # packed code of a row whose event id is out of range
 
 
 class Batchable(Protocol):
@@ -91,13 +90,18 @@ class BatchStep:
         self.plan_ids = plan_ids
 
     def by_plan(self, machine: Batchable) -> dict[str, torch.Tensor]:
-        """Newly-terminal indices grouped by plan name (edges without one under '')."""
+        """Newly-terminal indices grouped by plan name (edges without one under ''), each
+        group in index order. One read back to the host (the group sizes), whatever the
+        number of plans."""
         out: dict[str, torch.Tensor] = {}
         if not self.terminal.numel():
             return out
-        for pid in _host(torch.unique(self.plan_ids)):
-            name = machine.plan_names[pid] if pid >= 0 else ""
-            out[name] = self.terminal[self.plan_ids == pid]
+        order = torch.sort(self.plan_ids, stable=True).indices
+        sizes = _host(torch.bincount(self.plan_ids + 1, minlength=len(machine.plan_names) + 1))
+        groups = self.terminal.index_select(0, order).split(sizes)
+        for pid, (size, rows) in enumerate(zip(sizes, groups, strict=True)):
+            if size:
+                out[machine.plan_names[pid - 1] if pid else ""] = rows
         return out
 
 
@@ -237,15 +241,17 @@ class Batch:
         if not self.n:
             return BatchStep(events, events)
         e_max = self._w - 2
-        idx = self._base + events.clamp(-1, e_max)
+        # Clamped so that the gather stays in the table whatever the ids; the ids' own
+        # min/max, read with the cells', reject an out-of-range id before anything changes.
+        idx = events.clamp(-1, e_max)
+        idx += self._base  # in place: a step allocates no more tensors than it must
         packed = self._packed.index_select(0, idx)
-        packed = torch.where((events < -1) | (events > e_max), _BAD_EVENT, packed)
-        lo, hi = _host(torch.stack(packed.aminmax()))
+        ev_lo, ev_hi, lo, hi = _host(torch.stack((*events.aminmax(), *packed.aminmax())))
         m = self.machine
-        if lo < 0:
-            self._refuse_bad_ids(events, packed)
+        if ev_lo < -1 or ev_hi > e_max:
+            self._refuse_bad_ids(events)
         if _obs.recorder() is not None or m.sinks:
-            self._observe(idx, events, packed, rejected=lo < 0)
+            self._observe(self._base + events, events, packed, rejected=lo < 0)
         if lo < 0:
             self._reject(events, packed)
         self._base = packed & _BASE_MASK
@@ -257,13 +263,11 @@ class Batch:
             self._run_plans(result)
         return result
 
-    def _refuse_bad_ids(self, events: torch.Tensor, packed: torch.Tensor) -> None:
-        bad = _host((packed == _BAD_EVENT).nonzero()[:1, 0])
-        if bad:
-            i = bad[0]
-            raise IndexError(
-                f"machine {self.machine.name!r}: event id {_host(events[i])} at instance "
-                f"{i} is out of range; use Batch.event_ids() or -1 for no event")
+    def _refuse_bad_ids(self, events: torch.Tensor) -> None:
+        i = _host(((events < -1) | (events > self._w - 2)).nonzero()[0, 0])
+        raise IndexError(
+            f"machine {self.machine.name!r}: event id {_host(events[i])} at instance {i} "
+            "is out of range; use Batch.event_ids() or -1 for no event")
 
     def _reject(self, events: torch.Tensor, packed: torch.Tensor) -> None:
         m = self.machine

@@ -14,7 +14,6 @@ observations, runs release plans, and queues events fired while it runs
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -347,17 +346,25 @@ class Machine:
         if q is not None:  # run-to-completion: handled after the running step
             q.append(event)
             return None
-        inst._q = q = deque()
-        result: PlanReport | None = None
-        errors: list[Exception] = []
+        inst._q = q = []
+        try:  # the fired event's own step: its report is what fire() returns
+            result = self._step(inst, event)
+        except Exception as e:
+            if not q:
+                inst._q = None
+                raise
+            return self._drain(inst, q, [e])
+        if q:  # events its effects fired at this instance, in order
+            return self._drain(inst, q, [], result)
+        inst._q = None
+        return result
+
+    def _drain(self, inst: Instance, q: list[Any], errors: list[Exception],
+               result: PlanReport | None = None) -> PlanReport | None:
         try:
-            try:  # the fired event's own step: its report is what fire() returns
-                result = self._step(inst, event)
-            except Exception as e:
-                errors.append(e)
-            while q:  # events its effects fired at this instance, in order
+            while q:
                 try:
-                    self._step(inst, q.popleft())
+                    self._step(inst, q.pop(0))
                 except Exception as e:
                     errors.append(e)
         finally:
@@ -415,7 +422,7 @@ class Machine:
         pname = name or "<release owned>"
         plan = self._plans.get(name, EMPTY_PLAN) if name else EMPTY_PLAN
         ledger = self.ledger
-        report = PlanReport(self.name, inst, pname)
+        report = PlanReport(self.name, inst, pname, [], [], [])
         with release_context(self.name, inst, event, pname, self.states[src],
                              self.states[dst], ledger) as ctx:
             if ledger is not None:
@@ -446,7 +453,7 @@ class Instance:
     def __init__(self, machine: Machine, key: Any = None) -> None:
         self._m = machine
         self._s = machine.initial
-        self._q: deque[Any] | None = None
+        self._q: list[Any] | None = None
         self.key = key
 
     def fire(self, event: Any) -> PlanReport | None:

@@ -26,9 +26,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
+
+import msgspec
 
 from .errors import FsmError, ReleaseOutsideTerminal
 
@@ -86,26 +87,28 @@ class ReleaseContext:
         """The resources object given to the ledger (`Ledger(resources=...)`)."""
         return None if self.ledger is None else self.ledger.resources
 
+    def __enter__(self) -> ReleaseContext:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._live = False  # closed here, for every way a release block ends
+
     def __repr__(self) -> str:
         return (f"ReleaseContext({self.machine}:{self.source}->{self.target}, "
                 f"plan={self.plan!r}, live={self._live})")
 
 
-@contextmanager
-def release_context(machine: str, instance: Any, event: Any, plan: str, source: str,
-                    target: str, ledger: Any, rows: Any = None) -> Iterator[ReleaseContext]:
-    """The one place a `ReleaseContext` is opened and closed (engine only).
+release_context: Callable[..., ReleaseContext] = functools.partial(ReleaseContext, _ENGINE)
+"""`release_context(machine, instance, event, plan, source, target, ledger, rows=None)`:
+the one place a `ReleaseContext` is opened (engine only); use it as
+`with release_context(...) as ctx:`.
 
-    The machine (a terminal transition), the ledger (a late release) and a batch (a
-    batched plan) run their release steps inside it; the context is dead once the
-    block ends, whatever it raised, so an effect that kept it cannot run later (I1).
-    """
-    ctx = ReleaseContext(_ENGINE, machine, instance, event, plan, source, target, ledger,
-                         rows)
-    try:
-        yield ctx
-    finally:
-        ctx._live = False
+The machine (a terminal transition), the ledger (a late release) and a batch (a batched
+plan) run their release steps inside it; the context is dead once the block ends,
+whatever it raised (`ReleaseContext.__exit__`), so an effect that kept it cannot run
+later (I1). A partial of the constructor with the engine's token, so opening one costs
+no extra Python call.
+"""
 
 
 def release_effect(fn: F) -> F:
@@ -232,19 +235,19 @@ class EffectError(FsmError):
         self.__cause__ = error
 
 
-class PlanReport:
-    """What one run of a release plan did: handles released, step errors, async tasks."""
+class PlanReport(msgspec.Struct, eq=False):
+    """What one run of a release plan did: `released` (the `Handle`s it released, in
+    order), `errors` (the step errors), `tasks` (async steps still running).
 
-    __slots__ = ("errors", "instance", "machine", "plan", "released", "tasks")
+    A msgspec Struct: built in C, once per terminal transition.
+    """
 
-    def __init__(self, machine: str, instance: Any, plan: str) -> None:
-        self.machine = machine
-        self.instance = instance
-        self.plan = plan
-        self.released: list[Any] = []
-        """The `Handle`s the plan released, in order."""
-        self.errors: list[EffectError] = []
-        self.tasks: list[asyncio.Future[Any]] = []
+    machine: str
+    instance: Any
+    plan: str
+    released: list[Any] = msgspec.field(default_factory=list)
+    errors: list[EffectError] = msgspec.field(default_factory=list)
+    tasks: list[asyncio.Future[Any]] = msgspec.field(default_factory=list)
 
     @property
     def ok(self) -> bool:

@@ -144,3 +144,14 @@ def test_a_batched_plan_with_a_release_step_is_refused_saying_why():
             "indexed by the row), so release them in an Action over ctx.rows: "
             "Plan(Action(release_rows))")):
         _bench_batch(2, {"release": Plan(Release("kv"))})
+
+
+def test_the_engine_benchmark_reports_the_ledger_figures_under_their_json_keys():
+    from terminus.fsm import bench
+
+    r = bench.ledger_figures(quick=True)
+    assert set(r) == {"acquire_us", "acquire_us_by_outstanding", "terminal_fire_us",
+                      "bytes_per_handle"}
+    assert set(r["acquire_us_by_outstanding"]) == {"10000", "50000"}
+    assert r["acquire_us"] == r["acquire_us_by_outstanding"]["50000"] > 0
+    assert r["terminal_fire_us"] > 0 and 0 < r["bytes_per_handle"] < 1000
