@@ -2,18 +2,58 @@
 
 A package registers its built machines in the entry-point group `terminus.machines`
 (pyproject: `NAME = "module:ATTR"`); `terminus diagrams` and the coverage plugin load
-that group, or the `module:attr` names given on their command line instead.
+that group, or the `module:attr` names given on their command line instead. Each entry
+point belongs to the distribution that registered it: the library's own seven serving
+machines are registered by `terminus-fsm` (`LIBRARY`), a user's by their project, and
+`located(library=...)` picks either side.
 """
 
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import entry_points
+import re
+from importlib.metadata import EntryPoint, entry_points
 
 from .machine import Machine
 
 GROUP = "terminus.machines"
 """The entry-point group that declares a package's machines."""
+
+LIBRARY = "terminus-fsm"
+"""The distribution of this library, which registers its own serving machines."""
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def distribution(ep: EntryPoint) -> str:
+    """The name of the distribution that registered `ep` ('' when unknown)."""
+    dist = getattr(ep, "dist", None)
+    return str(dist.name) if dist is not None and dist.name else ""
+
+
+def registered(library: bool | None = None) -> list[EntryPoint]:
+    """The `terminus.machines` entry points by name: all of them (`library=None`), only
+    those of `terminus-fsm` (`True`), or only those of every other distribution
+    (`False`: the machines of the user's own project)."""
+    eps = sorted(entry_points(group=GROUP), key=lambda ep: ep.name)
+    if library is None:
+        return eps
+    return [ep for ep in eps if (_canonical(distribution(ep)) == LIBRARY) == library]
+
+
+def describe(specs: list[str] | None = None, library: bool | None = None) -> str:
+    """Where `located(specs, library=...)` finds its machines, as a phrase for a README."""
+    if specs:
+        return "the machines named on the command line (" + ", ".join(
+            f"`--machines {s}`" for s in specs) + ")"
+    dists = sorted({distribution(ep) or "an unknown distribution"
+                    for ep in registered(library)})
+    if not dists:
+        return f"the entry-point group `{GROUP}` (no machine is registered there)"
+    return (f"the machines registered in the entry-point group `{GROUP}` by "
+            + ", ".join(f"`{d}`" for d in dists))
 
 
 class MachineLoadError(Exception):
@@ -43,22 +83,25 @@ def load(spec: str) -> Machine:
     return obj
 
 
-def machines(specs: list[str] | None = None) -> dict[str, Machine]:
-    """Machines by name: from `specs` (`module:attr`) if given, else the entry points.
+def machines(specs: list[str] | None = None, library: bool | None = None
+             ) -> dict[str, Machine]:
+    """Machines by name: from `specs` (`module:attr`) if given, else the entry points
+    (filtered by `library`, see `registered`).
 
     Two different machines with one name are an error: diagrams and coverage are keyed
     by name.
     """
-    return {name: m for name, (_, m) in located(specs).items()}
+    return {name: m for name, (_, m) in located(specs, library).items()}
 
 
-def located(specs: list[str] | None = None) -> dict[str, tuple[str, Machine]]:
+def located(specs: list[str] | None = None, library: bool | None = None
+            ) -> dict[str, tuple[str, Machine]]:
     """As `machines`, with the `module:attr` each machine was loaded from."""
     if specs:
         pairs = [(s, s, load(s)) for s in specs]
     else:
         pairs = []
-        for ep in sorted(entry_points(group=GROUP), key=lambda ep: ep.name):
+        for ep in registered(library):
             try:
                 pairs.append((f"{ep.name} = {ep.value}", ep.value, load(ep.value)))
             except MachineLoadError as e:

@@ -3,6 +3,8 @@ prefill, decode, and one batched release per plan per step over real pools."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -23,9 +25,10 @@ from terminus.states.sequence import (
 )
 
 
-@pytest.fixture
-def pools():
-    p = SchedulerPools(rows=8, max_context_len=64, kv_tokens=256, mamba_slots=8, strict=True)
+@pytest.fixture(params=[1, 16], ids=["page1", "page16"])
+def pools(request):
+    p = SchedulerPools(rows=8, max_context_len=64, kv_tokens=256, mamba_slots=8, strict=True,
+                       page_size=request.param)
     yield p
     p.assert_full()
 
@@ -223,9 +226,12 @@ def test_a_refused_batched_release_still_tells_the_owner_which_rows_retired(pool
     assert rb.retired["finished"] == 2
     # The strict pool refused the whole KV free, so the rows keep their slots and
     # lengths: the tokens they legitimately own are still listed there, not leaked with a
-    # freed slot. Their owner releases them again past the token the bug freed.
+    # freed slot. Their owner releases them again past what the bug freed (with pages,
+    # every token of row 0 on the page the bad free returned).
     assert pools.table.lengths[rows].tolist() == [4, 4]
-    release_batch(rows, pools.table, pools.kv, pools.mamba, kv_start=torch.tensor([1, 0]))
+    ps = pools.page_size
+    skip = int((tokens[0] // ps == tokens[0][0] // ps).sum())
+    release_batch(rows, pools.table, pools.kv, pools.mamba, kv_start=torch.tensor([skip, 0]))
 
 
 def test_one_echo_that_raises_does_not_keep_the_other_retired_rows_silent(pools):
@@ -260,3 +266,88 @@ def test_one_echo_that_raises_does_not_keep_the_other_retired_rows_silent(pools)
     assert "r0's LoRA release underflowed" in repr(info.value)
     assert sorted(heard) == [("r0", "length"), ("r1", "length"), ("r2", "length")]
     assert sched.idle
+
+
+def pages_of(pools, row):
+    return set((pools.table.tokens(int(row)) // pools.page_size).tolist())
+
+
+@pytest.mark.parametrize("rows_counts, why", [
+    ([30, -5], "negative token counts \\[-5\\] for rows"),
+    ([70, 3], "would hold \\[72\\] tokens, past the table's max_context_len 64"),
+], ids=["negative", "past_max_context_len"])
+def test_append_kv_refuses_bad_counts_before_taking_any_kv(pools, rows_counts, why):
+    rb = RunningBatch(pools)
+    rows = rb.admit(2, mamba=False)
+    assert rb.append_kv(rows, torch.tensor([2, 2]))
+    kv_free, lengths = pools.kv.available, pools.table.lengths.clone()
+    with pytest.raises(ValueError, match=why):
+        rb.append_kv(rows, torch.tensor(rows_counts))
+    assert pools.kv.available == kv_free  # nothing taken, nothing without an owner
+    assert torch.equal(pools.table.lengths, lengths)
+    with pytest.raises(ValueError, match="name a row more than once"):
+        rb.append_kv(torch.cat((rows, rows[:1])), torch.tensor([1, 1, 1]))
+    with pytest.raises(ValueError, match="2 rows but 1 counts"):
+        rb.append_kv(rows, torch.tensor([1]))
+    assert pools.kv.available == kv_free
+    rb.fire(rows, SequenceAbort)
+
+
+def test_each_request_has_pages_of_its_own_and_the_first_retirement_frees_only_its_own():
+    pools = SchedulerPools(rows=4, max_context_len=64, kv_tokens=256, mamba_slots=4,
+                           strict=True, page_size=16)
+    log = []
+    rb = RunningBatch(pools, retire_log(log))
+    rows = rb.admit(3, mamba=False)
+    prefill_chunk(rb, rows, 0)  # one launch for all three rows, of different sizes:
+    assert rb.append_kv(rows, torch.tensor([5, 7, 9]))
+    owned = [pages_of(pools, r) for r in rows]
+    assert all(len(p) == 1 for p in owned) and len(set.union(*owned)) == 3
+    rb.fire(rows, LastChunkDone)
+    rb.fire(rows[:1], Finish)  # the first retirement frees row 0's page only
+    assert pools.kv.available == pools.kv.capacity - 2 * 16
+    assert all(pages_of(pools, r) == p for r, p in zip(rows[1:], owned[1:], strict=True))
+    rb.fire(rows[1:], Finish)  # strict: a page freed twice would raise DoubleFree here
+    assert [s for _, s in log] == ["finished"] * 3
+    pools.assert_full()
+
+
+def test_a_rows_partial_last_page_is_filled_before_a_new_page_is_taken():
+    pools = SchedulerPools(rows=4, max_context_len=64, kv_tokens=256, mamba_slots=4,
+                           strict=True, page_size=16)
+    rb = RunningBatch(pools)
+    rows = rb.admit(2, mamba=False)
+    assert rb.append_kv(rows, torch.tensor([5, 16]))
+    assert rb.append_kv(rows, torch.tensor([7, 1]))  # row 0 fits its page; row 1 does not
+    assert [len(pages_of(pools, r)) for r in rows] == [1, 2]
+    assert rb.append_kv(rows, torch.tensor([6, 0]))  # 12 + 6: 4 on its page, 2 on a new one
+    t0 = pools.table.tokens(int(rows[0]))
+    assert t0.numel() == 18 and torch.unique(t0).numel() == 18
+    assert (t0[:16] // 16).unique().numel() == 1  # the first page is full
+    assert t0[16] % 16 == 0 and t0[17] == t0[16] + 1  # then a new page, from its start
+    for _ in range(14):  # decode one token a step: row 0 fills its second page first
+        assert rb.append_kv(rows[:1], torch.ones(1, dtype=torch.int64))
+    assert len(pages_of(pools, rows[0])) == 2
+    assert pools.kv.available == pools.kv.capacity - 4 * 16
+    rb.fire(rows, SequenceAbort)
+    pools.assert_full()
+
+
+def test_scheduler_pools_check_runs_each_audited_pools_own_check():
+    from terminus.kernels import DoubleFree
+    from tests import sglang_shapes as sg
+
+    pools = SchedulerPools(rows=2, max_context_len=8, kv_tokens=16, mamba_slots=2)
+    t = pools.kv.alloc(4)
+    pools.kv.free(t[:2])
+    pools.kv.free(t[:2])  # not strict: recorded on the device, not raised here
+    with pytest.raises(DoubleFree, match=re.escape(f"double free of {sorted(t[:2].tolist())}")):
+        pools.check()
+    pools.kv.clear()
+    pools.check()
+    pools.assert_full()
+    theirs = SchedulerPools(rows=2, max_context_len=8, mamba_slots=2,
+                            kv=sg.TokenAllocator(16))
+    assert theirs.unchecked() == ["kv"] and "kv_tokens" not in theirs.leaks()
+    theirs.check()  # nothing it can check on an engine's pool
+    theirs.assert_full()

@@ -126,3 +126,25 @@ def test_the_disagg_seed_scenario_reproduces_the_production_deficit(tmp_path):
     r = json.loads(out.read_text())
     assert r["naive"]["kv_tokens_leaked"] == 16384 and r["naive"]["mamba_states_leaked"] == 3
     assert r["machines"]["kv_tokens_leaked"] == 0 and r["machines"]["mamba_states_leaked"] == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_simulate_leaks_nothing_with_pages_of_1_and_of_16_tokens(tmp_path, page_size):
+    out = tmp_path / "sim.json"
+    assert main(["--requests", "300", "--seed", "5", "--abort-rate", "0.4", "--fault-rate",
+                 "0.2", "--no-progress", "--page-size", str(page_size),
+                 "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["page_size"] == page_size
+    assert set(r["leaks"].values()) == {0} and r["max_streams_per_request"] == 1
+    assert r["peak"]["kv_tokens"] % page_size == 0  # whole pages, both servers
+
+
+@pytest.mark.parametrize("bad", ["0", "12", "2048"])
+def test_a_page_size_that_is_not_a_power_of_two_up_to_1024_is_one_line(capsys, bad):
+    from terminus.fsm.cli import main as terminus
+
+    assert terminus(["simulate", "--page-size", bad]) == 2
+    err = capsys.readouterr().err
+    assert err == ("terminus simulate: --page-size must be a power of two from 1 to 1024, "
+                   f"got {bad}\n")

@@ -296,11 +296,12 @@ class NaiveDisagg:
         """Units missing from each pool once the cache is evicted."""
         self.cache.evict_all()
         p = self.pools
+        used = p.in_use()  # our pools: every one is audited
         return {
-            "kv_tokens": p.kv.capacity - p.kv.available,  # type: ignore[attr-defined]
-            "mamba_slots": p.mamba.capacity - p.mamba.available,  # type: ignore[attr-defined]
-            "request_slots": p.table.capacity - p.table.available,
-            "metadata_slots": p.metadata.capacity - p.metadata.available,
+            "kv_tokens": used["kv"],
+            "mamba_slots": used["mamba"],
+            "request_slots": used["table"],
+            "metadata_slots": used["metadata"],
             "host_pages": p.host.occupied,
         }
 

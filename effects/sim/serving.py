@@ -97,6 +97,7 @@ class SimConfig(msgspec.Struct, frozen=True):
     mamba_slots: int = 512
     max_context_len: int = 512
     chunk_size: int = 64
+    page_size: int = 1  # KV tokens per page, scheduler and disaggregated prefill
     device: str = "cpu"
     strict: bool = False
     disagg_rows: int = 64
@@ -327,7 +328,7 @@ class SimDisagg:
                                  mamba_slots=cfg.disagg_rows, metadata_slots=cfg.disagg_rows,
                                  host_pages=cfg.host_pages,
                                  max_context_len=cfg.max_context_len, device=cfg.device,
-                                 strict=cfg.strict)
+                                 strict=cfg.strict, page_size=cfg.page_size)
         self.engine = DisaggPrefill(pools, transport=self.transport, sink=sink)
         self.live: dict[str, deque[int]] = {}  # rid -> chunks in flight, oldest first
 
@@ -393,11 +394,12 @@ class SimDisagg:
         """Units missing from each pool once the cache is evicted."""
         self.engine.cache.evict_all()  # type: ignore[attr-defined]
         p = self.engine.pools
+        used = p.in_use()  # our pools: every one is audited
         return {
-            "kv_tokens": p.kv.capacity - p.kv.available,  # type: ignore[attr-defined]
-            "mamba_slots": p.mamba.capacity - p.mamba.available,  # type: ignore[attr-defined]
-            "request_slots": p.table.capacity - p.table.available,
-            "metadata_slots": p.metadata.capacity - p.metadata.available,
+            "kv_tokens": used["kv"],
+            "mamba_slots": used["mamba"],
+            "request_slots": used["table"],
+            "metadata_slots": used["metadata"],
             "host_pages": p.host.occupied,
             "ledger_handles": self.engine.ledger.count(),
         }
@@ -626,7 +628,8 @@ class ServingLoop:
                                     max_context_len=self.cfg.max_context_len,
                                     kv_tokens=self.cfg.kv_tokens,
                                     mamba_slots=self.cfg.mamba_slots,
-                                    device=self.cfg.device, strict=self.cfg.strict)
+                                    device=self.cfg.device, strict=self.cfg.strict,
+                                    page_size=self.cfg.page_size)
         self.running = RunningBatch(self.pools)
         self.registry = _RegistryWithLatency()
         self.sink = OutputLog()
@@ -718,13 +721,12 @@ class ServingLoop:
 
     def _sample_peaks(self) -> None:
         p, d = self.pools, self.disagg.pools
+        pu, du = p.in_use(), d.in_use()  # our pools: every one is audited
         now = {
-            "kv_tokens": p.kv.capacity - p.kv.available + d.kv.capacity - d.kv.available,
-            "request_rows": p.table.capacity - p.table.available
-            + d.table.capacity - d.table.available,
-            "mamba_slots": p.mamba.capacity - p.mamba.available
-            + d.mamba.capacity - d.mamba.available,
-            "metadata_slots": d.metadata.capacity - d.metadata.available,
+            "kv_tokens": pu["kv"] + du["kv"],
+            "request_rows": pu["table"] + du["table"],
+            "mamba_slots": pu["mamba"] + du["mamba"],
+            "metadata_slots": du["metadata"],
             "host_pages": sum(s.host.occupied for s in self.prefetch.sites)
             + d.host.occupied,
             "live_requests": len(self.tokenizer.live),

@@ -95,11 +95,13 @@ def _check_writable(path: str | None, what: str) -> None:
 
 def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu",
                    parts: PartsFactory | None = None, trace: Any = None,
-                   progress: Any = None) -> dict[str, Any]:
+                   progress: Any = None, page_size: int = 16) -> dict[str, Any]:
     """Run one workload through the serving loop; the summary dict.
 
     `parts`: `serving.machine_parts` (the default: the declared machines) or
-    `naive.naive_parts` (the seeds' pre-fix logic).
+    `naive.naive_parts` (the seeds' pre-fix logic). `page_size`: KV tokens per page of
+    the scheduler's and the disaggregated-prefill server's KV pools (16 by default;
+    1 is token granularity).
     """
     import torch
 
@@ -110,7 +112,7 @@ def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu",
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tensors here are small: threads only add contention
     workload = generate(wcfg)
-    cfg = SimConfig(device=device, chunk_size=wcfg.chunk_size)
+    cfg = SimConfig(device=device, chunk_size=wcfg.chunk_size, page_size=page_size)
     loop = ServingLoop(workload, cfg, parts=parts or machine_parts, adapters=wcfg.adapters,
                        trace=trace, progress=progress)
     counter = _Counting()
@@ -125,6 +127,7 @@ def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu",
     return {
         "loop": loop.parts.loop,
         "requests": len(workload),
+        "page_size": page_size,
         "seconds": loop.seconds,
         "steps": loop.steps,
         "requests_per_second": len(workload) / loop.seconds if loop.seconds else 0.0,
@@ -203,6 +206,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prefetch-fraction", type=float, default=d.prefetch_fraction,
                    metavar="P")
     p.add_argument("--device", default="cpu", help="torch device of the pools")
+    p.add_argument("--page-size", type=int, default=16, metavar="T",
+                   help="KV tokens per page (default 16, as deployments run pages above "
+                        "1; 1 is token granularity); a power of two up to 1024")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     p.add_argument("--trace", metavar="PATH",
                    help="write every transition (JSON lines; msgpack for .msgpack)")
@@ -224,12 +230,16 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     _check_device(a.device)
+    if not 1 <= a.page_size <= 1024 or a.page_size & (a.page_size - 1):
+        raise CliError(f"--page-size must be a power of two from 1 to 1024, got "
+                       f"{a.page_size}")
     _check_writable(a.json, "the summary")
     _check_writable(a.trace, "the trace")
 
     trace = _TraceWriter(a.trace) if a.trace else None
     try:
-        result = _run_with_progress(wcfg, a.device, "machines", trace, not a.no_progress)
+        result = _run_with_progress(wcfg, a.device, "machines", trace, not a.no_progress,
+                                    a.page_size)
     finally:
         if trace is not None:
             trace.close()
@@ -237,7 +247,8 @@ def main(argv: list[str]) -> int:
         result["trace_records"] = trace.records
     baseline = None
     if a.baseline == "naive":
-        baseline = _run_with_progress(wcfg, a.device, "naive", None, not a.no_progress)
+        baseline = _run_with_progress(wcfg, a.device, "naive", None, not a.no_progress,
+                                      a.page_size)
         result["baseline"] = baseline
     _table(result, baseline)
     if a.json:
@@ -270,13 +281,14 @@ def _disagg_seed(seed: int, json_path: str | None) -> int:
 
 
 def _run_with_progress(wcfg: WorkloadConfig, device: str, loop: str, trace: Any,
-                       show: bool) -> dict[str, Any]:
+                       show: bool, page_size: int = 16) -> dict[str, Any]:
     from .naive import naive_parts
     from .serving import machine_parts
 
     parts = naive_parts if loop == "naive" else machine_parts
     if not show:
-        return run_simulation(wcfg, device=device, parts=parts, trace=trace)
+        return run_simulation(wcfg, device=device, parts=parts, trace=trace,
+                              page_size=page_size)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     label = "naive baseline" if loop == "naive" else "machines"
@@ -293,4 +305,4 @@ def _run_with_progress(wcfg: WorkloadConfig, device: str, loop: str, trace: Any,
                 bar.refresh()
 
         return run_simulation(wcfg, device=device, parts=parts, trace=trace,
-                              progress=advance)
+                              progress=advance, page_size=page_size)
