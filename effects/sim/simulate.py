@@ -195,17 +195,27 @@ def main(argv: list[str]) -> int:
                "and audit leaks.")
     p.add_argument("--requests", type=int, default=d.requests, metavar="N",
                    help=f"requests in the workload (default {d.requests})")
-    p.add_argument("--seed", type=int, default=d.seed, metavar="S")
+    p.add_argument("--seed", type=int, default=d.seed, metavar="S",
+                   help=f"seed of the workload generator: the same seed and options give "
+                        f"the same workload (default {d.seed})")
     p.add_argument("--abort-rate", type=float, default=d.abort_rate, metavar="P",
-                   help="fraction of requests the client aborts (0..1)")
+                   help=f"fraction of requests the client aborts, 0..1 (default "
+                        f"{d.abort_rate})")
     p.add_argument("--fault-rate", type=float, default=d.fault_rate, metavar="P",
-                   help="fraction of requests that hit a transport or scheduler fault")
+                   help=f"fraction of requests that hit a transport or scheduler fault, "
+                        f"0..1 (default {d.fault_rate})")
     p.add_argument("--n", type=int, default=3, metavar="N",
                    help="parallel samples of a sampling request (default 3)")
-    p.add_argument("--disagg-fraction", type=float, default=d.disagg_fraction, metavar="P")
+    p.add_argument("--disagg-fraction", type=float, default=d.disagg_fraction, metavar="P",
+                   help=f"fraction of requests served by disaggregated prefill, 0..1 "
+                        f"(default {d.disagg_fraction})")
     p.add_argument("--prefetch-fraction", type=float, default=d.prefetch_fraction,
-                   metavar="P")
-    p.add_argument("--device", default="cpu", help="torch device of the pools")
+                   metavar="P",
+                   help=f"fraction of requests whose prefix is prefetched from storage "
+                        f"into host pages on every rank, 0..1 (default "
+                        f"{d.prefetch_fraction})")
+    p.add_argument("--device", default="cpu",
+                   help="torch device of the pools: cpu (default), cuda or cuda:N")
     p.add_argument("--page-size", type=int, default=16, metavar="T",
                    help="KV tokens per page (default 16, as deployments run pages above "
                         "1; 1 is token granularity); a power of two up to 1024")
