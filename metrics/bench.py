@@ -3,7 +3,8 @@
 Figures (JSON keys): `fire_ns` (ns per `Instance.fire` on the engine benchmark's
 declaration: `unmounted`, a machine never mounted; `mounted`, the same machine while
 `terminus.metrics` counts its decisions; `after_unmount`; `other_machine_mounted`, an
-unmounted machine while another one is mounted), `mounted_overhead_ns`,
+unmounted machine while another one is mounted; `noop_sink`, the machine with a sink
+that does nothing: what observing costs the engine itself), `mounted_overhead_ns`,
 `batch_step_ns_per_instance` (`unmounted`, `mounted`: a batched step of `batch_size`
 instances, whose sink sees one record per row), `scrape_ms` (one `generate_latest` of the
 registry) and `live_instances`.
@@ -57,6 +58,19 @@ def _batch_ns(m: Machine, n: int, reps: int) -> float:
     return (time.perf_counter_ns() - t0) / (2 * reps * n)
 
 
+def _noop_sink_ns(m: Machine, n: int, rounds: int) -> float:
+    """fire() with a sink that does nothing: the engine's own cost of observing."""
+
+    def sink(record: Any) -> None:
+        pass
+
+    m.add_sink(sink)
+    try:
+        return _fire_ns(m, n, rounds)
+    finally:
+        m.remove_sink(sink)
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     """Every figure once; `quick` shrinks sizes for a smoke test."""
     n = 10_000 if quick else 100_000
@@ -68,6 +82,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         watched = bench_spec().build()
         other = bench_spec().build()
         unmounted = _fire_ns(watched, n, rounds)
+        noop = _noop_sink_ns(watched, n, rounds)
         batch_unmounted = _batch_ns(watched, batch_n, 2 if quick else 10)
         registry = CollectorRegistry()
         metrics = Metrics(registry).watch_machine(watched)
@@ -87,7 +102,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "live_instances": n,
         "batch_size": batch_n,
         "fire_ns": {"unmounted": unmounted, "mounted": mounted, "after_unmount": after,
-                    "other_machine_mounted": other_mounted},
+                    "other_machine_mounted": other_mounted, "noop_sink": noop},
         "mounted_overhead_ns": mounted - unmounted,
         "batch_step_ns_per_instance": {"unmounted": batch_unmounted,
                                        "mounted": batch_mounted},
@@ -102,6 +117,7 @@ def table(r: dict[str, Any]) -> list[tuple[str, str]]:
     return [
         (f"fire(), never mounted, {n:,} live", f"{f['unmounted']:.0f} ns"),
         ("fire(), metrics mounted on the machine", f"{f['mounted']:.0f} ns"),
+        ("fire(), a sink that does nothing (the engine's share)", f"{f['noop_sink']:.0f} ns"),
         ("fire(), after unmount", f"{f['after_unmount']:.0f} ns"),
         ("fire(), another machine while one is mounted", f"{f['other_machine_mounted']:.0f} ns"),
         ("cost of mounting, per fire()", f"{r['mounted_overhead_ns']:.0f} ns"),

@@ -291,3 +291,19 @@ def test_simulate_metrics_port_serves_during_the_run_and_bad_ports_are_one_line(
     assert err.count("\n") == 1
     assert terminus(["simulate", "--metrics-port", "70000"]) == 2
     assert "--metrics-port must be between 0 and 65535, got 70000" in capsys.readouterr().err
+
+
+def test_bench_metrics_writes_its_documented_keys_and_unmounts(tmp_path):
+    import json
+
+    from terminus.fsm.cli import main as terminus
+
+    out = tmp_path / "metrics.json"
+    assert terminus(["bench", "metrics", "--quick", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert set(r["fire_ns"]) == {"unmounted", "mounted", "noop_sink", "after_unmount",
+                                 "other_machine_mounted"}
+    assert all(v > 0 for v in r["fire_ns"].values())
+    assert set(r["batch_step_ns_per_instance"]) == {"unmounted", "mounted"}
+    assert r["scrape_ms"] > 0 and r["live_instances"] == 10_000 and r["batch_size"] == 1_000
+    assert r["mounted_overhead_ns"] == r["fire_ns"]["mounted"] - r["fire_ns"]["unmounted"]
