@@ -11,6 +11,7 @@ import argparse
 import importlib
 import inspect
 import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
@@ -75,12 +76,15 @@ _capturing = False
 
 
 def command_parser(ep: Any) -> argparse.ArgumentParser | None:
-    """The argument parser a subcommand builds, without running the command.
+    """The argument parser a subcommand of this distribution builds, without running it.
 
-    Works for commands that build theirs with `parser()` (every command of this
-    distribution); None for one that does not.
+    Each of them builds its parser with `parser()` before doing anything else; another
+    package's command is never called (None), since it may not parse arguments at all.
     """
     global _capturing
+    dist = getattr(ep, "dist", None)
+    if dist is None or dist.name != "terminus-fsm":
+        return None
     fn = ep.load()
     _capturing = True
     try:
@@ -98,7 +102,7 @@ def summary(ep: Any) -> str:
     """One line describing a subcommand: its parser's description, else its docstring."""
     p = command_parser(ep)
     text = (p.description if p is not None else None) or (ep.load().__doc__ or "")
-    first = " ".join(text.split()).split(". ")[0].split("; ")[0].rstrip(".")
+    first = re.split(r"\.\s+(?=[A-Z])|;\s", " ".join(text.split()))[0].rstrip(".")
     return first or "(no description)"
 
 

@@ -185,3 +185,15 @@ def test_a_file_whose_name_is_taken_by_another_module_is_refused(tmp_path, monke
     with pytest.raises(MachineLoadError, match="would be imported as 'json', which is "
                                                "already the module at"):
         load(str(tmp_path / "json.py") + ":FLOW")
+
+
+def test_another_packages_command_is_described_by_its_docstring_and_never_called():
+    from importlib.metadata import EntryPoint
+
+    from terminus.fsm.cli import command_parser, summary
+
+    # No distribution: a command some other package registered. Looking at it must not
+    # run it (it may not parse arguments), so its docstring describes it.
+    ep = EntryPoint("other", "terminus.fsm.diagram:main", "terminus.commands")
+    assert command_parser(ep) is None
+    assert summary(ep) == "`terminus diagrams [--out DIR] [--machines MODULE:ATTR]... [--check]`"
