@@ -277,13 +277,58 @@ def test_two_mounts_on_one_registry_are_refused_until_the_first_unmounts():
     Metrics(reg).unmount()
 
 
-def test_simulate_metrics_port_serves_during_the_run_and_bad_ports_are_one_line(capsys):
+def test_simulate_metrics_port_serves_during_the_run_and_bad_ports_are_one_line(
+        capsys, monkeypatch):
+    import re
+
+    import terminus.effects.simulate as sim
     from terminus.fsm.cli import main as terminus
 
-    assert simulate_main(["--requests", "40", "--no-progress", "--metrics-port", "0"]) == 0
-    err = capsys.readouterr().err
-    assert err.startswith("terminus simulate: metrics on http://127.0.0.1:")
-    assert err.rstrip().endswith("/metrics")
+    # `terminus simulate --metrics-port 0`, held halfway through its arrivals while this
+    # thread scrapes the port it printed.
+    paused, resume = threading.Event(), threading.Event()
+    arrived = [0]
+    real = sim.run_simulation
+
+    def progress(n: int) -> None:
+        arrived[0] += n
+        if arrived[0] >= 60 and not paused.is_set():
+            paused.set()
+            resume.wait(120)
+
+    def held(wcfg: Any, **kw: Any) -> Any:
+        return real(wcfg, **{**kw, "progress": progress})
+
+    monkeypatch.setattr(sim, "run_simulation", held)
+    rc: list[Any] = []
+
+    def run() -> None:
+        try:
+            rc.append(simulate_main(["--requests", "120", "--no-progress",
+                                     "--metrics-port", "0"]))
+        except BaseException as e:
+            rc.append(e)
+        finally:
+            paused.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        assert paused.wait(300)
+        err = capsys.readouterr().err
+        m = re.match(r"terminus simulate: metrics on http://127\.0\.0\.1:(\d+)/metrics\n",
+                     err)
+        assert m, err
+        mid = scrape(int(m.group(1)))
+    finally:
+        resume.set()
+        t.join(600)
+    assert rc == [0]
+    assert total(mid, "terminus_transitions_total") > 0
+    assert total(mid, "terminus_pool_capacity", pool="scheduler.kv") > 0
+    with pytest.raises(OSError):  # the server stopped with the run
+        scrape(int(m.group(1)))
+    assert "leak: kv tokens" in capsys.readouterr().out
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
