@@ -278,8 +278,11 @@ def test_two_mounts_on_one_registry_are_refused_until_the_first_unmounts():
 
 
 def test_simulate_metrics_port_serves_during_the_run_and_bad_ports_are_one_line(
-        capsys, monkeypatch):
+        capsys, monkeypatch, tmp_path):
+    import json
     import re
+
+    out = tmp_path / "sim.json"
 
     import terminus.effects.simulate as sim
     from terminus.fsm.cli import main as terminus
@@ -305,7 +308,7 @@ def test_simulate_metrics_port_serves_during_the_run_and_bad_ports_are_one_line(
     def run() -> None:
         try:
             rc.append(simulate_main(["--requests", "120", "--no-progress",
-                                     "--metrics-port", "0"]))
+                                     "--metrics-port", "0", "--json", str(out)]))
         except BaseException as e:
             rc.append(e)
         finally:
@@ -329,6 +332,8 @@ def test_simulate_metrics_port_serves_during_the_run_and_bad_ports_are_one_line(
     with pytest.raises(OSError):  # the server stopped with the run
         scrape(int(m.group(1)))
     assert "leak: kv tokens" in capsys.readouterr().out
+    leaks = json.loads(out.read_text())["leaks"]
+    assert leaks == dict.fromkeys(leaks, 0)  # pools full, LoRA counters zero
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
