@@ -11,12 +11,8 @@ machines are registered by `terminus-fsm` (`LIBRARY`), a user's by their project
 from __future__ import annotations
 
 import importlib
-import os
 import re
-import sys
 from importlib.metadata import EntryPoint, entry_points
-from pathlib import Path
-from types import ModuleType
 
 from .machine import Machine
 
@@ -64,7 +60,7 @@ class MachineLoadError(Exception):
     """A `module:attr` could not be loaded as a built `fsm.Machine`; the message says why."""
 
 
-def _import(name: str) -> ModuleType:
+def _import(name: str) -> object:
     """Import a dotted module name, or a file (`path/to/file.py`), from the current directory.
 
     A file is imported under its dotted name: its folder, or the topmost folder above it
@@ -72,6 +68,10 @@ def _import(name: str) -> ModuleType:
     does), so its relative imports work. A module name that is not installed is looked up
     in the current directory too (as `python -m` does), without PYTHONPATH.
     """
+    import os
+    import sys
+    from pathlib import Path
+
     if name.endswith(".py") or "/" in name or os.sep in name:
         path = Path(name).resolve()
         if not path.is_file():
