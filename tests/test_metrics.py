@@ -14,8 +14,9 @@ prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from terminus.effects.simulate import main as simulate_main  # noqa: E402
-from terminus.effects.simulate import run_simulation  # noqa: E402
+from terminus.effects.sim.simulate import main as simulate_main  # noqa: E402
+from terminus.effects.sim.simulate import run_simulation  # noqa: E402
+from terminus.effects.sim.workload import WorkloadConfig  # noqa: E402
 from terminus.fsm import (  # noqa: E402
     ANY,
     ERROR,
@@ -32,7 +33,6 @@ from terminus.fsm import (  # noqa: E402
 )
 from terminus.kernels import LoRARegistry, TokenKVAllocator  # noqa: E402
 from terminus.metrics import Metrics, mount  # noqa: E402
-from terminus.states.workload import WorkloadConfig  # noqa: E402
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -284,7 +284,7 @@ def test_simulate_metrics_port_serves_during_the_run_and_bad_ports_are_one_line(
 
     out = tmp_path / "sim.json"
 
-    import terminus.effects.simulate as sim
+    import terminus.effects.sim.simulate as sim
     from terminus.fsm.cli import main as terminus
 
     # `terminus simulate --metrics-port 0`, held halfway through its arrivals while this
