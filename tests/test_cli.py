@@ -194,6 +194,7 @@ def test_another_packages_command_is_described_by_its_docstring_and_never_called
 
     # No distribution: a command some other package registered. Looking at it must not
     # run it (it may not parse arguments), so its docstring describes it.
-    ep = EntryPoint("other", "terminus.fsm.diagram:main", "terminus.commands")
+    ep = EntryPoint("other", "terminus.fsm.cli:bench_main", "terminus.commands")
     assert command_parser(ep) is None
-    assert summary(ep) == "`terminus diagrams [--out DIR] [--machines MODULE:ATTR]... [--check]`"
+    assert summary(ep) == ("`terminus bench [NAME...] [--quick] [--json PATH] [--device DEV]`: "
+                           "print figures")
