@@ -73,6 +73,7 @@ from terminus.states.disagg import (
 
 from .output import OutputLog, OutputSink, TerminalOutput
 from .prefix_cache import CountingPrefixCache, PrefixCache
+from .sanitize import sanitized
 from .transport import Poll, Transport, TransportError
 
 __all__ = [
@@ -348,6 +349,7 @@ class DisaggPrefill:
 
     # -- happenings --------------------------------------------------------------------
 
+    @sanitized
     def add(self, rid: str, prompt_len: int, *, chunk_size: int,
             host_pages: int = 0) -> PrefillRequest:
         """A new request in `bootstrapping`; `host_pages` > 0 starts its host prefetch."""
@@ -369,12 +371,14 @@ class DisaggPrefill:
                 self.ledger.acquire(req, "hicache", pf)
         return req
 
+    @sanitized
     def advance_prefetch(self, rid: str, pages: int) -> None:
         """The host prefetch of `rid` completed `pages` more pages."""
         for h in self.ledger.owned(self.req(rid), "hicache"):
             if not h.value.terminated:
                 h.value.advance(pages)
 
+    @sanitized
     def bootstrap(self, rid: str) -> PlanReport | None:
         """Poll the handshake; on success take a metadata slot and init the sender.
 
@@ -400,6 +404,7 @@ class DisaggPrefill:
             return self._fail_bootstrap(req, str(e))
         return None
 
+    @sanitized
     def retry_bootstrap(self, rid: str) -> bool:
         """Re-queue the handshake of `rid` after a transient failure (optimistic retry);
         the next `bootstrap()` polls it. False once the request is past bootstrapping;
@@ -410,6 +415,7 @@ class DisaggPrefill:
             req.fire(BootstrapRetry())
         return req.state == "bootstrapping"
 
+    @sanitized
     def bootstrap_failed(self, rid: str, reason: str = "bootstrap failed") -> PlanReport | None:
         """The sender reports the handshake failed."""
         return self._fail_bootstrap(self.req(rid), reason)
@@ -425,6 +431,7 @@ class DisaggPrefill:
         if req.state in ("draining", "awaiting_sender") and not req.reason:
             req.reason = reason
 
+    @sanitized
     def abort(self, rid: str, reason: str = "aborted") -> PlanReport | None:
         """The client or scheduler aborts `rid`.
 
@@ -443,6 +450,7 @@ class DisaggPrefill:
                 self.errors.append(e)
         return report
 
+    @sanitized
     def schedule(self, rid: str) -> Chunk | None:
         """Schedule and launch the next chunk of `rid`; None when it cannot run now.
 
@@ -484,6 +492,7 @@ class DisaggPrefill:
         chunk.fire(Launch())
         return chunk
 
+    @sanitized
     def result(self, rid: str, k: int) -> PlanReport | None:
         """The result of chunk `k` of `rid` reached the scheduler.
 
@@ -528,6 +537,7 @@ class DisaggPrefill:
                 return req.fire(TransferFailed(str(e)))
         return report
 
+    @sanitized
     def poll_transfer(self, rid: str) -> PlanReport | None:
         """Poll the KV transfer of `rid`; success or failure ends the request.
 

@@ -27,6 +27,8 @@ from terminus.states.lora_adapter import (
     UsersDrained,
 )
 
+from .sanitize import sanitized
+
 __all__ = ["AdapterManager"]
 
 
@@ -51,6 +53,7 @@ class AdapterManager:
                            f"{', '.join(sorted(self.adapters)) or 'none'}")
         return self.adapters[name].state
 
+    @sanitized
     async def load(self, name: str, path: str | None = None) -> int:
         """Register `name`; returns its stable id. Raises what the registry raised."""
         old = self.adapters.get(name)
@@ -68,6 +71,7 @@ class AdapterManager:
         inst.fire(Loaded(lora_id))
         return lora_id
 
+    @sanitized
     async def upsert(self, name: str, path: str | None = None) -> int:
         """Load new weights for a ready adapter in place; its id and counter stay."""
         inst = self.adapters.get(name)
@@ -79,6 +83,7 @@ class AdapterManager:
         inst.fire(Upserted())
         return lora_id
 
+    @sanitized
     async def unload(self, name: str, timeout: float | None = None) -> int:
         """Stop new acquires of `name` and wait until its counter is exactly zero.
 
@@ -94,6 +99,7 @@ class AdapterManager:
             await self.registry.unregister(name)
         return await self.wait_unloaded(name, timeout)
 
+    @sanitized
     async def wait_unloaded(self, name: str, timeout: float | None = None) -> int:
         """Wait for an unloading adapter's users to drain; returns its id."""
         inst = self.adapters[name]

@@ -23,6 +23,8 @@ from terminus.fsm import BatchStep, ReleaseContext, release_effect
 from terminus.kernels import MambaStatePool, ReqToTokenTable, TokenKVAllocator, release_batch
 from terminus.states.sequence import SEQUENCE, Admit
 
+from .sanitize import sanitized
+
 __all__ = ["RunningBatch", "SchedulerPools"]
 
 
@@ -93,6 +95,7 @@ class RunningBatch:
 
     # -- admission and growth --------------------------------------------------------
 
+    @sanitized
     def admit(self, n: int, mamba: bool) -> torch.Tensor | None:
         """Rows for `n` new sequences (with a Mamba state each when `mamba`), admitted
         (state `prefill`), or None.
@@ -114,6 +117,7 @@ class RunningBatch:
         self.fire(rows, Admit)
         return rows
 
+    @sanitized
     def append_kv(self, rows: torch.Tensor, counts: torch.Tensor) -> bool:
         """Give each row `counts[i]` more KV tokens, written into its table row at once.
 
@@ -140,12 +144,14 @@ class RunningBatch:
 
     # -- stepping ----------------------------------------------------------------------
 
+    @sanitized
     def fire(self, rows: torch.Tensor, event: type) -> BatchStep:
         """Deliver one event class to `rows` (no event to the others) in one step."""
         ev = torch.full((self.batch.n,), -1, dtype=torch.int64, device=self.batch.device)
         ev[rows] = self.event[event]
         return self.batch.step(ev)
 
+    @sanitized
     def step(self, events: torch.Tensor) -> BatchStep:
         """Deliver `events[r]` (an event id or -1) to every row at once."""
         return self.batch.step(events)

@@ -80,7 +80,8 @@ _STATUS = {"scheduler_400": 400, "scheduler_500": 500, "scheduler_503": 503}
 
 LEAK_KEYS = ("kv_tokens", "mamba_slots", "request_slots", "metadata_slots", "host_pages",
              "prefetch_tokens", "lora_refs", "lora_underflows", "ledger_handles",
-             "missing_streams", "duplicate_streams", "collective_deadlocks")
+             "missing_streams", "duplicate_streams", "collective_deadlocks",
+             "pool_violations")
 """The leak audit's resources, in the order the summary prints them."""
 
 NO_OUTPUT = "no_output"
@@ -641,6 +642,8 @@ class ServingLoop:
         self.seconds = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._peak: Counter[str] = Counter()
+        self.violations: list[str] = []
+        """What the pools' own checks raised at the last audit (`leaks()`)."""
 
     def spec_of(self, rid: Any) -> RequestSpec:
         """The workload entry a request id (or a child / warm-up rid) belongs to."""
@@ -787,7 +790,30 @@ class ServingLoop:
                                      if not self._streamed(rid, streams))
         out["duplicate_streams"] = sum(max(0, c - 1) for c in streams.values())
         out["collective_deadlocks"] = self.prefetch.deadlocks
+        self.violations = self.pool_violations()
+        out["pool_violations"] = len(self.violations)
         return {k: int(out[k]) for k in LEAK_KEYS}
+
+    def pool_violations(self) -> list[str]:
+        """What the pools' own checks raise (a double free, a foreign index), one line per
+        pool: a non-strict pool records them and its counts can balance a double free
+        against a leak, so the audit asks each pool too."""
+        d = self.disagg.pools
+        pools = {"scheduler kv": self.pools.kv, "scheduler mamba": self.pools.mamba,
+                 "scheduler request slots": self.pools.table, "disagg kv": d.kv,
+                 "disagg mamba": d.mamba, "disagg request slots": d.table,
+                 "disagg host": d.host,
+                 **{f"rank {s.rank} host": s.host for s in self.prefetch.sites}}
+        out = []
+        for name, pool in pools.items():
+            check = getattr(pool, "check", None)
+            if check is None:
+                continue
+            try:
+                check()
+            except Exception as e:
+                out.append(f"{name}: {e}")
+        return out
 
     def stream_counts(self) -> Counter[Any]:
         """Terminal outputs per request id, every path."""

@@ -86,6 +86,9 @@ def _check_device(device: str) -> None:
 def _check_writable(path: str | None, what: str) -> None:
     if path is None:
         return
+    if os.path.isdir(path):
+        raise CliError(f"cannot write {what} to {path!r}: it is a directory; give a file "
+                       "path in it")
     d = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(d) or not os.access(d, os.W_OK) or (
             os.path.exists(path) and not os.access(path, os.W_OK)):
@@ -136,6 +139,7 @@ def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu",
         "effects": effects,
         "peak": loop.peaks(),
         "leaks": leaks,
+        "pool_violations": list(loop.violations),
     }
 
 
@@ -182,6 +186,8 @@ def _table(result: dict[str, Any], baseline: dict[str, Any] | None) -> None:
     leaked = {k: v for k, v in result["leaks"].items() if v}
     Console().print("[bold green]machines: no leak[/]" if not leaked else
                     f"[bold red]machines leaked: {leaked}[/]")
+    for line in result.get("pool_violations", []):
+        Console().print(f"[bold red]pool check: {line}[/]")
 
 
 def main(argv: list[str]) -> int:
