@@ -471,11 +471,15 @@ class DisaggPrefill:
                 pools.table.available < 1
                 or mamba_pool.available < self.mamba_per_request)):
             return None
-        if k == 0:
+        if k == 0 and not self.ledger.owned(req, "req_slot"):
+            # Each unit is recorded the moment it is taken: a pool that raises on the
+            # next alloc leaves this one owned by the request (its release frees it).
             slot = pools.table.alloc(1)
-            mamba = pools.mamba.alloc(self.mamba_per_request)
-            assert slot is not None and mamba is not None  # checked just above
+            assert slot is not None  # checked just above
             self.ledger.acquire(req, "req_slot", slot)
+        if k == 0 and not self.ledger.owned(req, "mamba"):
+            mamba = pools.mamba.alloc(self.mamba_per_request)
+            assert mamba is not None  # checked just above
             self.ledger.acquire(req, "mamba", mamba)
         kv = pools.kv.alloc(req.chunk_len(k))
         assert kv is not None  # checked just above
@@ -483,7 +487,11 @@ class DisaggPrefill:
                       last=k == req.n_chunks - 1)
         self.ledger.acquire(chunk, "kv", kv)
         row = self.ledger.owned(req, "req_slot")[0].value
-        pools.table.write(int(row[0]), k * req.chunk_size, kv)
+        try:
+            pools.table.write(int(row[0]), k * req.chunk_size, kv)
+        except BaseException:
+            chunk.fire(Abandon())  # never launched: its pages go to the request
+            raise
         for prev in req.chunks:
             if prev.state == "running":
                 prev.fire(NextLaunched())

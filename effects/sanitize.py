@@ -258,7 +258,13 @@ _depth: dict[int, int] = {}
 # -- helpers the audits share ----------------------------------------------------------------
 
 
+def _real(obj: Any) -> Any:
+    """The resource behind a recording proxy (`effects.callsites.proxy`), or `obj`."""
+    return getattr(obj, "__wrapped__", obj)
+
+
 def _pool_check(name: str, pool: Any) -> list[Finding]:
+    pool = _real(pool)
     check = getattr(pool, "check", None)
     if check is None:
         return []
@@ -270,6 +276,7 @@ def _pool_check(name: str, pool: Any) -> list[Finding]:
 
 
 def _held_ids(pool: Any) -> torch.Tensor | None:
+    pool = _real(pool)
     held = getattr(pool, "held", None)
     cap = getattr(pool, "capacity", None)
     if held is None or cap is None:
@@ -303,6 +310,7 @@ def _owned_free(kind: str, pool: Any, owned: list[torch.Tensor]) -> list[Finding
 
 
 def _in_use(pool: Any) -> int:
+    pool = _real(pool)
     return int(pool.capacity) - int(pool.available)
 
 
@@ -341,16 +349,17 @@ def _audit_disagg(d: Any) -> list[Finding]:
     out: list[Finding] = []
     for name in ("kv", "mamba", "table", "metadata", "host"):
         out += _pool_check(name, getattr(p, name))
-    if hasattr(p.kv, "capacity"):
+    if hasattr(_real(p.kv), "capacity"):
         out += _compare("kv", owned["kv"], _in_use(p.kv), p.kv, by_kind["kv"], cached)
-    if hasattr(p.mamba, "capacity"):
+    if hasattr(_real(p.mamba), "capacity"):
         out += _compare("mamba", owned["mamba"], _in_use(p.mamba), p.mamba,
                         by_kind["mamba"])
     out += _compare("req_slot", owned["req_slot"], _in_use(p.table), p.table,
                     by_kind["req_slot"])
     out += _compare("metadata", owned["metadata"], _in_use(p.metadata), p.metadata)
-    out += _compare("hicache", owned["hicache"], p.host.occupied, p.host,
-                    outside=int(getattr(p.host, "deferred", 0)))
+    host = _real(p.host)
+    out += _compare("hicache", owned["hicache"], host.occupied, host,
+                    outside=int(getattr(host, "deferred", 0)))
     return out
 
 
@@ -384,16 +393,16 @@ _LORA_SIDES: dict[int, weakref.WeakSet[Any]] = {}
 
 def track_lora_side(side: Any) -> None:
     """Record a tokenizer side: sides over one registry are audited together."""
-    _LORA_SIDES.setdefault(id(side.registry), weakref.WeakSet()).add(side)
+    _LORA_SIDES.setdefault(id(_real(side.registry)), weakref.WeakSet()).add(side)
 
 
 def _audit_tokenizer(side: Any) -> list[Finding]:
-    reg = side.registry
+    reg = _real(side.registry)
     counts = getattr(reg, "counts", None)
     if counts is None:
         return []
     ledgers = {id(s.ledger): s.ledger for s in _LORA_SIDES.get(id(reg), ()) if
-               s.registry is reg}
+               _real(s.registry) is reg}
     ledgers[id(side.ledger)] = side.ledger
     owned: Counter[Any] = Counter()
     pending = 0
@@ -419,7 +428,7 @@ def _audit_tokenizer(side: Any) -> list[Finding]:
 
 
 def _audit_prefetch(site: Any) -> list[Finding]:
-    host = site.host
+    host = _real(site.host)
     reserved = 0
     pages: list[torch.Tensor] = []
     locks: list[torch.Tensor] = []
@@ -451,7 +460,7 @@ def _audit_prefetch(site: Any) -> list[Finding]:
 
 def _audit_adapters(mgr: Any) -> list[Finding]:
     out = []
-    reg = mgr.registry
+    reg = _real(mgr.registry)
     for name, inst in mgr.adapters.items():
         i = mgr.ids.get(name)
         if inst.state == "ready":
