@@ -45,7 +45,7 @@ __all__ = [
     "register_call_site",
 ]
 
-RELEASES = frozenset({"free", "release", "release_nowait", "terminate", "unlock"})
+RELEASES = frozenset({"free", "release", "release_nowait", "terminate", "unlock", "take"})
 """Methods that give a unit back: a fault there leaves exactly that call's units held
 (the error names them); every other unit is still freed."""
 
@@ -165,7 +165,7 @@ def _injected(site: CallSite) -> BaseException:
     msg = (f"injected fault at {site.resource}.{site.method} ({site.kind}; called by "
            f"{site.where})")
     if issubclass(base, CollectiveError):
-        err: Any = cls("injected", list(range(2)), "injected", RuntimeError(msg))
+        err: Any = cls("injected fault", site.method, "injected", [0], RuntimeError(msg))
     else:
         err = cls(msg)
     err.site = site

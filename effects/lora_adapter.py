@@ -95,8 +95,10 @@ class AdapterManager:
             raise ValueError(f"adapter {name!r} cannot be unloaded: it is "
                              f"{'unknown here' if inst is None else inst.state}")
         if inst.state == "ready":
-            inst.fire(UnloadRequested())
+            # The registry first: a refused unregister leaves the adapter ready (and
+            # acquirable), not unloading while still registered, which no wait ends.
             await self.registry.unregister(name)
+            inst.fire(UnloadRequested())
         return await self.wait_unloaded(name, timeout)
 
     @sanitized

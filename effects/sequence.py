@@ -108,7 +108,11 @@ class RunningBatch:
         rows = pools.table.alloc(n)
         assert rows is not None
         if mamba:
-            slots = pools.mamba.alloc(n)
+            try:
+                slots = pools.mamba.alloc(n)
+            except BaseException:
+                pools.table.free(rows)  # not admitted yet: nobody else can free them
+                raise
             assert slots is not None
             pools.table.mamba_slots.index_copy_(0, rows, slots.to(torch.int64))
         # Admitted in the same call: a row that owns resources is never left vacant,

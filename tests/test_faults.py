@@ -14,6 +14,7 @@ import contextlib
 from typing import Any
 
 import pytest
+import torch
 
 from terminus.effects.callsites import (
     KINDS,
@@ -31,6 +32,7 @@ from terminus.effects.prefix_cache import CountingPrefixCache
 from terminus.effects.sanitize import LeakSanitizerError, sanitizing
 from terminus.effects.sim.transport import FakeTransport
 from terminus.effects.tokenizer import TokenizerSide
+from terminus.fsm import ReleaseFailed
 from terminus.kernels import LoRARegistry
 from tests.tokenizer_side import FakeScheduler, FakeTokenizer
 
@@ -189,6 +191,9 @@ def refused_release(site: Any, plan: FaultPlan) -> None:
         return
     plan.strict = False
     for fn, args in plan.fired_calls:
+        if (site.resource, site.method) == ("host_prefetch", "take"):
+            fn.__self__.release()  # the pages the cache never got go back
+            continue
         fn(*args)
         if site.resource == "host_prefetch" and site.method == "terminate":
             fn.__self__.release()  # the effect's next step, which the fault skipped
@@ -324,3 +329,260 @@ def test_a_users_own_call_site_is_registered_and_faulted():
     metrics.emit(2)
     callback(3)
     assert seen == [2, 3] and plan.calls[("metrics", "emit")] == 2
+
+
+def test_a_fault_at_an_async_lora_release_is_reported_and_holds_only_that_reference():
+    async def run():
+        reg = LoRARegistry()
+        await reg.register("a")
+        plan = FaultPlan()
+        sink = OutputLog()
+        side = TokenizerSide(proxy(reg, "lora_registry", plan), FakeTokenizer(),
+                             FakeScheduler(), sink, async_release=True)
+        site = next(s for s in call_sites() if (s.resource, s.method)
+                    == ("lora_registry", "release"))
+        plan.arm(site)
+        with sanitizing(False):
+            await side.submit("x y", "a", rid="x")
+            await side.submit("z", "a", rid="y")
+            with pytest.raises(ReleaseFailed) as info:
+                side.on_finish("x")  # the release step raised; the output still went
+            assert "lora_registry.release" in str(injected([info.value])[0])
+            side.abort("y")
+            await side.drain()
+        assert plan.fired == [site] and plan.calls[("lora_registry", "release")] == 2
+        assert sum(reg.counts().values()) == 1  # exactly the refused one
+        plan.strict = False
+        for fn, args in plan.fired_calls:
+            await fn(*args)
+        reg.assert_full()
+        side.ledger.assert_empty()
+        assert dict(sink.counts) == {"x": 1, "y": 1}
+
+    asyncio.run(run())
+
+
+# -- prefetch site (one rank; its collectives through a proxy) ---------------------------------
+
+
+class OneRank:
+    """The collectives of a one-rank group: what RankCollectives offers `drive`."""
+
+    names = ("tp",)
+
+    def reduce_max(self, group: int, value: int, what: str) -> int:
+        return value
+
+    def barrier(self, group: int, what: str, ticket: Any = None) -> None:
+        return None
+
+
+def prefetch_run(plan: FaultPlan) -> tuple[list[BaseException], Any, dict[Any, Any], Any]:
+    from terminus.effects.prefetch import PrefetchAbortError, PrefetchSite
+    from terminus.kernels import HostPagePool
+
+    real = HostPagePool(32)
+    cache: dict[Any, Any] = {}
+    site = PrefetchSite(proxy(real, "host", plan, returns={"prefetch": "host_prefetch"}),
+                        insert=faulty(cache.__setitem__, "insert", plan))
+    coll = proxy(OneRank(), "collectives", plan)
+    errors: list[BaseException] = []
+
+    def attempt(fn: Any, *a: Any) -> Any:
+        try:
+            return fn(*a)
+        except LeakSanitizerError:
+            raise
+        except Exception as err:
+            errors.append(err)
+            return None
+
+    anchor = real.alloc(2)  # cached pages the prefetches extend (the cache owns them)
+    for rid in ("done", "cut", "queued"):
+        attempt(site.queue, rid, anchor)
+    for rid in ("done", "cut"):
+        attempt(site.start, rid, 4)
+        attempt(site.transfer, rid, 2 if rid == "cut" else 4)
+    attempt(site.complete, "done")
+    for rid in ("cut", "queued"):
+        out = attempt(site.abort, rid, coll)
+        if out is None and isinstance(errors[-1], PrefetchAbortError):
+            attempt(site.close_group, rid)  # the documented recovery
+    for rid, inst in site.requests.items():  # recovery: whatever is left is aborted
+        if not inst.terminal:
+            attempt(site.abort, rid, coll)
+            if not site.requests[rid].terminal:
+                attempt(site.close_group, rid)
+    errors += [x.error for x in site.ledger.errors]
+    cache["anchor"] = anchor
+    return errors, real, cache, site
+
+
+PREFETCH_SITES = [
+    pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=(
+        "a drain whose stop() raises leaves the request in `draining`, which no event "
+        "ends (close_group refuses it): reported, not fixed (a machine change)")))
+    if (s.resource, s.method) == ("host_prefetch", "stop") else s
+    for s in call_sites() if s.resource in ("collectives", "insert", "host",
+                                            "host_prefetch")]
+
+
+@pytest.mark.parametrize("site", [None, *PREFETCH_SITES], ids=lambda s: (
+    "none" if s is None else f"{s.resource}.{s.method}"))
+def test_a_fault_at_each_prefetch_call_site_ends_clean(site):
+    plan = FaultPlan()
+    if site is not None:
+        plan.arm(site)
+    with sanitizer_for(site):
+        errors, real, cache, ps = prefetch_run(plan)
+    if site is None:
+        assert not errors
+    elif not plan.fired:
+        pytest.skip(f"{site.resource}.{site.method} is not called by this scenario")
+    else:
+        faults = injected(errors)
+        assert faults and f"{site.resource}.{site.method}" in str(faults[0]), errors
+        refused_release(site, plan)
+    plan.strict = False
+    assert all(i.terminal for i in ps.requests.values()), {
+        k: i.state for k, i in ps.requests.items()}
+    ps.assert_released()
+    for pages in cache.values():  # the host cache evicts what it holds
+        real.free(pages)
+    real.assert_full()
+
+
+# -- running batch -----------------------------------------------------------------------------
+
+
+def batch_run(plan: FaultPlan) -> tuple[list[BaseException], Any, list[Any]]:
+    from terminus.effects.sequence import RunningBatch, SchedulerPools
+    from terminus.states.sequence import Abort as SeqAbort
+    from terminus.states.sequence import ChunkLaunched, Finish, LastChunkDone
+
+    pools = SchedulerPools(rows=4, max_context_len=32, kv_tokens=64, mamba_slots=4,
+                           strict=True)
+    real = (pools.table, pools.kv, pools.mamba)
+    pools.table = proxy(pools.table, "table", plan)
+    pools.kv = proxy(pools.kv, "kv", plan)
+    pools.mamba = proxy(pools.mamba, "mamba", plan)
+    retired: list[Any] = []
+    rb = RunningBatch(pools, faulty(lambda rows, st: retired.extend(
+        (int(r), st) for r in rows), "on_retired", plan))
+    errors: list[BaseException] = []
+
+    def attempt(fn: Any, *a: Any) -> Any:
+        try:
+            return fn(*a)
+        except LeakSanitizerError:
+            raise
+        except Exception as err:
+            errors.append(err)
+            return None
+
+    rows = attempt(rb.admit, 2, True)
+    if rows is not None:
+        attempt(rb.append_kv, rows, torch.tensor([3, 2]))
+        attempt(rb.fire, rows, ChunkLaunched)
+        attempt(rb.fire, rows, LastChunkDone)
+        attempt(rb.fire, rows[:1], Finish)
+        attempt(rb.fire, rows[1:], SeqAbort)
+    live = rb.rows_in("prefill", "prefill_1", "prefill_2", "decoding")
+    if live.numel():
+        attempt(rb.fire, live, SeqAbort)
+    pools.table, pools.kv, pools.mamba = real
+    return errors, pools, retired
+
+
+BATCH_SITES = [s for s in call_sites() if s.resource in ("table", "kv", "mamba",
+                                                          "on_retired")]
+
+
+@pytest.mark.parametrize("site", [None, *BATCH_SITES],
+                         ids=lambda s: "none" if s is None else f"{s.resource}.{s.method}")
+def test_a_fault_at_each_running_batch_call_site_ends_clean(site):
+    plan = FaultPlan()
+    if site is not None:
+        plan.arm(site)
+    with sanitizer_for(site):
+        errors, pools, retired = batch_run(plan)
+    if site is None:
+        assert not errors and len(retired) == 2
+    elif not plan.fired:
+        pytest.skip(f"{site.resource}.{site.method} is not called by this scenario")
+    else:
+        faults = injected(errors)
+        assert faults and f"{site.resource}.{site.method}" in str(faults[0]), errors
+        refused_release(site, plan)
+    pools.assert_full()
+
+
+# -- adapter manager ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("site", [s for s in call_sites() if s.resource == "adapter_registry"],
+                         ids=lambda s: f"{s.resource}.{s.method}")
+def test_a_fault_at_each_adapter_registry_call_ends_in_a_declared_state(site):
+    from terminus.effects.lora_adapter import AdapterManager
+
+    async def run():
+        reg = LoRARegistry()
+        plan = FaultPlan()
+        mgr = AdapterManager(proxy(reg, "adapter_registry", plan))
+        plan.arm(site)
+        errors = []
+        for step in (lambda: mgr.load("a"), lambda: mgr.upsert("a", "/v2"),
+                     lambda: mgr.unload("a", timeout=1.0)):
+            try:
+                await step()
+            except InjectedFault as e:
+                errors.append(e)
+            except ValueError as e:  # a step after the fault is refused, naming why
+                errors.append(e)
+        assert plan.fired == [site]
+        assert f"{site.resource}.{site.method}" in str(errors[0])
+        state = mgr.state("a")
+        if state == "unloading":  # the documented recovery: wait again
+            await mgr.wait_unloaded("a", timeout=1.0)
+        elif state == "ready":
+            await mgr.unload("a", timeout=1.0)
+        assert mgr.state("a") in ("unloaded", "load_failed")
+        plan.strict = False
+        reg.assert_full()
+        assert reg.counts() == {}
+
+    asyncio.run(run())
+
+
+def test_the_scenarios_reach_every_registered_call_site():
+    """The fixture covers the registry: each built-in site is called by some scenario
+    above (so each is faulted by its parametrized test)."""
+    from terminus.effects.callsites import CALL_SITES
+
+    plan = FaultPlan()
+    disagg_run(plan)
+    asyncio.run(tokenizer_run(plan))
+    prefetch_run(plan)
+    batch_run(plan)
+
+    async def more():
+        from terminus.effects.lora_adapter import AdapterManager
+
+        reg = LoRARegistry()
+        mgr = AdapterManager(proxy(reg, "adapter_registry", plan))
+        await mgr.load("a")
+        await mgr.upsert("a", "/v2")
+        side = TokenizerSide(proxy(reg, "lora_registry", plan), FakeTokenizer(),
+                             FakeScheduler(), OutputLog(), async_release=True)
+        await side.submit("x", "a", rid="x")
+        side.on_finish("x")
+        await side.drain()
+        await mgr.unload("a", timeout=1.0)
+
+    asyncio.run(more())
+    # host.free runs only when the host cache refuses the pages: under that fault.
+    refused = FaultPlan()
+    refused.arm(next(s for s in call_sites() if s.resource == "insert"))
+    prefetch_run(refused)
+    called = {k for k, n in (plan.calls + refused.calls).items() if n}
+    assert {(s.resource, s.method) for s in CALL_SITES} - called == set()
