@@ -16,7 +16,7 @@ from terminus.fsm import TransitionRecord
 
 @pytest.fixture(scope="module")
 def small_runs():
-    cfg = WorkloadConfig(requests=600, seed=3, abort_rate=0.3, fault_rate=0.1, n=3)
+    cfg = WorkloadConfig(requests=600, seed=6, abort_rate=0.3, fault_rate=0.1, n=3)
     return run_simulation(cfg), run_simulation(cfg, parts=naive_parts)
 
 
@@ -162,3 +162,16 @@ def test_the_leak_audit_runs_the_pools_own_checks_not_only_the_counts():
     assert "double free" in loop.violations[0] and str(int(a[0])) in loop.violations[0]
     kv.clear()  # the deliberate corruption wiped
     loop.pools.assert_full()
+
+
+def test_fault_rate_injects_faults_at_every_call_site_kind_and_leaks_nothing():
+    from terminus.effects.callsites import KINDS
+
+    cfg = WorkloadConfig(requests=400, seed=2, abort_rate=0.3, fault_rate=0.6, n=3)
+    result = run_simulation(cfg)
+    assert set(result["faults_by_kind"]) >= set(KINDS)
+    fired = result["faults_fired"]
+    for kind in ("allocator", "cache_insert", "collective", "stream", "transport"):
+        assert fired[kind] > 0, (kind, fired)
+    assert result["leaks"] == dict.fromkeys(result["leaks"], 0)
+    assert result["max_streams_per_request"] == 1

@@ -22,7 +22,7 @@ import msgspec
 
 from terminus.fsm.cli import CliError, parser, write_json
 
-from .workload import WorkloadConfig, generate
+from .workload import FAULT_KINDS, WorkloadConfig, generate
 
 if TYPE_CHECKING:
     from .serving import PartsFactory
@@ -140,6 +140,9 @@ def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu",
         "peak": loop.peaks(),
         "leaks": leaks,
         "pool_violations": list(loop.violations),
+        "faults_by_kind": dict(sorted(Counter(
+            FAULT_KINDS[s.fault] for s in workload if s.fault).items())),
+        "faults_fired": loop.faults_fired(),
     }
 
 
@@ -202,7 +205,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--abort-rate", type=float, default=d.abort_rate, metavar="P",
                    help="fraction of requests the client aborts (0..1)")
     p.add_argument("--fault-rate", type=float, default=d.fault_rate, metavar="P",
-                   help="fraction of requests that hit a transport or scheduler fault")
+                   help="fraction of requests that hit a fault, at every call-site kind "
+                        "(transport, collective, registry, tokenizer, allocator, "
+                        "cache insert, stream) and in the scheduler")
     p.add_argument("--n", type=int, default=3, metavar="N",
                    help="parallel samples of a sampling request (default 3)")
     p.add_argument("--disagg-fraction", type=float, default=d.disagg_fraction, metavar="P")
