@@ -586,3 +586,11 @@ def test_the_scenarios_reach_every_registered_call_site():
     prefetch_run(refused)
     called = {k for k, n in (plan.calls + refused.calls).items() if n}
     assert {(s.resource, s.method) for s in CALL_SITES} - called == set()
+
+
+def test_the_readme_call_site_example_runs():
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    start = text.index("from terminus.effects.callsites import FaultPlan")
+    exec(compile(text[start:text.index("```", start)], "README.md", "exec"), {})
