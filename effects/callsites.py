@@ -138,8 +138,10 @@ def register_call_site(kind: str, resource: str, method: str, where: str,
 def call_sites(kind: str | None = None) -> list[CallSite]:
     """Every registered call site, one per (resource, method), of `kind` if given."""
     seen: dict[tuple[str, str], CallSite] = {}
-    for s in (*CALL_SITES, *_EXTRA):
+    for s in CALL_SITES:
         seen.setdefault((s.resource, s.method), s)
+    for s in _EXTRA:  # a later registration of one (resource, method) replaces it
+        seen[(s.resource, s.method)] = s
     return [s for s in seen.values() if kind is None or s.kind == kind]
 
 

@@ -154,9 +154,8 @@ def register_audit(cls: type, fn: Audit) -> None:
 
 def audit(driver: Any) -> list[Finding]:
     """What `driver`'s pools and ledger disagree on now (its class's registered audit)."""
-    _ensure_builtin()
     for cls in type(driver).__mro__:
-        fn = _AUDITS.get(cls)
+        fn = _AUDITS.get(cls) or _BUILTIN.get((cls.__module__, cls.__qualname__))
         if fn is not None:
             return fn(driver)
     raise TypeError(f"no sanitizer audit is registered for {type(driver).__name__}; "
@@ -477,24 +476,12 @@ def _audit_adapters(mgr: Any) -> list[Finding]:
     return out
 
 
-def _register_builtin() -> None:
-    from .disagg import DisaggPrefill
-    from .lora_adapter import AdapterManager
-    from .prefetch import PrefetchSite
-    from .sequence import RunningBatch
-    from .tokenizer import TokenizerSide
-
-    register_audit(DisaggPrefill, _audit_disagg)
-    register_audit(RunningBatch, _audit_running)
-    register_audit(TokenizerSide, _audit_tokenizer)
-    register_audit(PrefetchSite, _audit_prefetch)
-    register_audit(AdapterManager, _audit_adapters)
-
-
-_builtin: list[bool] = []
-
-
-def _ensure_builtin() -> None:
-    if not _builtin:
-        _builtin.append(True)
-        _register_builtin()
+_BUILTIN: dict[tuple[str, str], Audit] = {
+    ("terminus.effects.disagg", "DisaggPrefill"): _audit_disagg,
+    ("terminus.effects.sequence", "RunningBatch"): _audit_running,
+    ("terminus.effects.tokenizer", "TokenizerSide"): _audit_tokenizer,
+    ("terminus.effects.prefetch", "PrefetchSite"): _audit_prefetch,
+    ("terminus.effects.lora_adapter", "AdapterManager"): _audit_adapters,
+}
+"""The drivers of this package, by (module, class name): the drivers import this module
+for `sanitized`, so it names them rather than importing them."""
