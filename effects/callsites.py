@@ -11,7 +11,7 @@ injected fault takes the path a real one takes):
     collective    collectives (torch.distributed all-reduce and barrier)
     registry      lora_registry (tokenizer side), adapter_registry (adapter manager)
     tokenizer     tokenizer
-    allocator     kv, mamba, table, metadata, metadata_slot, host, host_prefetch
+    allocator     kv, mamba, table, metadata, host, host_prefetch
     cache_insert  cache (the disagg prefix cache), insert (the prefetch host cache)
     stream        sink (the client stream), on_retired (the scheduler's retire callback)
 
@@ -79,13 +79,15 @@ CALL_SITES: tuple[CallSite, ...] = tuple([
     *_c("allocator", "kv", "alloc available_size", "DisaggPrefill.schedule"),
     *_c("allocator", "kv", "free", "release effect free_kv; insert_kv_into_cache when the "
         "cache refused; CountingPrefixCache.evict_all"),
-    *_c("allocator", "mamba", "alloc", "DisaggPrefill.schedule; RunningBatch.admit"),
+    *_c("allocator", "mamba", "alloc available_size", "DisaggPrefill.schedule; "
+        "RunningBatch.admit"),
     *_c("allocator", "mamba", "free", "release effect free_mamba; release_batch"),
     *_c("allocator", "table", "alloc", "DisaggPrefill.schedule; RunningBatch.admit"),
     *_c("allocator", "table", "write", "DisaggPrefill.schedule"),
     *_c("allocator", "table", "free", "release effect free_req_slot; release_batch"),
-    *_c("allocator", "metadata", "acquire", "DisaggPrefill.bootstrap"),
-    *_c("allocator", "metadata_slot", "release", "release effect free_metadata"),
+    *_c("allocator", "metadata", "alloc", "DisaggPrefill.bootstrap (MetadataSlot.take)"),
+    *_c("allocator", "metadata", "free", "release effect free_metadata "
+        "(MetadataSlot.release)"),
     *_c("allocator", "host", "prefetch", "DisaggPrefill.add; PrefetchSite.start"),
     *_c("allocator", "host", "lock", "PrefetchSite.queue"),
     *_c("allocator", "host", "unlock", "release effect unlock_anchor"),
@@ -265,8 +267,7 @@ def proxy(target: Any, resource: str, plan: FaultPlan,
     """`target` seen through `plan`: each method call is recorded (and may raise).
 
     `returns` proxies what some methods return under another resource name (the
-    `MetadataSlot` of `metadata.acquire` as ``"metadata_slot"``, the `Prefetch` of
-    `host.prefetch` as ``"host_prefetch"``).
+    `Prefetch` of `host.prefetch` as ``"host_prefetch"``).
     """
     return _Proxy(target, resource, plan, dict(returns or {}))
 

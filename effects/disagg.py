@@ -52,18 +52,25 @@ from terminus.fsm import (
 from terminus.kernels.host import HostPagePool
 from terminus.kernels.kv import TokenKVAllocator
 from terminus.kernels.mamba import MambaStatePool
-from terminus.kernels.metadata import MetadataSlots
-from terminus.kernels.protocols import KVAllocator, MambaPool
+from terminus.kernels.metadata import MetadataSlot, MetadataSlots
+from terminus.kernels.protocols import (
+    AuditedPool,
+    KVAllocator,
+    MambaPool,
+    SlotAllocator,
+    page_size_of,
+    require,
+)
 from terminus.kernels.req_table import ReqToTokenTable
 from terminus.states.chunk import CHUNK, Abandon, Chunk, Commit, Launch, NextLaunched, Result
 from terminus.states.disagg import (
     DISAGG_PREFILL,
-    Abort,
     BootstrapFailed,
     Bootstrapped,
     BootstrapRetry,
     ChunkResult,
     ChunkScheduled,
+    DisaggAbort,
     DisaggReq,
     SenderAborted,
     SenderDeadline,
@@ -96,27 +103,54 @@ KINDS = ("hicache", "metadata", "req_slot", "mamba", "kv")
 
 @dataclass
 class DisaggPools:
-    """The kernels pools a disaggregated-prefill server releases into."""
+    """The pools a disaggregated-prefill server releases into.
+
+    `kv`, `mamba` and `metadata` may be an engine's own (any `KVAllocator`, `MambaPool`,
+    `SlotAllocator`: SGLang's allocators have these shapes); `host` and `table` are
+    ours. Pools that are also `AuditedPool`s are checked by `assert_full()` and
+    compared with the ledger by `DisaggPrefill.accounting()`; the others are listed
+    by `unchecked()`.
+    """
 
     kv: KVAllocator
     mamba: MambaPool
-    metadata: MetadataSlots
+    metadata: SlotAllocator
     host: HostPagePool
     table: ReqToTokenTable
+    page_size: int = 0
+    """Tokens per KV page; 0: the allocator's `page_size`."""
+
+    def __post_init__(self) -> None:
+        require(self.kv, KVAllocator, "DisaggPools(kv=)")
+        require(self.mamba, MambaPool, "DisaggPools(mamba=)")
+        require(self.metadata, SlotAllocator, "DisaggPools(metadata=)")
+        self.page_size = page_size_of(self.kv, self.page_size or None)
 
     @classmethod
     def make(cls, *, kv_tokens: int = 4096, requests: int = 16, mamba_slots: int = 32,
              metadata_slots: int = 16, host_pages: int = 64, max_context_len: int = 4096,
-             page_size: int = 1, device: str | torch.device = "cpu",
-             strict: bool = True) -> DisaggPools:
-        """Small real pools (a tiny Mamba state shape); `strict` raises at a double free."""
+             page_size: int | None = None, device: str | torch.device = "cpu",
+             strict: bool = True, kv: KVAllocator | None = None,
+             mamba: MambaPool | None = None, metadata: SlotAllocator | None = None,
+             host: HostPagePool | None = None,
+             table: ReqToTokenTable | None = None) -> DisaggPools:
+        """Our small real pools (a tiny Mamba state shape; `strict` raises at a double
+        free), except each pool passed in, which is used as it is. `page_size`
+        defaults to `kv.page_size` for a given `kv` (and must agree with it), else 1.
+        """
+        ps = page_size_of(kv, page_size)
         return cls(
-            kv=TokenKVAllocator(kv_tokens, page_size, device, strict=strict),
-            mamba=MambaStatePool(mamba_slots, layers=2, conv_dims=8, conv_kernel=4, heads=2,
-                                 head_dim=4, state_size=4, device=device, strict=strict),
-            metadata=MetadataSlots(metadata_slots, device),
-            host=HostPagePool(host_pages, device),
-            table=ReqToTokenTable(requests, max_context_len, device, strict=strict),
+            kv=kv if kv is not None else TokenKVAllocator(kv_tokens, ps, device,
+                                                          strict=strict),
+            mamba=mamba if mamba is not None else MambaStatePool(
+                mamba_slots, layers=2, conv_dims=8, conv_kernel=4, heads=2, head_dim=4,
+                state_size=4, device=device, strict=strict),
+            metadata=metadata if metadata is not None else MetadataSlots(metadata_slots,
+                                                                         device),
+            host=host if host is not None else HostPagePool(host_pages, device),
+            table=table if table is not None else ReqToTokenTable(
+                requests, max_context_len, device, strict=strict),
+            page_size=ps,
         )
 
     def pools(self) -> dict[str, Any]:
@@ -124,10 +158,37 @@ class DisaggPools:
         return {"kv": self.kv, "mamba": self.mamba, "metadata": self.metadata,
                 "host": self.host, "table": self.table}
 
-    def assert_full(self) -> None:
-        """`assert_full()` on every pool (raises `LeakError` naming what is held)."""
+    def unchecked(self) -> list[str]:
+        """Names of the pools the leak audit cannot check (not `AuditedPool`s)."""
+        return [n for n, p in self.pools().items() if not isinstance(p, AuditedPool)]
+
+    def in_use(self) -> dict[str, int]:
+        """Units each `AuditedPool` has handed out now, by pool name (the others cannot
+        say: see `unchecked()`)."""
+        return {n: p.capacity - p.available for n, p in self.pools().items()
+                if isinstance(p, AuditedPool)}
+
+    def assert_full(self) -> list[str]:
+        """`assert_full()` on every `AuditedPool` (raises `LeakError` naming what is
+        held); returns the names of the pools it could not check (`unchecked()`)."""
         for p in self.pools().values():
-            p.assert_full()
+            if isinstance(p, AuditedPool):
+                p.assert_full()
+        return self.unchecked()
+
+    def kv_alloc(self, n: int) -> torch.Tensor | None:
+        """`n` KV token indices on whole pages of their own (`alloc` of the pages they
+        need, as every `KVAllocator` reads it), or None when short."""
+        ps = self.page_size
+        got = self.kv.alloc(-(-n // ps) * ps)
+        return None if got is None else got[:n]
+
+    def kv_units(self, indices: torch.Tensor) -> int:
+        """Token slots of the KV pool that `indices` occupy: whole pages."""
+        if self.page_size == 1:
+            return int(indices.numel())
+        return int(torch.unique(torch.div(indices, self.page_size,
+                                          rounding_mode="floor")).numel()) * self.page_size
 
 
 @dataclass
@@ -393,7 +454,7 @@ class DisaggPrefill:
             self.transport.bootstrap(rid)
         except TransportError as e:
             return self._fail_bootstrap(req, str(e))
-        slot = self.pools.metadata.acquire()
+        slot = MetadataSlot.take(self.pools.metadata)
         if slot is None:
             return None
         self.ledger.acquire(req, "metadata", slot)
@@ -440,7 +501,7 @@ class DisaggPrefill:
         still ends the wait) and the KV is kept until `poll_transfer` sees it stopped.
         """
         req = self.req(rid)
-        report = req.fire(Abort(reason))
+        report = req.fire(DisaggAbort(reason))
         self._record_cause(req, reason)
         if req.state == "awaiting_sender" and req.sender_deadline is None:
             req.sender_deadline = self.clock() + self.sender_deadline_s
@@ -463,13 +524,13 @@ class DisaggPrefill:
         if req.state not in ("waiting", "prefilling") or k >= req.n_chunks:
             return None
         pools = self.pools
-        kv_pool: Any = pools.kv  # ours report `available`; the protocol has available_size
-        mamba_pool: Any = pools.mamba
+        ps = pools.page_size
         # All or nothing, decided before taking anything: every unit taken below has
-        # an owner in the ledger at once, so nothing is ever given back by hand.
-        if kv_pool.available_size() < req.chunk_len(k) or (k == 0 and (
+        # an owner in the ledger at once, so nothing is ever given back by hand. A
+        # chunk's KV starts on a page of its own (an abandoned chunk frees only its own).
+        if pools.kv.available_size() < -(-req.chunk_len(k) // ps) * ps or (k == 0 and (
                 pools.table.available < 1
-                or mamba_pool.available < self.mamba_per_request)):
+                or pools.mamba.available_size() < self.mamba_per_request)):
             return None
         if k == 0 and not self.ledger.owned(req, "req_slot"):
             # Each unit is recorded the moment it is taken: a pool that raises on the
@@ -481,7 +542,7 @@ class DisaggPrefill:
             mamba = pools.mamba.alloc(self.mamba_per_request)
             assert mamba is not None  # checked just above
             self.ledger.acquire(req, "mamba", mamba)
-        kv = pools.kv.alloc(req.chunk_len(k))
+        kv = pools.kv_alloc(req.chunk_len(k))
         assert kv is not None  # checked just above
         chunk = Chunk(self.chunks_machine, (rid, k), parent=req, index=k,
                       last=k == req.n_chunks - 1)
@@ -575,26 +636,28 @@ class DisaggPrefill:
 
     def accounting(self) -> dict[str, tuple[int, int]]:
         """Per resource: (units the ledger says are owned, units the pool has handed
-        out). Equal pairs mean no leak and no double ownership at this moment."""
+        out). Equal pairs mean no leak and no double ownership at this moment. KV units
+        are token slots of whole pages. A pool that cannot report what it handed out
+        (not an `AuditedPool`) is left out: see `DisaggPools.unchecked()`."""
         owned = {k: 0 for k in KINDS}
+        p = self.pools
         for hs in self.ledger.outstanding().values():
             for h in hs:
                 if h.kind == "metadata":
                     owned[h.kind] += 1
                 elif h.kind == "hicache":
                     owned[h.kind] += int(h.value.pages.numel())
+                elif h.kind == "kv":
+                    owned[h.kind] += p.kv_units(h.value)
                 else:
                     owned[h.kind] += int(h.value.numel())
-        p = self.pools
         cached = getattr(self.cache, "held_tokens", 0)
-        out = {
-            "kv": p.kv.capacity - p.kv.available - cached,  # type: ignore[attr-defined]
-            "mamba": p.mamba.capacity - p.mamba.available,  # type: ignore[attr-defined]
-            "metadata": p.metadata.capacity - p.metadata.available,
-            "hicache": p.host.occupied,
-            "req_slot": p.table.capacity - p.table.available,
-        }
-        return {k: (owned[k], out[k]) for k in KINDS}
+        out = {"hicache": p.host.occupied}
+        for kind, pool in (("kv", p.kv), ("mamba", p.mamba), ("metadata", p.metadata),
+                           ("req_slot", p.table)):
+            if isinstance(pool, AuditedPool):
+                out[kind] = pool.capacity - pool.available - (cached if kind == "kv" else 0)
+        return {k: (owned[k], out[k]) for k in KINDS if k in out}
 
     def assert_accounted(self) -> None:
         """Raise AssertionError when some pool's usage differs from what the ledger owns."""
@@ -604,11 +667,13 @@ class DisaggPrefill:
                 "ledger and pools disagree (owned, handed out): "
                 + ", ".join(f"{k}={v}" for k, v in bad.items()))
 
-    def finish(self) -> None:
+    def finish(self) -> list[str]:
         """End of a run: evict the prefix cache into the KV pool, check every pool is
-        full and the ledger empty (raises naming what leaked)."""
+        full and the ledger empty (raises naming what leaked). Returns the names of
+        the pools that could not be checked (not `AuditedPool`s)."""
         evict = getattr(self.cache, "evict_all", None)
         if evict is not None:
             evict()
-        self.pools.assert_full()
+        unchecked = self.pools.assert_full()
         self.ledger.assert_empty()
+        return unchecked

@@ -33,16 +33,19 @@ class CountingPrefixCache:
         self.kv = kv
         self.inserts: Counter[str] = Counter()
         self._held: list[torch.Tensor] = []
-        self.held_tokens = 0
+        self.held_tokens = 0  # token slots of the pool held: whole pages
 
     def insert(self, rid: str, kv_indices: torch.Tensor) -> None:
         """Count the insert and keep the pages until `evict_all()`."""
         self.inserts[rid] += 1
         self._held.append(kv_indices)
-        self.held_tokens += int(kv_indices.numel())
+        ps = getattr(self.kv, "page_size", 1)
+        self.held_tokens += int(kv_indices.numel()) if ps == 1 else ps * int(
+            torch.unique(torch.div(kv_indices, ps, rounding_mode="floor")).numel())
 
     def evict_all(self) -> int:
-        """Free every held page to the KV pool; returns the number of tokens freed."""
+        """Free every held page to the KV pool; returns the token slots freed (whole
+        pages)."""
         n = self.held_tokens
         if self._held:
             self.kv.free(torch.cat(self._held))

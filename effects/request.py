@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from terminus.fsm import Action, Ledger, Machine, Plan, Release, release_effect
 from terminus.kernels.protocols import LoRARegistry
-from terminus.states.request import REQUEST
+from terminus.states.request import REQUEST, client_rid
 from terminus.states.sampling import SAMPLING
 
 from .output import OutputSink, TerminalOutput
@@ -51,7 +51,12 @@ LORA = "lora"
 
 @runtime_checkable
 class SchedulerLink(Protocol):
-    """The tokenizer's connection to the scheduler (a socket in a real engine)."""
+    """The tokenizer's connection to the scheduler (a socket in a real engine).
+
+    `rid` is the request's `states.request.RequestKey`: a link that serializes writes
+    `str(rid)` (or `rid.rid`) on the wire, and reports results back to the tokenizer side
+    with that id or with the key itself; both find the request.
+    """
 
     def send(self, rid: Any, tokens: Any, lora_id: int | None) -> None:
         """Send a tokenized request; raises when it cannot be sent."""
@@ -117,7 +122,7 @@ def stream_terminal(ctx: Any) -> None:
     inst = ctx.instance
     if not getattr(inst, "stream", True):
         return
-    ctx.resources.sink.put(terminal_output(inst.key, ctx.target, ctx.event))
+    ctx.resources.sink.put(terminal_output(client_rid(inst.key), ctx.target, ctx.event))
 
 
 @release_effect

@@ -280,9 +280,9 @@ def _held_ids(pool: Any) -> torch.Tensor | None:
     cap = getattr(pool, "capacity", None)
     if held is None or cap is None:
         return None
-    ids = torch.tensor(held(int(cap)), dtype=torch.int64)
-    if ids.numel() != _in_use(pool):  # the pool does not track which (detection off)
-        return None
+    ids = torch.tensor(held(int(cap)), dtype=torch.int64)  # pages, for a paged pool
+    if ids.numel() * int(getattr(pool, "page_size", 1) or 1) != _in_use(pool):
+        return None  # the pool does not track which (detection off)
     return ids
 
 
@@ -306,6 +306,13 @@ def _owned_free(kind: str, pool: Any, owned: list[torch.Tensor]) -> list[Finding
                                f"units a handle owns but the pool has free (freed while "
                                f"owned): {free[:16].tolist()}"))
     return out
+
+
+def _pages(ids: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The KV pages (the pool's units of identity) that token indices `ids` lie on."""
+    ids = ids.reshape(-1).to("cpu", torch.int64)
+    return ids if page_size == 1 else torch.unique(torch.div(ids, page_size,
+                                                             rounding_mode="floor"))
 
 
 def _in_use(pool: Any) -> int:
@@ -338,12 +345,18 @@ def _compare(kind: str, owned: int, in_use: int, pool: Any,
 def _audit_disagg(d: Any) -> list[Finding]:
     by_kind: dict[str, list[torch.Tensor]] = {"kv": [], "mamba": [], "req_slot": []}
     owned: Counter[str] = Counter()
+    p = d.pools
+    ps = int(getattr(p, "page_size", 1) or 1)
+    kv_units = getattr(p, "kv_units", None)
     for hs in d.ledger.outstanding().values():
         for h in hs:
+            if h.kind == "kv" and kv_units is not None:
+                owned["kv"] += kv_units(h.value)  # token slots of whole pages
+                by_kind["kv"].append(_pages(h.value, ps))
+                continue
             owned[h.kind] += units(h.kind, h.value)
             if h.kind in by_kind:
                 by_kind[h.kind].append(h.value)
-    p = d.pools
     cached = int(getattr(d.cache, "held_tokens", 0))
     out: list[Finding] = []
     for name in ("kv", "mamba", "table", "metadata", "host"):
@@ -373,16 +386,21 @@ def _audit_running(rb: Any) -> list[Finding]:
     owning[m.state_id("vacant")] = False
     live = owning.index_select(0, st).nonzero().squeeze(1)
     table = pools.table
+    ps = int(getattr(pools, "page_size", 1) or 1)
     lengths = table.lengths.index_select(0, live).to(torch.int64)
     mslots = table.mamba_slots.index_select(0, live)
-    kv_ids = [table.req_to_token[int(r), :int(n)] for r, n in
+    # A row owns whole pages of its own: ceil(length / page_size) of them.
+    kv_ids = [_pages(table.req_to_token[int(r), :int(n)], ps) for r, n in
               zip(live.tolist(), lengths.tolist(), strict=True) if n]
+    owned_kv = int((-(-lengths // ps)).sum()) * ps
     out: list[Finding] = []
     for name in ("kv", "mamba", "table"):
         out += _pool_check(name, getattr(pools, name))
-    out += _compare("kv", int(lengths.sum()), _in_use(pools.kv), pools.kv, kv_ids)
-    out += _compare("mamba", int((mslots != 0).sum()), _in_use(pools.mamba), pools.mamba,
-                    [mslots[mslots != 0]])
+    if hasattr(_real(pools.kv), "capacity"):
+        out += _compare("kv", owned_kv, _in_use(pools.kv), pools.kv, kv_ids)
+    if hasattr(_real(pools.mamba), "capacity"):
+        out += _compare("mamba", int((mslots != 0).sum()), _in_use(pools.mamba),
+                        pools.mamba, [mslots[mslots != 0]])
     out += _compare("req_slot", int(live.numel()), _in_use(table), table, [live])
     return out
 

@@ -21,6 +21,13 @@ import torch
 
 from terminus.fsm import BatchStep, ReleaseContext, release_effect
 from terminus.kernels import MambaStatePool, ReqToTokenTable, TokenKVAllocator, release_batch
+from terminus.kernels.protocols import (
+    AuditedPool,
+    KVAllocator,
+    MambaPool,
+    page_size_of,
+    require,
+)
 from terminus.states.sequence import SEQUENCE, Admit
 
 from .sanitize import sanitized
@@ -29,30 +36,69 @@ __all__ = ["RunningBatch", "SchedulerPools"]
 
 
 class SchedulerPools:
-    """The pools a scheduler's running batch draws from."""
+    """The pools a scheduler's running batch draws from.
 
-    def __init__(self, *, rows: int, max_context_len: int, kv_tokens: int,
-                 mamba_slots: int, device: str | torch.device = "cpu",
-                 mamba_layers: int = 2, strict: bool = False) -> None:
+    `kv` and `mamba` may be an engine's own allocators (any `KVAllocator` /
+    `MambaPool`, e.g. SGLang's); otherwise ours are built with `kv_tokens`, `page_size`
+    and `mamba_slots`. `page_size` defaults to `kv.page_size` for a given `kv` (and
+    must agree with it), else to 1. The request-to-token table is always ours: it is
+    the batch's own bookkeeping.
+    """
+
+    def __init__(self, *, rows: int, max_context_len: int, kv_tokens: int = 0,
+                 mamba_slots: int = 0, device: str | torch.device = "cpu",
+                 mamba_layers: int = 2, strict: bool = False, page_size: int | None = None,
+                 kv: KVAllocator | None = None, mamba: MambaPool | None = None) -> None:
+        page_size = page_size_of(kv, page_size)
+        if kv is None and kv_tokens < page_size:
+            raise ValueError(f"SchedulerPools: kv_tokens ({kv_tokens}) must hold at least "
+                             f"one page of {page_size}; pass kv_tokens or kv=")
+        if mamba is None and mamba_slots < 1:
+            raise ValueError(f"SchedulerPools: mamba_slots must be >= 1, got {mamba_slots}; "
+                             "pass mamba_slots or mamba=")
+        self.page_size = page_size
         self.table = ReqToTokenTable(rows, max_context_len, device, strict=strict)
-        self.kv = TokenKVAllocator(kv_tokens, device=device, strict=strict)
-        self.mamba = MambaStatePool(mamba_slots, mamba_layers, conv_dims=8, conv_kernel=4,
-                                    heads=2, head_dim=4, state_size=4, device=device,
-                                    strict=strict)
+        self.kv: KVAllocator = require(kv, KVAllocator, "SchedulerPools(kv=)") \
+            if kv is not None else TokenKVAllocator(kv_tokens, page_size, device, strict=strict)
+        self.mamba: MambaPool = require(mamba, MambaPool, "SchedulerPools(mamba=)") \
+            if mamba is not None else MambaStatePool(
+                mamba_slots, mamba_layers, conv_dims=8, conv_kernel=4, heads=2, head_dim=4,
+                state_size=4, device=device, strict=strict)
+
+    def pools(self) -> dict[str, Any]:
+        """The pools by name."""
+        return {"kv": self.kv, "mamba": self.mamba, "table": self.table}
+
+    def unchecked(self) -> list[str]:
+        """Names of the pools the leak audit cannot check (not `AuditedPool`s)."""
+        return [n for n, p in self.pools().items() if not isinstance(p, AuditedPool)]
+
+    def in_use(self) -> dict[str, int]:
+        """Units each `AuditedPool` has handed out now, by pool name (the others cannot
+        say: see `unchecked()`)."""
+        return {n: p.capacity - p.available for n, p in self.pools().items()
+                if isinstance(p, AuditedPool)}
 
     def leaks(self) -> dict[str, int]:
-        """Units each pool is missing (0 everywhere when nothing leaked)."""
-        return {
-            "kv_tokens": self.kv.capacity - self.kv.available,
-            "mamba_slots": self.mamba.capacity - self.mamba.available,
-            "request_slots": self.table.capacity - self.table.available,
-        }
+        """Units each pool is missing (0 everywhere when nothing leaked); a pool that
+        cannot report its capacity (not an `AuditedPool`) is left out: see
+        `unchecked()`."""
+        names = {"kv": "kv_tokens", "mamba": "mamba_slots", "table": "request_slots"}
+        return {names[n]: v for n, v in self.in_use().items()}
 
-    def assert_full(self) -> None:
-        """Raise naming what any pool is missing."""
-        self.kv.assert_full()
-        self.mamba.assert_full()
-        self.table.assert_full()
+    def check(self) -> None:
+        """Each `AuditedPool`'s own double-free and foreign-index check."""
+        for p in self.pools().values():
+            if isinstance(p, AuditedPool):
+                p.check()
+
+    def assert_full(self) -> list[str]:
+        """Raise naming what any `AuditedPool` is missing; returns the names of the
+        pools it could not check (`unchecked()`)."""
+        for p in self.pools().values():
+            if isinstance(p, AuditedPool):
+                p.assert_full()
+        return self.unchecked()
 
 
 Retired = Callable[[torch.Tensor, str], None]
@@ -103,7 +149,7 @@ class RunningBatch:
         All or nothing: when any pool is short, nothing is taken.
         """
         pools = self.pools
-        if pools.table.available < n or (mamba and pools.mamba.available < n):
+        if pools.table.available < n or (mamba and pools.mamba.available_size() < n):
             return None
         rows = pools.table.alloc(n)
         assert rows is not None
@@ -125,26 +171,82 @@ class RunningBatch:
     def append_kv(self, rows: torch.Tensor, counts: torch.Tensor) -> bool:
         """Give each row `counts[i]` more KV tokens, written into its table row at once.
 
-        False (nothing taken) when the KV pool is short.
+        Each request's tokens live on pages of its own: a row's partial last page is
+        filled first, then whole new pages are taken for it (one `alloc` of whole pages
+        for all rows)::
+
+            page_size 4, row r holds 6 tokens:   page a [a0 a1 a2 a3]  page b [b0 b1 . .]
+            append 5:   b2 b3 (the rest of b), then page c: c0 c1 c2 (c3 stays r's)
+
+        Refused before anything is taken: a `ValueError` names rows given twice, a
+        count below zero or a length past the table's `max_context_len`. False
+        (nothing taken) when the KV pool is short.
         """
-        table, kv = self.pools.table, self.pools.kv
-        total = int(counts.sum())
+        table, kv, ps = self.pools.table, self.pools.kv, self.pools.page_size
+        rows, counts, total = self._check_append(rows, counts)
         if total == 0:
             return True
-        idx = kv.alloc(total)
-        if idx is None:
-            return False
-        counts = counts.to(device=rows.device, dtype=torch.int64)
+        lengths = table.lengths.index_select(0, rows).to(torch.int64)
         # which[i] = the position in `rows` of the i-th new token (the index form of
-        # repeat_interleave is the fast one on CPU).
+        # repeat_interleave is the fast one on CPU); j[i] its place among its row's.
         which = torch.repeat_interleave(counts)
-        row_rep = rows.index_select(0, which)
         starts = torch.cumsum(counts, 0) - counts
-        cols = table.lengths.index_select(0, rows).to(torch.int64) - starts
-        cols = cols.index_select(0, which) + torch.arange(total, device=rows.device)
-        table.req_to_token[row_rep, cols] = idx.to(torch.int32)
+        j = torch.arange(total, device=rows.device) - starts.index_select(0, which)
+        if ps == 1:
+            idx = kv.alloc(total)
+            if idx is None:
+                return False
+            idx = idx.to(rows.device)
+        else:
+            fill = torch.minimum((-lengths) % ps, counts)  # room on each row's last page
+            pages = -(-(counts - fill) // ps)
+            n_pages = int(pages.sum())
+            got = kv.alloc(n_pages * ps) if n_pages else None
+            if n_pages and got is None:
+                return False
+            last = table.req_to_token[rows, (lengths - 1).clamp(min=0)].to(torch.int64)
+            fill_w = fill.index_select(0, which)
+            idx = last.index_select(0, which) + 1 + j
+            if got is not None:
+                first = (torch.cumsum(pages, 0) - pages) * ps - fill
+                pos = (first.index_select(0, which) + j).clamp(0, n_pages * ps - 1)
+                idx = torch.where(j < fill_w, idx, got.to(rows.device).index_select(0, pos))
+        cols = lengths.index_select(0, which) + j
+        table.req_to_token[rows.index_select(0, which), cols] = idx.to(torch.int32)
         table.lengths.index_add_(0, rows, counts.to(table.lengths.dtype))
         return True
+
+    def _check_append(self, rows: torch.Tensor, counts: torch.Tensor,
+                      ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`rows` and `counts` as int64 on the table's device and the total count, or a
+        ValueError naming what is wrong (nothing taken). One host sync when all is well."""
+        table = self.pools.table
+        rows = rows.to(device=table.device, dtype=torch.int64).reshape(-1)
+        counts = counts.to(device=table.device, dtype=torch.int64).reshape(-1)
+        if rows.numel() != counts.numel():
+            raise ValueError(f"append_kv: {rows.numel()} rows but {counts.numel()} counts; "
+                             "pass one count per row")
+        if rows.numel() == 0:
+            return rows, counts, 0
+        neg = counts < 0
+        ends = table.lengths.index_select(0, rows).to(torch.int64) + counts
+        over = ends > table.max_context_len
+        s = torch.sort(rows).values
+        twice = (s[1:] == s[:-1]).any()
+        total, any_neg, any_twice, any_over = torch.stack(
+            (counts.sum(), neg.any(), twice, over.any())).tolist()
+        if any_neg:
+            raise ValueError(f"append_kv: negative token counts {counts[neg].tolist()} for "
+                             f"rows {rows[neg].tolist()}; counts must be >= 0")
+        if any_twice:
+            raise ValueError(f"append_kv: rows {rows.tolist()} name a row more than once; "
+                             "pass each row once with its total count")
+        if any_over:
+            raise ValueError(
+                f"append_kv: rows {rows[over].tolist()} would hold {ends[over].tolist()} "
+                f"tokens, past the table's max_context_len {table.max_context_len}; "
+                "finish or abort them, or raise max_context_len")
+        return rows, counts, int(total)
 
     # -- stepping ----------------------------------------------------------------------
 

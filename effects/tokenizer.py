@@ -1,7 +1,8 @@
 """The tokenizer side of a serving engine, driving REQUEST and SAMPLING machines.
 
-    submit(prompt, lora)            one request: acquire ─► tokenize ─► send
-    submit_batch(prompts, loras, n) n == 1: one request per prompt;
+    submit(prompt, lora, rid=)      one request: acquire ─► tokenize ─► send
+    submit_batch(prompts, loras, n, rid= | rids=)
+                                    n == 1: one request per prompt;
                                     n > 1: sampling group(s) ─► warm-ups ─► fan-out
     abort(rid)                      client abort (a group: its warm-ups or children too)
     on_output / on_finish / on_error / on_dispatch_failed(rid, ...)
@@ -13,9 +14,15 @@ ledger in the same step the registry hands it out (no await between them), so ev
 reference has an owner from its first instant; an abort that overtook the acquire makes
 that owner terminal already, and the ledger returns the reference at once (I6).
 
-Late events (an abort echo, a result for an aborted request) reach the terminal machine
-while its instance is remembered (the last `retain_terminal` of them), which absorbs
-them as declared; older or unknown rids are counted in `unknown_events` and dropped.
+Every instance is keyed by a `RequestKey(group, role, index)`; the scheduler link is
+sent that key, and the client's stream carries `key.rid`. Events are looked up by either,
+never parsed. A request's *family* is the request itself, or a sampling group with its
+warm-ups and children; the family stays reachable by every one of its ids for as long
+as any member lives (so `abort(group_rid)` reaches the children of a group that fanned
+out, whatever else ran since), and is forgotten when its last member ends. An event for
+an id no live family has is counted in `unknown_events` and dropped (nothing it could
+reach owns anything). An event for an id a live group reserved but has not created yet
+(a child before fan-out, a warm-up before tokenization) raises `NotCreatedYet`.
 
 Only a real engine's internals are abstract here: the tokenizer (`Tokenizer`), the
 scheduler transport (`effects.request.SchedulerLink`) and the client stream
@@ -27,8 +34,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import sys
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -37,13 +43,14 @@ if sys.version_info < (3, 11):  # pragma: no cover
 from terminus.fsm import Instance, Ledger
 from terminus.kernels.protocols import LoRARegistry
 from terminus.states.request import (
-    Abort,
     AcquireFailed,
     DispatchFailed,
     Finished,
     LoRAAcquired,
     Output,
     Request,
+    RequestAbort,
+    RequestKey,
     SchedulerError,
     Submitted,
     Validated,
@@ -62,7 +69,7 @@ from .request import (
 )
 from .sanitize import sanitized, track_lora_side
 
-__all__ = ["InvalidRequest", "Tokenizer", "TokenizerSide"]
+__all__ = ["InvalidRequest", "NotCreatedYet", "RequestKey", "Tokenizer", "TokenizerSide"]
 
 
 class InvalidRequest(Exception):
@@ -81,20 +88,37 @@ class Tokenizer(Protocol):
         """The prompt's tokens."""
 
 
-class _Batch:
-    """The parents of one parallel-sampling batch: they fan out together or not at all."""
+class NotCreatedYet(LookupError):
+    """An event named a warm-up or child a live sampling group reserved but has not
+    created yet (the scheduler was never sent it). Nothing changed."""
 
-    __slots__ = ("fanned", "parents")
+
+class _Batch:
+    """The parents of one parallel-sampling batch: they fan out together or not at all.
+
+    `interrupted`: the `submit_batch` call that made it was cancelled (or raised), so no
+    parent may fan out any more; every request of the batch is being ended.
+    """
+
+    __slots__ = ("fanned", "interrupted", "parents")
 
     def __init__(self, parents: list[SamplingGroup]) -> None:
         self.parents = parents
         self.fanned = False
+        self.interrupted = False
 
 
 def _unknown_adapter(exc: BaseException) -> bool:
     # kernels.UnknownAdapter is a KeyError; other registries raise ValueError for a name
     # they do not know. Either way the client named something that is not there.
     return isinstance(exc, (KeyError, ValueError))
+
+
+def _derived_keys(group: RequestKey, prompts: int, n: int) -> list[RequestKey]:
+    """Every key a group of `prompts` prompts sampled `n` times may give a warm-up (one
+    per prompt) or a child (n per prompt)."""
+    return ([RequestKey(group.group, "warmup", i) for i in range(prompts)]
+            + [RequestKey(group.group, "child", k) for k in range(prompts * n)])
 
 
 class TokenizerSide:
@@ -104,13 +128,13 @@ class TokenizerSide:
         registry: the LoRA registry (`kernels.lora.LoRARegistry` or any object with the
             `kernels.protocols.LoRARegistry` shape).
         tokenizer: validates and tokenizes prompts (`Tokenizer`).
-        scheduler: sends tokenized requests and aborts (`effects.request.SchedulerLink`).
+        scheduler: sends tokenized requests and aborts (`effects.request.SchedulerLink`);
+            it is given each request's `RequestKey`.
         sink: receives each request id's one terminal output (`OutputSink`).
         ledger: a shared ledger to record LoRA handles in (its resources need the
             attributes of `RequestResources`); by default a new one.
         async_release: release through the registry's awaitable `release` (see
             `RequestResources`); `await drain()` then waits for those releases.
-        retain_terminal: how many terminal instances stay reachable for late events.
     """
 
     def __init__(
@@ -122,44 +146,47 @@ class TokenizerSide:
         *,
         ledger: Ledger | None = None,
         async_release: bool = False,
-        retain_terminal: int = 1024,
     ) -> None:
-        if retain_terminal < 0:
-            raise ValueError(f"retain_terminal must be >= 0, got {retain_terminal}")
         self.registry = registry
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.sink = sink
         if ledger is None:
             ledger = lora_ledger(RequestResources(registry, sink, scheduler, async_release))
-        elif LORA not in ledger._releasers:
+        elif LORA not in ledger.kinds:
             ledger = lora_ledger(ledger.resources, ledger)
         self.ledger = ledger
         self.requests = bind_request(ledger)
         """REQUEST bound to its plans over `ledger` (its `stats` count plans and ignores)."""
         self.sampling = bind_sampling(ledger)
         """SAMPLING bound to its plans over `ledger`."""
-        self._live: dict[Any, Instance] = {}
-        # rids a live sampling group will give its warm-ups and children (-> group key):
+        # Instances not yet terminal, by key.
+        self._live: dict[RequestKey, Instance] = {}
+        # Every member of a live family (terminal ones too), by the id its client sees.
+        self._names: dict[Any, Instance] = {}
+        # Ids a live sampling group will give its warm-ups and children, not created yet:
         # no other request may take one, or it would be orphaned when the group does.
-        self._reserved: dict[Any, Any] = {}
-        self._recent: OrderedDict[Any, Instance] = OrderedDict()
-        self._retain = retain_terminal
-        self._batches: dict[Any, _Batch] = {}
+        self._reserved: dict[Any, RequestKey] = {}
+        self._batches: dict[RequestKey, _Batch] = {}
         self._ids = itertools.count(1)
         self.unknown_events = 0
-        """Events for rids neither live nor remembered (dropped)."""
+        """Events for ids no live family has (dropped: nothing they could reach owns
+        anything)."""
         track_lora_side(self)
 
     # -- lookup ---------------------------------------------------------------------------
 
     def get(self, rid: Any) -> Instance | None:
-        """The live or remembered instance of `rid` (a Request or a SamplingGroup)."""
-        return self._live.get(rid) or self._recent.get(rid)
+        """The instance (a Request or a SamplingGroup) of a live family that `rid` names:
+        its `RequestKey`, or the id its client sees."""
+        if isinstance(rid, RequestKey):
+            inst = self._names.get(rid.rid)
+            return inst if inst is not None and inst.key == rid else None
+        return self._names.get(rid)
 
     @property
-    def live(self) -> dict[Any, Instance]:
-        """Instances not yet terminal, by rid."""
+    def live(self) -> dict[RequestKey, Instance]:
+        """Instances not yet terminal, by key."""
         return dict(self._live)
 
     def children(self, rid: Any) -> list[Request]:
@@ -167,24 +194,49 @@ class TokenizerSide:
         inst = self.get(rid)
         return list(inst.children) if isinstance(inst, SamplingGroup) else []
 
-    def _new_rid(self, rid: Any, used: set[Any] | None = None) -> Any:
+    def _claim(self, rid: Any, taken: set[Any]) -> Any:
+        """Decide the client id of a new request or group (`None`: make one up); refuse
+        one in use. Changes nothing but `taken` (the ids this call already decided)."""
         if rid is None:
             rid = f"req-{next(self._ids)}"
-            while rid in self._live or rid in self._recent or rid in self._reserved:
+            while rid in self._names or rid in self._reserved or rid in taken:
                 rid = f"req-{next(self._ids)}"
-        if rid in self._live or (used is not None and rid in used):
+        elif isinstance(rid, RequestKey):
+            raise ValueError(f"pass the client's rid, not a RequestKey ({rid!r}); the "
+                             "side makes the keys")
+        holder = self._names.get(rid)
+        if rid in taken or (holder is not None and holder.key.role in ("request", "group")):
             raise ValueError(
                 f"request id {rid!r} is already in flight; give every request a distinct "
                 "rid (or pass rid=None to get one)"
             )
-        if rid in self._reserved:
+        key = self._reserved.get(rid) or (holder.key if holder is not None else None)
+        if key is not None:
             raise ValueError(
                 f"request id {rid!r} belongs to a request of sampling group "
-                f"{self._reserved[rid]!r} (its warm-ups are <group>-warmup-<i>, its "
+                f"{key.group!r} (its warm-ups are <group>-warmup-<i>, its "
                 "children <group>-<k>); choose another rid"
             )
-        self._recent.pop(rid, None)  # a reused finished rid starts a new life
+        taken.add(rid)
         return rid
+
+    def _not_created(self, rid: Any) -> None:
+        """Raise `NotCreatedYet` if `rid` is reserved by a live group; else return."""
+        name = rid.rid if isinstance(rid, RequestKey) else rid
+        key = self._reserved.get(name)
+        if key is None or (isinstance(rid, RequestKey) and rid != key):
+            return
+        group = self._names[key.group]
+        what = (f"the warm-up of its prompt {key.index}" if key.role == "warmup"
+                else f"its child {key.index}")
+        when = ("once the group's prompts are tokenized" if key.role == "warmup"
+                else "at fan-out, once every warm-up of its batch has finished")
+        raise NotCreatedYet(
+            f"{name!r} is {what} of sampling group {key.group!r}, which has not created it "
+            f"yet (the group is {group.state}; it is created {when}). Report results only "
+            f"for requests the scheduler was sent; to end the group, abort {key.group!r}. "
+            "Nothing was changed."
+        )
 
     # -- submission -----------------------------------------------------------------------
 
@@ -196,9 +248,18 @@ class TokenizerSide:
         raises nothing. A cancelled submit aborts the request (releasing its reference)
         and re-raises.
         """
-        rid = self._new_rid(rid)
-        req = Request(self.requests, rid, prompt=prompt, lora=lora)
-        self._live[rid] = req
+        req = self._new_request(self._claim(rid, set()), prompt, lora)
+        await self._run_request(req)
+        return req
+
+    def _new_request(self, rid: Any, prompt: Any, lora: str | None) -> Request:
+        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora)
+        self._names[rid] = req
+        self._live[req.key] = req
+        return req
+
+    async def _run_request(self, req: Request) -> None:
+        lora = req.lora
         try:
             self._fire(req, Submitted(acquire=lora is not None))
             if lora is not None:
@@ -206,28 +267,26 @@ class TokenizerSide:
                     lora_id = await self.registry.acquire(lora)
                 except Exception as e:
                     self._fire(req, AcquireFailed(400 if _unknown_adapter(e) else 500, str(e)))
-                    return req
+                    return
                 # Owned from this instant; released at once if an abort came first (I6).
                 self.ledger.acquire(req, LORA, lora_id)
                 req.lora_id = lora_id
                 self._fire(req, LoRAAcquired((lora_id,)))
             if req.terminal:
-                return req
+                return
             try:
-                req.tokens = await self.tokenizer.tokenize(prompt)
+                req.tokens = await self.tokenizer.tokenize(req.prompt)
             except InvalidRequest as e:
                 self._fire(req, ValidationFailed(e.status, str(e)))
-                return req
+                return
             except Exception as e:
                 self._fire(req, ValidationFailed(500, f"tokenizer failed: {e!r}"))
-                return req
+                return
             self._fire(req, Validated())  # absorbed when an abort came first
             self._send(req)
         except BaseException:
-            if not req.terminal:
-                self._fire(req, Abort("submission was interrupted"))
+            self._end(req, "submission was interrupted")
             raise
-        return req
 
     @sanitized
     async def submit_batch(
@@ -236,18 +295,22 @@ class TokenizerSide:
         loras: str | Sequence[str | None] | None = None,
         *,
         n: int = 1,
-        rids: Sequence[Any] | None = None,
-        parent_rids: Sequence[Any] | None = None,
         rid: Any = None,
+        rids: Sequence[Any] | None = None,
     ) -> list[Instance]:
         """Submit a batch of prompts, each sampled `n` times.
 
-        `loras` is one adapter name for all prompts or one (or None) per prompt. With
-        n == 1 every prompt is an independent request (`rids` names them). With n > 1
-        the batch's `len(prompts) x n` references are acquired by one sampling group
-        (`rid` names it) or, with `parent_rids`, by one group per prompt; each group
-        hands one reference to each of its children at fan-out. Returns the requests
-        (n == 1) or the groups (n > 1); a group's children are `children(group_rid)`.
+        `loras` is one adapter name for all prompts or one (or None) per prompt. The rid
+        arguments mean the same whatever `n` is: `rids` names each prompt's own request
+        (n == 1) or sampling group (n > 1); `rid` names the batch's one request (n == 1,
+        one prompt) or its one sampling group (n > 1, every prompt); with neither, the
+        ids are made up. Each group of n > 1 owns its prompts' `n` references each until
+        fan-out, then hands one to each child. Returns the requests (n == 1) or the
+        groups (n > 1); a group's children are `children(group_rid)`.
+
+        Everything is checked before anything is created or acquired; a refused call
+        raises `ValueError` and changes nothing. A cancelled (or raising) call ends every
+        request of the batch before it re-raises.
         """
         prompts = list(prompts)
         if not prompts:
@@ -263,52 +326,67 @@ class TokenizerSide:
                     f"{len(per_prompt)} LoRA names for {len(prompts)} prompts; pass one "
                     "name for all, or one (or None) per prompt"
                 )
-        if n == 1:
-            if parent_rids is not None:
-                raise ValueError("parent_rids is for parallel sampling (n > 1); use rids")
-            names = self._names(rids, len(prompts), "rids")
-            return list(await asyncio.gather(*(
-                self.submit(p, lo, rid=r)
-                for p, lo, r in zip(prompts, per_prompt, names, strict=True))))
+        if rid is not None and rids is not None:
+            raise ValueError("pass rid= (one id for the batch) or rids= (one per prompt), "
+                             "not both")
+        if rid is not None and n == 1 and len(prompts) > 1:
+            raise ValueError(
+                f"rid={rid!r} names one request, but with n == 1 these {len(prompts)} "
+                "prompts are as many independent requests: name each with rids=[...], or "
+                "sample them as one group with n > 1"
+            )
+        taken: set[Any] = set()
         if rids is not None:
-            raise ValueError("rids is for n == 1; with n > 1 name the groups with "
-                             "rid= or parent_rids=")
-        if parent_rids is not None:
-            names = self._names(parent_rids, len(prompts), "parent_rids")
-            parents = [SamplingGroup(self.sampling, r, prompts=[p], loras=[lo], n=n)
-                       for r, p, lo in zip(names, prompts, per_prompt, strict=True)]
+            rids = list(rids)
+            if len(rids) != len(prompts):
+                raise ValueError(f"{len(rids)} rids for {len(prompts)} prompts; give one "
+                                 "per prompt")
+            names = [self._claim(r, taken) for r in rids]
+        elif n == 1:
+            names = [self._claim(rid, taken) for _ in prompts] if rid is None \
+                else [self._claim(rid, taken)]
         else:
-            parents = [SamplingGroup(self.sampling, self._new_rid(rid), prompts=prompts,
-                                     loras=per_prompt, n=n)]
-        taken = {p.key for p in parents}
-        for p in parents:
-            for d in _derived_rids(p):
-                if d in self._live or d in self._reserved or d in taken:
+            names = [self._claim(rid, taken)]
+        if n == 1:
+            reqs = [self._new_request(r, p, lo)
+                    for r, p, lo in zip(names, prompts, per_prompt, strict=True)]
+            try:
+                await asyncio.gather(*(self._run_request(r) for r in reqs))
+            except BaseException:
+                self._end_all(reqs, "its batch was interrupted")
+                raise
+            return list(reqs)
+        if rids is not None:
+            shapes = [([p], [lo]) for p, lo in zip(prompts, per_prompt, strict=True)]
+        else:
+            shapes = [(prompts, per_prompt)]
+        keys = [RequestKey(r, "group") for r in names]
+        for key, (ps, _) in zip(keys, shapes, strict=True):
+            for d in _derived_keys(key, len(ps), n):
+                if d.rid in self._names or d.rid in self._reserved or d.rid in taken:
                     raise ValueError(
-                        f"sampling group {p.key!r} would name a request {d!r}, which is "
-                        "already in flight or reserved; choose another group rid")
-                taken.add(d)
+                        f"sampling group {key.group!r} would name a request {d.rid!r}, "
+                        "which is already in flight or reserved; choose another group rid")
+                taken.add(d.rid)
+        # Decided; from here on, create.
+        parents = [SamplingGroup(self.sampling, key, prompts=ps, loras=los, n=n)
+                   for key, (ps, los) in zip(keys, shapes, strict=True)]
         batch = _Batch(parents)
         for p in parents:
+            self._names[p.key.group] = p
             self._live[p.key] = p
             self._batches[p.key] = batch
-            self._reserved.update(dict.fromkeys(_derived_rids(p), p.key))
-        await asyncio.gather(*(self._prepare_group(p) for p in parents))
+            for d in _derived_keys(p.key, len(p.prompts), n):
+                self._reserved[d.rid] = d
+        try:
+            await asyncio.gather(*(self._prepare_group(p, batch) for p in parents))
+        except BaseException:
+            batch.interrupted = True
+            self._end_all(parents, "its batch was interrupted")
+            raise
         return list(parents)
 
-    def _names(self, names: Sequence[Any] | None, k: int, what: str) -> list[Any]:
-        if names is None:
-            return [self._new_rid(None) for _ in range(k)]
-        if len(names) != k:
-            raise ValueError(f"{len(names)} {what} for {k} prompts; give one per prompt")
-        used: set[Any] = set()
-        out = []
-        for r in names:
-            out.append(self._new_rid(r, used))
-            used.add(r)
-        return out
-
-    async def _prepare_group(self, group: SamplingGroup) -> None:
+    async def _prepare_group(self, group: SamplingGroup, batch: _Batch) -> None:
         """Acquire, tokenize and warm up one group; fan-out follows the last warm-up."""
         if group.terminal:
             return  # aborted before its preparation started: it never acquired anything
@@ -317,7 +395,7 @@ class TokenizerSide:
             self._fire(group, Submitted(acquire=bool(names)))
             if names:
                 try:
-                    ids = await self.registry.acquire(names)
+                    ids = list(await self.registry.acquire(names))
                 except Exception as e:
                     self._fire(group, AcquireFailed(400 if _unknown_adapter(e) else 500,
                                                     str(e)))
@@ -332,7 +410,15 @@ class TokenizerSide:
                         errors.append(e)
                 if errors:
                     raise errors[0] if len(errors) == 1 else ExceptionGroup(
-                        f"{len(errors)} late LoRA releases of {group.key!r} raised", errors)
+                        f"{len(errors)} late LoRA releases of {group.rid!r} raised", errors)
+                if len(ids) != len(names):
+                    # The registry broke its protocol: no child could get exactly one
+                    # reference. The group releases what it was given and fails.
+                    self._fire(group, AcquireFailed(500, (
+                        f"the LoRA registry returned {len(ids)} id(s) for {len(names)} "
+                        f"acquired name(s) of sampling group {group.rid!r}; it must return "
+                        "one id per name")))
+                    return
                 self._fire(group, LoRAAcquired(tuple(ids)))
             if group.terminal:
                 return
@@ -352,8 +438,8 @@ class TokenizerSide:
             k = 0
             warmups = []
             for i, (prompt, lora) in enumerate(zip(group.prompts, group.loras, strict=True)):
-                w = Request(self.requests, _warmup_rid(group.key, i), prompt=prompt,
-                            lora=lora, role="warmup", stream=False, parent=group)
+                w = Request(self.requests, RequestKey(group.key.group, "warmup", i),
+                            prompt=prompt, lora=lora, stream=False, parent=group)
                 w.tokens = group.tokens[i]
                 if lora is not None:
                     # The warm-up uses the prompt's references but owns none of them.
@@ -365,8 +451,7 @@ class TokenizerSide:
             group.warmups = warmups
             group.pending_warmups = len(warmups)
             for w in warmups:
-                self._reserved.pop(w.key, None)
-                self._live[w.key] = w
+                self._created(w)
             for w in warmups:
                 if group.terminal:
                     break
@@ -374,9 +459,16 @@ class TokenizerSide:
                 self._fire(w, Validated())
                 self._send(w)
         except BaseException:
-            if not group.terminal:
-                self._fire(group, Abort("submission was interrupted"))
+            batch.interrupted = True  # no sibling may fan out any more
+            self._end(group, "submission was interrupted")
             raise
+
+    def _created(self, inst: Request) -> None:
+        """A reserved warm-up or child now exists: its id finds it."""
+        name = inst.key.rid
+        del self._reserved[name]
+        self._names[name] = inst
+        self._live[inst.key] = inst
 
     def _send(self, req: Request) -> None:
         if req.state != "dispatched":
@@ -387,22 +479,36 @@ class TokenizerSide:
             self._fire(req, DispatchFailed(f"could not send to the scheduler: {e!r}"))
 
     def _fan_out(self, batch: _Batch) -> None:
-        if batch.fanned or not all(p.terminal or p.state == "ready" for p in batch.parents):
+        if (batch.fanned or batch.interrupted
+                or not all(p.terminal or p.state == "ready" for p in batch.parents)):
             return
+        ready = [g for g in batch.parents if g.state == "ready"]
+        # Decide for the whole batch before creating any child: each child that uses a
+        # LoRA must get exactly one of its group's references.
+        for group in ready:
+            owned = len(self.ledger.owned(group, LORA))
+            takers = sum(lo is not None for lo in group.loras) * group.n
+            if owned != takers:
+                msg = (f"sampling group {group.rid!r} owns {owned} LoRA reference(s) but "
+                       f"{takers} of its children use a LoRA; each needs exactly one. No "
+                       "child was created; the batch's references are released.")
+                for g in batch.parents:
+                    if not g.terminal:
+                        self._fire(g, BatchFailed(500, msg))
+                return
         batch.fanned = True
-        for group in batch.parents:
-            if group.state != "ready":
-                continue
+        for group in ready:
             children = []
             for i, (prompt, lora) in enumerate(zip(group.prompts, group.loras, strict=True)):
                 for j in range(group.n):
-                    c = Request(self.requests, _child_rid(group.key, i * group.n + j),
-                                prompt=prompt, lora=lora, role="child", parent=group)
+                    c = Request(self.requests,
+                                RequestKey(group.key.group, "child", i * group.n + j),
+                                prompt=prompt, lora=lora, parent=group)
                     c.tokens = group.tokens[i]
-                    self._reserved.pop(c.key, None)
-                    self._live[c.key] = c
                     children.append(c)
             group.children = children
+            for c in children:
+                self._created(c)
             self._fire(group, FanOut())  # transfers one reference to each child
             for c in children:
                 self._fire(c, Submitted(acquire=False))
@@ -415,17 +521,19 @@ class TokenizerSide:
     def abort(self, rid: Any, message: str = "aborted by client") -> bool:
         """Abort `rid`: a request, or a group (its warm-ups, or its children after fan-out).
 
-        Returns False for an rid that is neither live nor remembered. An abort of a
-        terminal request is absorbed by its machine (an abort echo after finish).
+        Returns False for an id no live family has. An abort of a terminal member of a
+        live family is absorbed by its machine (an abort echo after finish). Raises
+        `NotCreatedYet` for a warm-up or child a live group has not created yet.
         """
         inst = self.get(rid)
         if inst is None:
+            self._not_created(rid)
             self.unknown_events += 1
             return False
-        self._fire(inst, Abort(message))
+        self._fire(inst, RequestAbort(message))
         if isinstance(inst, SamplingGroup):
             for c in inst.children:
-                self._fire(c, Abort(message))
+                self._fire(c, RequestAbort(message))
         return True
 
     @sanitized
@@ -451,12 +559,15 @@ class TokenizerSide:
     def _deliver(self, rid: Any, event: Any) -> bool:
         inst = self.get(rid)
         if inst is None:
+            self._not_created(rid)
             self.unknown_events += 1
             return False
         if isinstance(inst, SamplingGroup):
+            warm, child = (RequestKey(inst.key.group, r, 0).rid for r in ("warmup", "child"))
             raise ValueError(
-                f"{rid!r} is a sampling group, which the scheduler never sees; deliver "
-                f"scheduler results to its requests ({rid!r}-warmup-<i>, {rid!r}-<k>)"
+                f"{inst.rid!r} is a sampling group, which the scheduler never sees; deliver "
+                f"scheduler results to its requests (warm-ups {warm!r}, ..., children "
+                f"{child!r}, ...)"
             )
         self._fire(inst, event)
         return True
@@ -475,38 +586,66 @@ class TokenizerSide:
             if inst.terminal and not was_terminal:
                 self._retired(inst, event)
 
-    def _retired(self, inst: Instance, event: Any) -> None:
-        key = inst.key
-        if self._live.get(key) is inst:
-            del self._live[key]
-        if self._retain:
-            self._recent[key] = inst
-            while len(self._recent) > self._retain:
-                self._recent.popitem(last=False)
+    def _end(self, inst: Instance, message: str) -> None:
+        """Abort `inst` (and a group's children) where not terminal yet."""
+        if not inst.terminal:
+            self._fire(inst, RequestAbort(message))
         if isinstance(inst, SamplingGroup):
-            for d in _derived_rids(inst):  # names it never used are free again
-                if self._reserved.get(d) == key:
-                    del self._reserved[d]
+            for c in inst.children:
+                if not c.terminal:
+                    self._fire(c, RequestAbort(message))
+
+    def _end_all(self, insts: Iterable[Instance], message: str) -> None:
+        errors: list[Exception] = []
+        for inst in insts:
+            try:
+                self._end(inst, message)
+            except Exception as e:  # every member is ended even when one release raises
+                errors.append(e)
+        if errors:
+            raise errors[0] if len(errors) == 1 else ExceptionGroup(
+                f"ending {len(errors)} requests of an interrupted batch raised", errors)
+
+    def _retired(self, inst: Instance, event: Any) -> None:
+        if self._live.get(inst.key) is inst:
+            del self._live[inst.key]
+        if isinstance(inst, SamplingGroup):
+            for d in _derived_keys(inst.key, len(inst.prompts), inst.n):
+                if self._reserved.get(d.rid) == d:  # ids it never used are free again
+                    del self._reserved[d.rid]
             self._group_ended(inst, event)
-        elif isinstance(inst, Request) and inst.role == "warmup":
-            self._warmup_ended(inst, event)
+            self._family_check(inst)
+        elif isinstance(inst, Request):
+            if inst.role == "warmup":
+                self._warmup_ended(inst, event)
+            self._family_check(inst.parent if inst.parent is not None else inst)
+
+    def _family_check(self, top: Instance) -> None:
+        """Forget a family once every member has ended (its ids are free again)."""
+        members: list[Instance] = [top]
+        if isinstance(top, SamplingGroup):
+            members += top.warmups + top.children
+        if not all(m.terminal for m in members):
+            return
+        for m in members:
+            name = m.key.rid if isinstance(m.key, RequestKey) else m.key
+            if self._names.get(name) is m:
+                del self._names[name]
+        self._batches.pop(top.key, None)
 
     def _group_ended(self, group: SamplingGroup, event: Any) -> None:
         batch = self._batches.get(group.key)
         if group.state != "fanned_out":
             for w in group.warmups:
-                self._fire(w, Abort("its sampling group ended"))
+                self._fire(w, RequestAbort("its sampling group ended"))
         if batch is None:
             return
-        if all(p.terminal for p in batch.parents):
-            for p in batch.parents:
-                self._batches.pop(p.key, None)
         if group.state in ("rejected", "errored"):
             # A batch fans out whole or not at all: one failed prompt fails its siblings.
             status = int(getattr(event, "status", 500))
             msg = getattr(event, "message", "")
             if not isinstance(event, BatchFailed):
-                msg = f"{group.key!r} failed before fan-out: {msg}"
+                msg = f"{group.rid!r} failed before fan-out: {msg}"
             for p in batch.parents:
                 if not p.terminal:
                     self._fire(p, BatchFailed(status, msg))
@@ -524,20 +663,5 @@ class TokenizerSide:
             return
         status = int(getattr(event, "status", 503 if w.state == "dispatch_failed" else 500))
         self._fire(group, BatchFailed(
-            status, f"prefix warm-up {w.key!r} ended {w.state}: "
+            status, f"prefix warm-up {w.rid!r} ended {w.state}: "
                     f"{getattr(event, 'message', '')}"))
-
-
-def _warmup_rid(group: Any, i: int) -> str:
-    return f"{group}-warmup-{i}"
-
-
-def _child_rid(group: Any, k: int) -> str:
-    return f"{group}-{k}"
-
-
-def _derived_rids(group: SamplingGroup) -> list[str]:
-    """Every rid `group` may give a warm-up (one per prompt) or a child (n per prompt)."""
-    m = len(group.prompts)
-    return ([_warmup_rid(group.key, i) for i in range(m)]
-            + [_child_rid(group.key, k) for k in range(m * group.n)])

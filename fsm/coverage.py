@@ -15,8 +15,12 @@ Definitions, per machine:
 - percent: 100 * covered / declared (100 when nothing is declared). A machine's score is
   the minimum of its transition and pair percentages; `--fsm-coverage-fail-under N`
   fails when any gated machine scores below N.
-- gated machines: the registered ones (entry-point group `terminus.machines`, or
-  `--fsm-coverage-machines`) when there are any, else every machine seen.
+- gated machines: the registered ones (the pytest plugin registers the user's
+  `terminus.machines` entry points, or `--fsm-coverage-machines`) when there are any,
+  else every machine seen. Machines learned as `hidden` (the library's own, in a user's
+  project) are left out of the report unless registered.
+- tests of a decision (`contexts=True`): the pytest node ids during which each
+  (state, event, alt) decision was made, from `CoverageRecorder.context`.
 
 Coverage is keyed by machine name (bound copies share their machine's name and
 tables). Two different declarations under one name are kept apart: the registered one
@@ -131,9 +135,15 @@ class CoverageRecorder:
         self.shapes: dict[str, MachineDiagram] = {}
         self.hits: dict[str, Counter[tuple[int, int, int]]] = {}
         self.registered: set[str] = set()
+        self.hidden: set[str] = set()
+        self.context: str | None = None
+        """The current test's id (set by the plugin); while set, `tests` records it."""
+        self.tests: dict[str, dict[tuple[int, int, int], set[str]]] = {}
+        """shape digest -> (source, event, alt) -> the contexts that decision ran in."""
 
-    def learn(self, m: Machine, *, registered: bool = False) -> str:
-        """Note machine `m` as declared (and registered); returns its shape digest."""
+    def learn(self, m: Machine, *, registered: bool = False, hidden: bool = False) -> str:
+        """Note machine `m` as declared (and registered, or hidden from the report unless
+        registered); returns its shape digest."""
         known = self._by_cells.get(id(m.cells))
         if known is not None and known[0] is m.cells:
             key = known[1]
@@ -146,6 +156,8 @@ class CoverageRecorder:
             self.hits.setdefault(key, Counter())
         if registered:
             self.registered.add(key)
+        if hidden:
+            self.hidden.add(key)
         return key
 
     def record(self, machine: Machine, source: int, event: int, alt: int) -> None:
@@ -153,7 +165,10 @@ class CoverageRecorder:
         known = self._by_cells.get(id(machine.cells))
         key = known[1] if known is not None and known[0] is machine.cells \
             else self.learn(machine)
-        self.hits[key][(source, event, alt)] += 1
+        cell = (source, event, alt)
+        self.hits[key][cell] += 1
+        if self.context is not None:
+            self.tests.setdefault(key, {}).setdefault(cell, set()).add(self.context)
 
     def record_counts(self, machine: Machine,
                       counts: Mapping[tuple[int, int, int], int]) -> None:
@@ -162,6 +177,10 @@ class CoverageRecorder:
         hits = self.hits[key]
         for cell, n in counts.items():
             hits[cell] += n
+        if self.context is not None:
+            tests = self.tests.setdefault(key, {})
+            for cell in counts:
+                tests.setdefault(cell, set()).add(self.context)
 
     # -- between processes (pytest-xdist) ------------------------------------------
 
@@ -172,6 +191,8 @@ class CoverageRecorder:
             "hits": {k: [[s, e, a, n] for (s, e, a), n in sorted(c.items())]
                      for k, c in self.hits.items()},
             "registered": sorted(self.registered),
+            "tests": {k: [[s, e, a, sorted(ids)] for (s, e, a), ids in sorted(c.items())]
+                      for k, c in self.tests.items()},
         }).decode()
 
     def merge(self, data: str) -> None:
@@ -185,13 +206,20 @@ class CoverageRecorder:
             for s, e, a, n in rows:
                 c[(s, e, a)] += n
         self.registered.update(obj["registered"])
+        for key, rows in obj.get("tests", {}).items():
+            tests = self.tests.setdefault(key, {})
+            for s, e, a, ids in rows:
+                tests.setdefault((s, e, a), set()).update(ids)
 
     # -- the report --------------------------------------------------------------------
 
     def names(self) -> dict[str, str]:
-        """Report name of each shape digest (see the module docstring), sorted by name."""
+        """Report name of each shape digest (see the module docstring), sorted by name;
+        hidden machines that are not registered are left out."""
         by_name: dict[str, list[str]] = {}
         for key, d in self.shapes.items():
+            if key in self.hidden and key not in self.registered:
+                continue
             by_name.setdefault(d.name, []).append(key)
         out: dict[str, str] = {}
         for name, keys in by_name.items():
@@ -275,7 +303,8 @@ def _decision(d: MachineDiagram, s: int, e: int, a: int) -> str:
 
 
 def format_report(r: CoverageReport) -> list[str]:
-    """The terminal summary: one table row per machine, then what was never exercised."""
+    """The terminal summary: one table row per machine, then what the gated ones never
+    exercised."""
     if not r.machines:
         return ["no fsm machine was declared or seen"]
     w = max(len(n) for n in r.machines)
@@ -289,7 +318,7 @@ def format_report(r: CoverageReport) -> list[str]:
                      f"{f'{p.covered}/{p.declared}':>12} {p.percent:6.1f}%  "
                      f"{f'{len(term.reached)}/{len(term.declared)}':>16}{flag}")
     for name, m in r.machines.items():
-        if m.transitions.missing or m.pairs.missing or m.terminals.missing:
+        if m.gated and (m.transitions.missing or m.pairs.missing or m.terminals.missing):
             lines.append(f"{name}: never exercised")
             lines += [f"  transition {x}" for x in m.transitions.missing]
             by_state: dict[str, list[str]] = {}

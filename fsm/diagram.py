@@ -141,6 +141,46 @@ def edge_label(e: Edge) -> str:
     return label
 
 
+class Alternative(msgspec.Struct, frozen=True):
+    """One alternative of a (state, event) cell, as the coverage recorder counts it.
+
+    `alt`: its index in the cell (-1: no guard held, an error); `decision`:
+    `transition`, `ignore` or `error`; `edge`: its index in `MachineDiagram.edges`.
+    """
+
+    alt: int
+    decision: str
+    text: str
+    edge: int | None = None
+
+
+def cells(d: MachineDiagram) -> dict[tuple[str, str], tuple[Alternative, ...]]:
+    """Every (state, event) cell's alternatives in order, e.g. `[last] -> done /
+    release_done`, `[else] -> running`, `ignore`, `error (no guard held)`."""
+    edges: dict[tuple[str, str], list[tuple[int, Edge]]] = {}
+    for i, e in enumerate(d.edges):
+        edges.setdefault((e.source, e.event), []).append((i, e))
+    out: dict[tuple[str, str], tuple[Alternative, ...]] = {}
+    for st in d.states:
+        absorbed = {a.event: ("ignore", a) for a in st.ignored}
+        absorbed.update({a.event: ("error", a) for a in st.errors if not a.implicit})
+        for ev in d.events:
+            alts = []
+            taken = sorted(edges.get((st.name, ev), []), key=lambda ie: ie[1].alt)
+            for i, e in taken:
+                cond = f"[{e.guard}] " if e.guard else "[else] " if e.otherwise else ""
+                plan = f" / {e.plan}" if e.plan else ""
+                alts.append(Alternative(e.alt, "transition", f"{cond}-> {e.target}{plan}", i))
+            if ev in absorbed:
+                kind, a = absorbed[ev]
+                alts.append(Alternative(len(taken) if a.otherwise else 0, kind,
+                                        ("[else] " if a.otherwise else "") + kind))
+            if any(a.event == ev and a.implicit for a in st.errors):
+                alts.append(Alternative(-1, "error", "error (no guard held)"))
+            out[(st.name, ev)] = tuple(alts)
+    return out
+
+
 def _absorbed_text(items: tuple[Absorbed, ...], n_events: int) -> str:
     if len(items) == n_events and not any(a.otherwise for a in items):
         return "every event"
@@ -151,12 +191,13 @@ def _absorbed_text(items: tuple[Absorbed, ...], n_events: int) -> str:
     return ", ".join(parts)
 
 
-def state_notes(d: MachineDiagram, st: StateNode) -> list[str]:
-    """The `ignores: ...` / `errors: ...` lines shown on a state."""
+def state_notes(d: MachineDiagram, st: StateNode, *, errors: bool = True) -> list[str]:
+    """The `ignores: ...` / `errors: ...` lines shown on a state (`errors=False`: only
+    the ignores)."""
     lines = []
     if st.ignored:
         lines.append("ignores: " + _absorbed_text(st.ignored, len(d.events)))
-    if st.errors:
+    if st.errors and errors:
         lines.append("errors: " + _absorbed_text(st.errors, len(d.events)))
     return lines
 
@@ -174,9 +215,25 @@ def _wrap(line: str, width: int = 56) -> list[str]:
     return out
 
 
-def _state_marks(d: MachineDiagram, st: StateNode, marks: Marks) -> str:
+def reached(d: MachineDiagram, marks: Marks) -> set[str]:
+    """The states some exercised edge entered."""
+    return {e.target for e in d.edges if (e.source, e.event, e.alt) in marks.edges}
+
+
+def state_coverage(d: MachineDiagram, st: StateNode, marks: Marks) -> str:
+    """`covered` (every event exercised in `st`), `reached` (a terminal state entered,
+    not every event exercised after it), `partial` (some events) or `uncovered`."""
     done = sum((st.name, ev) in marks.pairs for ev in d.events)
-    return "covered" if done == len(d.events) else "partial" if done else "uncovered"
+    if done == len(d.events):
+        return "covered"
+    if st.terminal and st.name in reached(d, marks):
+        return "reached"
+    return "partial" if done else "uncovered"
+
+
+def _mermaid_text(text: str) -> str:
+    # A Mermaid state description ends at ';' or '#'.
+    return text.replace(";", ",").replace("#", "no.")
 
 
 # -- Mermaid -------------------------------------------------------------------------------
@@ -190,13 +247,14 @@ def _mid(name: str, i: int) -> str:
     return name if _IDENT.match(name) and name.lower() not in _MERMAID_WORDS else f"s{i}"
 
 
-def mermaid(d: MachineDiagram, marks: Marks | None = None) -> str:
+def mermaid(d: MachineDiagram, marks: Marks | None = None, *, errors: bool = True) -> str:
     """A Mermaid `stateDiagram-v2` of the machine; `marks` colours it by coverage.
 
-    Terminal states get a thick grey style and an arrow to the end marker `[*]`; each
-    edge reads `Event [guard] / plan`; ignores and errors are notes on their state.
-    With `marks`, states are green (every event exercised there), amber (some) or red
-    (none), and never-taken edges are labelled `(never)`.
+    Terminal states get a thick grey style and an arrow to the end marker `[*]`; a
+    state's doc is its description; each edge reads `Event [guard] / plan`; ignores and
+    errors (unless `errors=False`) are notes on their state. With `marks`, states are
+    green (every event exercised there), amber (some), blue (a terminal state entered)
+    or red (none), and never-taken edges are labelled `(never)`.
     """
     ids = {st.name: _mid(st.name, i) for i, st in enumerate(d.states)}
     origin = f" from {d.source}" if d.source else ""
@@ -206,6 +264,9 @@ def mermaid(d: MachineDiagram, marks: Marks | None = None) -> str:
     for st in d.states:
         if ids[st.name] != st.name:
             out.append(f'    state "{st.name}" as {ids[st.name]}')
+    for st in d.states:
+        for w in _wrap(st.doc, 48) if st.doc else ():
+            out.append(f"    {ids[st.name]} : {_mermaid_text(w.strip())}")
     out.append(f"    [*] --> {ids[d.initial]}")
     for e in d.edges:
         label = edge_label(e)
@@ -216,7 +277,7 @@ def mermaid(d: MachineDiagram, marks: Marks | None = None) -> str:
         if st.terminal:
             out.append(f"    {ids[st.name]} --> [*]")
     for st in d.states:
-        lines = [w for line in state_notes(d, st) for w in _wrap(line)]
+        lines = [w for line in state_notes(d, st, errors=errors) for w in _wrap(line)]
         if lines:
             out.append(f"    note right of {ids[st.name]}")
             out.extend(f"        {w}" for w in lines)
@@ -229,8 +290,9 @@ def mermaid(d: MachineDiagram, marks: Marks | None = None) -> str:
         out.append("    classDef covered fill:#c8f0c8,stroke:#1a7f1a")
         out.append("    classDef partial fill:#fbe5a6,stroke:#a66f00")
         out.append("    classDef uncovered fill:#f6c4c4,stroke:#b00020")
-        for kind in ("covered", "partial", "uncovered"):
-            names = [ids[st.name] for st in d.states if _state_marks(d, st, marks) == kind]
+        out.append("    classDef reached fill:#cfe3fa,stroke:#1f5fa8,stroke-width:3px")
+        for kind in COVERAGE_COLOURS:
+            names = [ids[st.name] for st in d.states if state_coverage(d, st, marks) == kind]
             if names:
                 out.append(f"    class {','.join(names)} {kind}")
     return "\n".join(out) + "\n"
@@ -238,50 +300,65 @@ def mermaid(d: MachineDiagram, marks: Marks | None = None) -> str:
 
 # -- Graphviz ------------------------------------------------------------------------------
 
-_COLOURS = {"covered": "#c8f0c8", "partial": "#fbe5a6", "uncovered": "#f6c4c4"}
+COVERAGE_COLOURS = {"covered": "#c8f0c8", "partial": "#fbe5a6", "reached": "#cfe3fa",
+                    "uncovered": "#f6c4c4"}
+"""Fill of a state by `state_coverage`, in the SVG (and the HTML report's legend)."""
 
 
-def _q(s: str) -> str:
+def dot_string(s: str) -> str:
+    """`s` as a quoted DOT string."""
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def dot(d: MachineDiagram, marks: Marks | None = None) -> str:
+def state_label(d: MachineDiagram, st: StateNode, *, errors: bool = True) -> str:
+    """A state's DOT label (escaped, without quotes): its name, its doc, its notes."""
+    lines = [st.name] + (_wrap(st.doc, 40) if st.doc else []) + [
+        w for line in state_notes(d, st, errors=errors) for w in _wrap(line, 40)]
+    return "\\n".join(dot_string(w)[1:-1] for w in lines)
+
+
+def dot(d: MachineDiagram, marks: Marks | None = None, *, errors: bool = True,
+        ids: bool = False) -> str:
     """Graphviz DOT source of the machine (same conventions as `mermaid`).
 
     Terminal states are double-bordered, bold and grey; with `marks`, states are filled
-    by coverage and edges are green (taken) or red and dashed (never taken).
+    by coverage (`COVERAGE_COLOURS`) and edges are green (taken) or red and dashed
+    (never taken). `ids`: give each state and edge an SVG id, `state_N` and `edge_N`
+    (its index in `d.states` and `d.edges`).
     """
     origin = f" from {d.source}" if d.source else ""
-    out = [f"// generated by `terminus diagrams`{origin}", f"digraph {_q(d.name)} {{",
-           f'  graph [label={_q(d.name)}, labelloc=t, fontname="Helvetica", fontsize=14];',
+    out = [f"// generated by `terminus diagrams`{origin}", f"digraph {dot_string(d.name)} {{",
+           f'  graph [label={dot_string(d.name)}, labelloc=t, fontname="Helvetica", fontsize=14];',
            '  node [shape=box, style=rounded, fontname="Helvetica", fontsize=11];',
            '  edge [fontname="Helvetica", fontsize=10];',
            '  "__start__" [shape=point, width=0.15, label=""];']
-    for st in d.states:
-        label = "\\n".join([_q(st.name)[1:-1]] + [
-            _q(w)[1:-1] for line in state_notes(d, st) for w in _wrap(line, 40)])
-        attrs = [f'label="{label}"']
+    for i, st in enumerate(d.states):
+        attrs = [f'label="{state_label(d, st, errors=errors)}"']
+        if ids:
+            attrs.append(f'id="state_{i}"')
         styles = ["rounded"]
         if st.terminal:
             attrs += ["peripheries=2", "penwidth=2"]
             styles += ["bold"]
         fill = "#e6e6e6" if st.terminal else None
         if marks is not None:
-            fill = _COLOURS[_state_marks(d, st, marks)]
+            fill = COVERAGE_COLOURS[state_coverage(d, st, marks)]
         if fill:
             styles.append("filled")
             attrs.append(f'fillcolor="{fill}"')
         attrs.append(f'style="{",".join(styles)}"')
-        out.append(f"  {_q(st.name)} [{', '.join(attrs)}];")
-    out.append(f'  "__start__" -> {_q(d.initial)};')
-    for e in d.edges:
-        attrs = [f"label={_q(edge_label(e))}"]
+        out.append(f"  {dot_string(st.name)} [{', '.join(attrs)}];")
+    out.append(f'  "__start__" -> {dot_string(d.initial)};')
+    for k, e in enumerate(d.edges):
+        attrs = [f"label={dot_string(edge_label(e))}"]
+        if ids:
+            attrs.append(f'id="edge_{k}"')
         if e.terminal:
             attrs.append("penwidth=1.6")
         if marks is not None:
             taken = (e.source, e.event, e.alt) in marks.edges
             attrs.append('color="#1a7f1a"' if taken else 'color="#b00020", style=dashed')
-        out.append(f"  {_q(e.source)} -> {_q(e.target)} [{', '.join(attrs)}];")
+        out.append(f"  {dot_string(e.source)} -> {dot_string(e.target)} [{', '.join(attrs)}];")
     out.append("}")
     return "\n".join(out) + "\n"
 
@@ -318,47 +395,61 @@ def same_file(name: str, have: bytes, want: bytes) -> bool:
 
 
 def readme(diagrams: Iterable[MachineDiagram], *, title: str = "State diagrams",
-           intro: str | None = None, marks: Mapping[str, Marks] | None = None) -> str:
-    """diagrams/README.md: an index table, then each machine's Mermaid source and SVG link."""
+           intro: str | None = None, marks: Mapping[str, Marks] | None = None,
+           origin: str | None = None, errors: bool = True,
+           command: str = "terminus diagrams") -> str:
+    """diagrams/README.md: where the machines came from, an index table (with each
+    machine's `module:attr`), then each machine's Mermaid source and SVG link.
+
+    `origin` says where the machines were found (default: the entry points); `command`
+    is the command line that regenerates the directory.
+    """
     ds = list(diagrams)
     out = [f"# {title}", ""]
+    where = origin or "the machines registered in the entry-point group `terminus.machines`"
     out.append(intro if intro is not None else (
-        "Generated by `terminus diagrams` from the machines registered in the entry-point "
-        "group `terminus.machines`; do not edit. `terminus diagrams --check` (run by "
-        "`make test`) fails when these files differ from the declarations."))
+        f"Generated by `{command}` from {where}; do not edit. `{command} --check` fails "
+        "when these files differ from the declarations."))
+    notes = ("the events a state ignores, and those that are errors there, are listed on "
+             "the state" if errors else "the events a state ignores are listed on the "
+             "state (its error events are left out: `--hide-errors`)")
     out += ["", "Legend: terminal states are grey with a thick (double, in the SVG) border "
-            "and an arrow to the end marker; an edge reads `Event [guard] / release_plan` "
-            "(`[else]`: taken when the guards before it did not hold); the events a state "
-            "ignores, and those that are errors there, are listed on the state.", ""]
+            "and an arrow to the end marker; under a state's name, its doc; an edge reads "
+            "`Event [guard] / release_plan` (`[else]`: taken when the guards before it did "
+            f"not hold); {notes}.", ""]
     if not ds:
         out += ["No machines are registered yet.", ""]
         return "\n".join(out)
-    out += ["| machine | states | terminal states | transitions | (state, event) pairs "
-            "| files |", "|---|---|---|---|---|---|"]
+    out += ["| machine | from | states | terminal states | transitions | (state, event) pairs "
+            "| files |", "|---|---|---|---|---|---|---|"]
     for d in ds:
         n_term = sum(st.terminal for st in d.states)
-        out.append(f"| [{d.name}](#{d.name.lower()}) | {len(d.states)} | {n_term} | "
+        src = f"`{d.source}`" if d.source else ""
+        out.append(f"| [{d.name}](#{d.name.lower()}) | {src} | {len(d.states)} | {n_term} | "
                    f"{len(d.edges)} | {len(d.states) * len(d.events)} | "
                    f"[{d.name}.mmd]({d.name}.mmd), [{d.name}.svg]({d.name}.svg) |")
     for d in ds:
         out += ["", f"## {d.name}", ""]
         if d.doc:
             out += [d.doc.strip(), ""]
-        out += ["```mermaid", mermaid(d, None if marks is None else marks.get(d.name))
-                .rstrip("\n"), "```", "", f"SVG: [{d.name}.svg]({d.name}.svg)"]
+        out += ["```mermaid", mermaid(d, None if marks is None else marks.get(d.name),
+                                      errors=errors).rstrip("\n"),
+                "```", "", f"SVG: [{d.name}.svg]({d.name}.svg)"]
     out.append("")
     return "\n".join(out)
 
 
 def files(diagrams: Iterable[MachineDiagram], marks: Mapping[str, Marks] | None = None,
-          **readme_kwargs: str) -> dict[str, bytes]:
-    """The files `terminus diagrams` writes, by name: README.md, NAME.mmd, NAME.svg."""
+          *, errors: bool = True, **readme_kwargs: str) -> dict[str, bytes]:
+    """The files `terminus diagrams` writes, by name: README.md, NAME.mmd, NAME.svg
+    (`errors=False`: without the per-state lists of error events)."""
     ds = sorted(diagrams, key=lambda d: d.name)
-    out: dict[str, bytes] = {"README.md": readme(ds, marks=marks, **readme_kwargs).encode()}
+    out: dict[str, bytes] = {"README.md": readme(ds, marks=marks, errors=errors,
+                                                 **readme_kwargs).encode()}
     for d in ds:
         mk = None if marks is None else marks.get(d.name, Marks())
-        out[f"{d.name}.mmd"] = mermaid(d, mk).encode()
-        out[f"{d.name}.svg"] = svg(dot(d, mk))
+        out[f"{d.name}.mmd"] = mermaid(d, mk, errors=errors).encode()
+        out[f"{d.name}.svg"] = svg(dot(d, mk, errors=errors))
     return out
 
 
@@ -404,36 +495,67 @@ def write(out_dir: Path, want: Mapping[str, bytes]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    """`terminus diagrams [--out DIR] [--machines MODULE:ATTR]... [--check]`."""
+    """`terminus diagrams [--out DIR] [--machines MODULE:ATTR]... [--hide-errors]
+    [--check | --diff REV [--format text|markdown]]`."""
+    import shlex
+
     from .cli import CliError, parser
-    from .discover import GROUP, MachineLoadError, located
+    from .discover import GROUP, MachineLoadError, describe, located
 
     p = parser("terminus diagrams",
                "Write a Mermaid and an SVG diagram of every declared machine, and an "
                "index README.md, into DIR; with --check, write nothing and fail when the "
-               "files there are stale.")
-    p.add_argument("--out", metavar="DIR", default="diagrams",
-                   help="output directory (default: diagrams/ under the current directory)")
+               "files there are stale; with --diff REV, show what changed in each "
+               "machine since the git revision REV.")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="output directory (default: diagrams/ under the current directory; "
+                        "with --diff, where to write each changed machine's diff diagram, "
+                        "none written when not given)")
     p.add_argument("--machines", metavar="MODULE:ATTR", action="append",
                    help=f"a built machine to draw, repeatable (default: the {GROUP!r} "
                         "entry points)")
-    p.add_argument("--check", action="store_true",
-                   help="exit 1 naming each stale, missing or extra file; write nothing")
+    p.add_argument("--hide-errors", action="store_true",
+                   help="leave out each state's list of error events (the edges and the "
+                        "ignored events stay)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true",
+                      help="exit 1 naming each stale, missing or extra file; write nothing")
+    mode.add_argument("--diff", metavar="REV",
+                      help="compare every machine's declaration at git revision REV "
+                           "(imported from a temporary git worktree) with the working tree")
+    p.add_argument("--format", choices=("text", "markdown"), default="text",
+                   help="with --diff: a plain-text summary (default) or Markdown for a "
+                        "pull-request comment (tables of changed cells, Mermaid diagrams)")
     a = p.parse_args(argv)
+    if a.format != "text" and not a.diff:
+        raise CliError("--format applies only with --diff REV")
     try:
         found = located(a.machines)
     except MachineLoadError as e:
         raise CliError(str(e)) from None
-    want = files(extract(m, ref) for ref, m in found.values())
-    out = Path(a.out)
+    if a.diff:
+        from .diagram_diff import main as diff_main
+
+        return diff_main(a.diff, found, a.machines, out=a.out, markdown=a.format == "markdown",
+                         errors=not a.hide_errors)
+    out = Path(a.out or "diagrams")
+    words = ["terminus", "diagrams"]
+    if a.out not in (None, "diagrams"):
+        words += ["--out", a.out]
+    for m in a.machines or ():
+        words += ["--machines", m]
+    if a.hide_errors:
+        words.append("--hide-errors")
+    command = shlex.join(words)
+    want = files((extract(m, ref) for ref, m in found.values()), errors=not a.hide_errors,
+                 origin=describe(a.machines), command=command)
     if a.check:
         problems = stale(out, want)
         if problems:
             for line in problems:
                 print(line, file=sys.stderr)
             print(f"terminus diagrams: {len(problems)} file(s) in {out} differ from the "
-                  "declarations; run `terminus diagrams` and commit the result",
-                  file=sys.stderr)
+                  f"declarations; run `{command}` and commit the result", file=sys.stderr)
             return 1
         print(f"terminus diagrams: {len(want)} file(s) in {out} are up to date")
         return 0

@@ -127,12 +127,15 @@ class ReleaseUnderflow(KernelError):
 class UnloadTimeout(KernelError, TimeoutError):
     """``unload`` waited ``timeout`` seconds and the adapter's counter never reached zero."""
 
-    def __init__(self, lora_id: int, name: str, count: int, timeout: float) -> None:
+    def __init__(self, lora_id: int | str, name: str, count: int | None,
+                 timeout: float) -> None:
         self.lora_id = lora_id
         self.name = name
         self.count = count
+        held = (f"with count {count}: {count} in-flight reference(s) were never released"
+                if count is not None else
+                "with in-flight references never released (the registry cannot count them)")
         super().__init__(
-            f"unload of LoRA id {lora_id} ({name!r}) timed out after {timeout:g}s with "
-            f"count {count}: {count} in-flight reference(s) were never released. "
+            f"unload of LoRA id {lora_id} ({name!r}) timed out after {timeout:g}s {held}. "
             "The adapter stays unregistered; call wait_for_unload() again once they are."
         )

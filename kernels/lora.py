@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import overload
+from typing import Any, overload
 
 from terminus.kernels.errors import (
     LeakError,
@@ -95,8 +95,15 @@ class LoRARegistry:
 
     # -- registration ---------------------------------------------------------------------
 
-    async def register(self, name: str, path: str | None = None) -> int:
-        """Register a new adapter; returns its id. ``ValueError`` if the name is taken."""
+    async def register(self, name: str | Any, path: str | None = None) -> int:
+        """Register a new adapter; returns its id. ``ValueError`` if the name is taken.
+
+        ``name`` may also be an adapter reference with SGLang's ``LoRARef`` fields
+        (``lora_name``, ``lora_path``), as ``AdapterManager`` passes; the registry then
+        gives it its own int id, returned here.
+        """
+        if not isinstance(name, str):
+            name, path = name.lora_name, name.lora_path
         async with self._lock:
             if name in self._by_name:
                 raise ValueError(

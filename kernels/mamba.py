@@ -76,6 +76,10 @@ class MambaStatePool(StackPool):
                 t.index_fill_(1, slots, 0)
         return slots
 
+    def available_size(self) -> int:
+        """Same as ``available``: the name serving engines call."""
+        return self._free.available
+
     def free(self, slots: IdsLike) -> None:
         """Return slots; their states are zeroed when next allocated, not now."""
         ids = as_ids(slots, self.device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from terminus.kernels.errors import DoubleFree, ForeignIndex, LeakError
+from terminus.kernels.protocols import SlotAllocator
 
 __all__ = ["MetadataSlot", "MetadataSlots"]
 
@@ -33,6 +34,13 @@ class MetadataSlots:
         """Slots free now."""
         return len(self._free)
 
+    def available_size(self) -> int:
+        """Same as ``available``: the name serving engines call."""
+        return len(self._free)
+
+    def check(self) -> None:
+        """Nothing to report: a wrong free raises at the free itself, changing nothing."""
+
     def alloc(self) -> int | None:
         """A free slot, or None when all are in use."""
         if not self._free:
@@ -52,8 +60,7 @@ class MetadataSlots:
 
     def acquire(self) -> MetadataSlot | None:
         """A slot wrapped in its owner handle, or None when all are in use."""
-        i = self.alloc()
-        return None if i is None else MetadataSlot(self, i)
+        return MetadataSlot.take(self)
 
     def assert_full(self) -> None:
         """Raise ``LeakError`` naming slots still held."""
@@ -67,9 +74,15 @@ class MetadataSlot:
 
     __slots__ = ("index", "pool")
 
-    def __init__(self, pool: MetadataSlots, index: int) -> None:
+    def __init__(self, pool: SlotAllocator, index: int) -> None:
         self.pool = pool
         self.index = index
+
+    @classmethod
+    def take(cls, pool: SlotAllocator) -> MetadataSlot | None:
+        """A slot of any ``SlotAllocator`` (ours or an engine's) in its owner, or None."""
+        i = pool.alloc()
+        return None if i is None else cls(pool, i)
 
     def release(self) -> bool:
         """Free the slot and set ``index`` to -1; later calls do nothing. True if it freed."""

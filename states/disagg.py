@@ -1,21 +1,21 @@
 """The disaggregated-prefill request: bootstrap, prefill in chunks, transfer the KV.
 
     bootstrapping  Bootstrapped -> waiting; BootstrapRetry -> bootstrapping;
-                   BootstrapFailed -> bootstrap_failed ▸; Abort -> aborted ▸; else error
+                   BootstrapFailed -> bootstrap_failed ▸; DisaggAbort -> aborted ▸; else error
     waiting        ChunkScheduled -> prefilling; BootstrapFailed -> bootstrap_failed ▸;
-                   Abort -> aborted ▸; else error
+                   DisaggAbort -> aborted ▸; else error
     prefilling     ChunkScheduled -> prefilling;
                    ChunkResult -> transferring [last_chunk], else prefilling;
-                   Abort -> draining [chunks_in_flight], else aborted ▸;
+                   DisaggAbort -> draining [chunks_in_flight], else aborted ▸;
                    BootstrapFailed -> draining [chunks_in_flight], else bootstrap_failed ▸;
                    else error
     draining       ChunkResult -> aborted ▸ [drained], else draining;
-                   Abort, BootstrapFailed -> ignore; else error
+                   DisaggAbort, BootstrapFailed -> ignore; else error
     transferring   TransferDone -> succeeded ▸; TransferFailed -> failed ▸;
-                   Abort -> awaiting_sender; else error
+                   DisaggAbort -> awaiting_sender; else error
     awaiting_sender  TransferDone, TransferFailed, SenderAborted, SenderDeadline
                    -> aborted ▸ release_aborted_transfer;
-                   Abort, BootstrapFailed -> ignore; else error
+                   DisaggAbort, BootstrapFailed -> ignore; else error
     T states       succeeded, failed, aborted, bootstrap_failed: ignore everything
 
     ▸ = the edge runs the release plan named after its target (`release_<target>`);
@@ -39,7 +39,7 @@ A chunk abandoned while a later overlapped chunk still runs hands its pages to t
 request (see `effects.disagg`), so they go back when the drain ends, not before: the
 later chunk attends over them.
 
-Abort is terminal while bootstrapping, so an optimistic bootstrap retry that arrives
+DisaggAbort is terminal while bootstrapping, so an optimistic bootstrap retry that arrives
 after it is ignored, never a resurrection. Every terminal row ignores everything: a
 delayed chunk result, a second abort or a duplicate failure after cleanup ran reaches
 no effect (I2, I4).
@@ -53,12 +53,12 @@ from terminus.fsm import ANY, ERROR, IGNORE, Event, Instance, Machine, Spec, Sta
 
 __all__ = [
     "DISAGG_PREFILL",
-    "Abort",
     "BootstrapFailed",
     "BootstrapRetry",
     "Bootstrapped",
     "ChunkResult",
     "ChunkScheduled",
+    "DisaggAbort",
     "DisaggReq",
     "SenderAborted",
     "SenderDeadline",
@@ -94,7 +94,7 @@ class ChunkResult(Event):
     last: bool = False
 
 
-class Abort(Event):
+class DisaggAbort(Event):
     """The client or the scheduler aborted the request."""
 
     reason: str = ""
@@ -170,40 +170,40 @@ DISAGG_PREFILL: Machine = Spec(
         State("aborted", terminal=True, doc="aborted; never cached"),
         State("bootstrap_failed", terminal=True, doc="the handshake failed"),
     ),
-    events=(Bootstrapped, BootstrapRetry, BootstrapFailed, ChunkScheduled, ChunkResult, Abort,
-            TransferDone, TransferFailed, SenderAborted, SenderDeadline),
+    events=(Bootstrapped, BootstrapRetry, BootstrapFailed, ChunkScheduled, ChunkResult,
+            DisaggAbort, TransferDone, TransferFailed, SenderAborted, SenderDeadline),
     table={
         "bootstrapping": {
             Bootstrapped: go("waiting"),
             BootstrapRetry: go("bootstrapping"),
             BootstrapFailed: _RELEASE_BOOTSTRAP,
             # Terminal before any retry can run: no resurrection after an abort.
-            Abort: _RELEASE_ABORTED,
+            DisaggAbort: _RELEASE_ABORTED,
             ANY: ERROR,
         },
         "waiting": {
             BootstrapFailed: _RELEASE_BOOTSTRAP,
             ChunkScheduled: go("prefilling"),
-            Abort: _RELEASE_ABORTED,
+            DisaggAbort: _RELEASE_ABORTED,
             ANY: ERROR,
         },
         "prefilling": {
             BootstrapFailed: [go("draining", when="chunks_in_flight"), _RELEASE_BOOTSTRAP],
             ChunkScheduled: go("prefilling"),
             ChunkResult: [go("transferring", when="last_chunk"), go("prefilling")],
-            Abort: [go("draining", when="chunks_in_flight"), _RELEASE_ABORTED],
+            DisaggAbort: [go("draining", when="chunks_in_flight"), _RELEASE_ABORTED],
             ANY: ERROR,
         },
         "draining": {
             ChunkResult: [go("aborted", plan="release_aborted", when="drained"),
                           go("draining")],
-            Abort: IGNORE,
+            DisaggAbort: IGNORE,
             BootstrapFailed: IGNORE,
             ANY: ERROR,
         },
         "transferring": {
             # The sender may still read the KV: wait for it to confirm (I10).
-            Abort: go("awaiting_sender"),
+            DisaggAbort: go("awaiting_sender"),
             TransferDone: go("succeeded", plan="release_succeeded"),
             TransferFailed: go("failed", plan="release_failed"),
             ANY: ERROR,
@@ -213,7 +213,7 @@ DISAGG_PREFILL: Machine = Spec(
             TransferFailed: _RELEASE_TRANSFER,
             SenderAborted: _RELEASE_TRANSFER,
             SenderDeadline: _RELEASE_TRANSFER,
-            Abort: IGNORE,
+            DisaggAbort: IGNORE,
             BootstrapFailed: IGNORE,
             ANY: ERROR,
         },

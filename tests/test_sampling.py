@@ -9,8 +9,9 @@ import asyncio
 import pytest
 
 from terminus.effects.request import LORA, FanOutMismatch, bind_sampling
+from terminus.effects.tokenizer import NotCreatedYet, RequestKey
 from terminus.fsm import EffectError, ReleaseFailed
-from terminus.states.request import LoRAAcquired, Request, Submitted, Validated
+from terminus.states.request import LoRAAcquired, Request, RequestAbort, Submitted, Validated
 from terminus.states.sampling import FanOut, SamplingGroup, WarmupFinished
 from tests.tokenizer_side import make_side, settle
 
@@ -30,7 +31,7 @@ def test_parallel_sampling_gives_exactly_one_reference_to_each_child(explicit):
     async def main():
         s = await make_side()
         a = s.adapters["a"]
-        kw = {"parent_rids": ["p0", "p1"]} if explicit else {"rid": "grp"}
+        kw = {"rids": ["p0", "p1"]} if explicit else {"rid": "grp"}
         groups = await s.side.submit_batch(["first prompt", "second prompt"], "a", n=4, **kw)
         assert s.registry.count(a) == 2 * 4  # B x n acquires
         if explicit:
@@ -41,7 +42,7 @@ def test_parallel_sampling_gives_exactly_one_reference_to_each_child(explicit):
         assert len(warmups) == 2
         for w in warmups:  # a warm-up uses its prompt's references but owns none
             assert s.ledger.owned(w) == [] and w.lora_id == a
-            assert w.state == "dispatched" and s.scheduler.sent[w.key][1] == a
+            assert w.state == "dispatched" and s.scheduler.sent[w.rid][1] == a
         assert all(any(w in s.ledger.observers(h) for w in warmups)
                    for g in groups for h in s.ledger.owned(g))
         assert all(g.state == "warming_up" for g in groups)
@@ -53,12 +54,12 @@ def test_parallel_sampling_gives_exactly_one_reference_to_each_child(explicit):
         assert all(s.ledger.owned(w) == [] for w in warmups)
         assert [len(s.ledger.owned(c, LORA)) for c in children] == [1] * 8
         assert {c.state for c in children} == {"dispatched"}
-        assert all(s.scheduler.sent[c.key] == (c.tokens, a) for c in children)
+        assert all(s.scheduler.sent[c.rid] == (c.tokens, a) for c in children)
         assert s.registry.count(a) == 8
         for c in children:
             s.side.on_finish(c.key)
         assert s.ledger.released == 8
-        assert sorted(s.sink.outputs) == sorted(c.key for c in children)  # parents: none
+        assert sorted(s.sink.outputs) == sorted(c.rid for c in children)  # parents: none
         await s.finish_clean()
 
     run(main())
@@ -92,7 +93,7 @@ def test_two_adapters_in_one_batch_route_each_reference_to_its_prompts_children(
 def test_failure_before_fan_out_releases_every_reference_from_the_parents(explicit):
     async def main():
         s = await make_side()
-        kw = {"parent_rids": ["p0", "p1", "p2"]} if explicit else {"rid": "g"}
+        kw = {"rids": ["p0", "p1", "p2"]} if explicit else {"rid": "g"}
         groups = await s.side.submit_batch(["ok one", "bad two", "ok three"],
                                            ["a", "b", "a"], n=2, **kw)
         assert [g.state for g in groups] == ["rejected"] * len(groups)
@@ -100,11 +101,11 @@ def test_failure_before_fan_out_releases_every_reference_from_the_parents(explic
         assert s.ledger.released == 6  # all B x n, from the parents
         assert all(g.children == [] for g in groups)
         # A parent whose prompt tokenized first may have sent its warm-up: it is aborted.
-        warmups = {w.key for g in groups for w in g.warmups}
+        warmups = {w.rid for g in groups for w in g.warmups}
         assert set(s.scheduler.sent) <= warmups
         assert sorted(s.scheduler.aborted) == sorted(s.scheduler.sent)
         assert all(w.state == "aborted" for g in groups for w in g.warmups)
-        outs = {g.key: s.sink.outputs[g.key] for g in groups}
+        outs = {g.rid: s.sink.outputs[g.rid] for g in groups}
         assert all(o.outcome == "rejected" and o.status == 400 for o in outs.values())
         await s.finish_clean()
 
@@ -115,7 +116,7 @@ def test_warmup_failure_fails_the_whole_batch_before_fan_out():
     async def main():
         s = await make_side()
         groups = await s.side.submit_batch(["one", "two"], "a", n=3,
-                                           parent_rids=["p0", "p1"])
+                                           rids=["p0", "p1"])
         s.side.on_finish(groups[0].warmups[0].key)
         assert groups[0].state == "ready"
         s.side.on_error(groups[1].warmups[0].key, 503, "overloaded")
@@ -169,9 +170,9 @@ def test_abort_of_a_group_after_fan_out_aborts_each_child_once():
         s.side.on_finish(kids[0].key)
         s.side.abort("g")
         assert [c.state for c in kids] == ["finished", "aborted", "aborted"]
-        assert s.side.sampling.stats.ignored[("fanned_out", "Abort")] == 1
+        assert s.side.sampling.stats.ignored[("fanned_out", "RequestAbort")] == 1
         assert s.ledger.released == 3
-        assert [s.sink.outcome(c.key) for c in kids] == ["finished", "aborted", "aborted"]
+        assert [s.sink.outcome(c.rid) for c in kids] == ["finished", "aborted", "aborted"]
         await s.finish_clean()
 
     run(main())
@@ -181,7 +182,7 @@ def test_abort_of_one_parent_rid_lets_its_siblings_fan_out():
     async def main():
         s = await make_side()
         groups = await s.side.submit_batch(["one", "two"], "a", n=2,
-                                           parent_rids=["p0", "p1"])
+                                           rids=["p0", "p1"])
         s.side.on_finish(groups[0].warmups[0].key)
         s.side.abort("p1")
         assert groups[0].state == "fanned_out" and groups[1].state == "aborted"
@@ -217,7 +218,7 @@ def test_unknown_adapter_in_a_batch_acquires_nothing_for_any_parent():
     async def main():
         s = await make_side()
         groups = await s.side.submit_batch(["one", "two"], ["a", "nope"], n=2,
-                                           parent_rids=["p0", "p1"])
+                                           rids=["p0", "p1"])
         assert {g.state for g in groups} == {"rejected"}
         assert s.registry.count(s.adapters["a"]) == 0
         assert s.scheduler.sent == {}
@@ -318,7 +319,7 @@ def test_a_parent_aborted_before_its_preparation_ran_lets_its_sibling_fan_out():
         s = await make_side()
         a = s.adapters["a"]
         task = asyncio.create_task(s.side.submit_batch(["one", "two"], "a", n=2,
-                                                       parent_rids=["p0", "p1"]))
+                                                       rids=["p0", "p1"]))
         await asyncio.sleep(0)
         p1 = s.side.get("p1")
         assert p1 is not None and p1.state == "created"
@@ -326,7 +327,7 @@ def test_a_parent_aborted_before_its_preparation_ran_lets_its_sibling_fan_out():
         p0, p1_again = await task
         assert p1_again is p1 and p1.state == "aborted" and s.ledger.owned(p1) == []
         assert s.registry.count(a) == 2  # only p0's n references were ever taken
-        assert [w.key for w in p0.warmups] == ["p0-warmup-0"] and p1.warmups == []
+        assert [w.rid for w in p0.warmups] == ["p0-warmup-0"] and p1.warmups == []
         finish_warmups(s, [p0])
         assert p0.state == "fanned_out" and len(s.side.children("p0")) == 2
         for c in s.side.children("p0"):
@@ -349,7 +350,7 @@ def test_a_client_rid_cannot_take_a_name_a_live_sampling_group_will_give_a_child
             await s.side.submit("other", "a", rid="g-1")
         finish_warmups(s, [group])
         children = s.side.children("g")
-        assert [c.key for c in children] == ["g-0", "g-1"]
+        assert [c.rid for c in children] == ["g-0", "g-1"]
         assert all(s.side.get(c.key) is c for c in children)  # none orphaned
         for c in children:
             s.side.on_finish(c.key)
@@ -408,3 +409,188 @@ def test_a_late_release_that_raises_does_not_leave_the_groups_other_ids_unrecord
         await s.finish_clean()
 
     run(main())
+
+
+# -- a group's family: reachable while any member lives; nothing created half-way ------
+
+
+def test_an_abort_by_group_rid_reaches_its_children_after_many_other_requests_ended():
+    async def main():
+        s = await make_side()
+        a = s.adapters["a"]
+        (g,) = await s.side.submit_batch(["one"], "a", n=2, rid="g")
+        finish_warmups(s, [g])
+        kids = s.side.children("g")
+        assert g.state == "fanned_out" and [c.state for c in kids] == ["dispatched"] * 2
+        for i in range(1100):  # a busy server: far more requests end than any window held
+            await s.side.submit(f"other {i}", None, rid=f"o{i}")
+            s.side.on_finish(f"o{i}")
+        assert s.registry.count(a) == 2  # the children still hold their references
+        assert s.side.abort("g")
+        assert [c.state for c in kids] == ["aborted", "aborted"]
+        assert sorted(s.scheduler.aborted) == ["g-0", "g-1"]
+        assert [s.sink.outcome(c.rid) for c in kids] == ["aborted", "aborted"]
+        assert s.side.unknown_events == 0 and s.registry.count(a) == 0
+        assert s.side.get("g") is None  # its last member ended: the family is forgotten
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_a_group_rid_stays_taken_while_any_of_its_children_lives():
+    async def main():
+        s = await make_side()
+        (g,) = await s.side.submit_batch(["one"], "a", n=2, rid="g")
+        finish_warmups(s, [g])
+        first, second = s.side.children("g")
+        s.side.on_finish(first.rid)
+        with pytest.raises(ValueError, match="'g' is already in flight"):
+            await s.side.submit("again", "a", rid="g")
+        assert s.side.get("g-0") is first  # an ended member of a live family is found
+        assert s.side.abort("g-0") and first.state == "finished"  # and absorbs its echo
+        s.side.on_finish(second.rid)
+        assert s.side.get("g") is None and s.side.live == {}
+        await s.finish_clean()
+
+    run(main())
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_cancelling_a_batch_ends_every_request_in_it(n):
+    async def main():
+        s = await make_side()
+        s.tokenizer.gates["two"] = asyncio.Event()  # the second prompt is still tokenizing
+        task = asyncio.create_task(s.side.submit_batch(["one", "two"], "a", n=n,
+                                                       rids=["p0", "p1"]))
+        await settle()
+        p0, p1 = s.side.get("p0"), s.side.get("p1")
+        if n == 1:
+            assert p0.state == "dispatched" and list(s.scheduler.sent) == ["p0"]
+        else:  # p0 warmed up and waits for p1: it would fan out as soon as p1 ended
+            s.side.on_finish("p0-warmup-0")
+            assert p0.state == "ready"
+        assert p1.state == "validating"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert (p0.state, p1.state) == ("aborted", "aborted")
+        assert s.sink.outcome("p0") == "aborted" and s.sink.outcome("p1") == "aborted"
+        if n == 1:
+            assert s.scheduler.aborted == ["p0"]
+        else:
+            assert p0.children == [] and p1.children == []
+            assert list(s.scheduler.sent) == ["p0-warmup-0"]
+        assert s.side.live == {} and s.registry.count(s.adapters["a"]) == 0
+        s.tokenizer.gates["two"].set()
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_an_event_for_a_child_not_created_yet_raises_and_changes_nothing():
+    async def main():
+        s = await make_side()
+        a = s.adapters["a"]
+        (g,) = await s.side.submit_batch(["one"], "a", n=2, rid="g")
+        assert g.state == "warming_up" and g.children == []
+        for call in (lambda: s.side.on_finish("g-0"),
+                     lambda: s.side.on_error("g-1", 503),
+                     lambda: s.side.on_finish(RequestKey("g", "child", 0)),
+                     lambda: s.side.abort("g-1")):
+            with pytest.raises(NotCreatedYet, match=r"'g-\d' is its child \d of sampling "
+                                                    r"group 'g'.*warming_up.*abort 'g'"):
+                call()
+        assert g.state == "warming_up" and g.children == [] and s.side.unknown_events == 0
+        assert s.registry.count(a) == 2 and len(s.ledger.owned(g)) == 2
+        finish_warmups(s, [g])  # fan-out creates them: now the same events are delivered
+        kids = s.side.children("g")
+        assert s.side.on_finish("g-0")
+        assert s.side.on_error("g-1", 503)
+        assert [c.state for c in kids] == ["finished", "errored"]
+        assert s.registry.count(a) == 0
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_an_event_for_a_warmup_not_created_yet_raises_and_changes_nothing():
+    async def main():
+        s = await make_side()
+        s.tokenizer.gates["one"] = asyncio.Event()
+        task = asyncio.create_task(s.side.submit_batch(["one"], "a", n=2, rid="g"))
+        await settle()
+        g = s.side.get("g")
+        assert g.state == "validating"
+        with pytest.raises(NotCreatedYet, match="'g-warmup-0' is the warm-up of its prompt 0"):
+            s.side.on_finish("g-warmup-0")
+        assert g.state == "validating" and g.warmups == []
+        s.tokenizer.gates["one"].set()
+        await task
+        assert s.side.on_finish("g-warmup-0") and g.state == "fanned_out"
+        for c in s.side.children("g"):
+            s.side.on_finish(c.rid)
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_a_registry_that_returns_too_few_ids_fails_the_group_before_any_child_exists():
+    async def main():
+        s = await make_side(gated=True)
+        a = s.adapters["a"]
+
+        async def acquire_one_short(names):  # breaks the one-id-per-name protocol
+            ids = await s.registry.acquire(names)
+            s.registry.release_nowait(ids[-1])
+            return ids[:-1]
+
+        s.front.acquire = acquire_one_short
+        (g,) = await s.side.submit_batch(["one"], "a", n=3, rid="g")
+        assert g.state == "errored" and g.warmups == [] and g.children == []
+        out = s.sink.outputs["g"]
+        assert out.status == 500 and "returned 2 id(s) for 3" in out.message
+        assert s.scheduler.sent == {} and s.side.live == {}
+        assert s.ledger.released == 2 and s.registry.count(a) == 0
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_a_batch_whose_references_do_not_match_its_children_fans_out_no_child():
+    async def main():
+        s = await make_side()
+        groups = await s.side.submit_batch(["one", "two"], "a", n=2, rids=["p0", "p1"])
+        # Something outside the side moved one of p0's references away (a registry or
+        # an engine breaking its protocol): p0 no longer owns one per child.
+        stray = Request(s.side.requests, "stray", lora="a")
+        s.ledger.transfer(s.ledger.owned(groups[0])[0], to=stray)
+        finish_warmups(s, groups)
+        assert [g.state for g in groups] == ["errored", "errored"]
+        assert all(g.children == [] for g in groups) and s.side.live == {}
+        assert "owns 1 LoRA reference(s) but 2 of its children" in \
+            s.sink.outputs["p0"].message
+        assert s.registry.count(s.adapters["a"]) == 1  # the stray one, still owned
+        stray.fire(RequestAbort())
+        assert s.registry.count(s.adapters["a"]) == 0
+        s.sink.outputs.pop("stray")
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_the_scheduler_link_is_sent_keys_and_the_stream_carries_client_ids():
+    async def main():
+        s = await make_side()
+        (g,) = await s.side.submit_batch(["one", "two"], "a", n=2, rid="g")
+        finish_warmups(s, [g])
+        assert s.scheduler.keys == [RequestKey("g", "warmup", 0), RequestKey("g", "warmup", 1),
+                                    *(RequestKey("g", "child", k) for k in range(4))]
+        assert g.key == RequestKey("g", "group")
+        assert [c.rid for c in s.side.children("g")] == ["g-0", "g-1", "g-2", "g-3"]
+        for k in s.scheduler.keys[2:]:
+            assert s.side.on_finish(k)  # the key itself finds the request too
+        assert sorted(s.sink.outputs) == ["g-0", "g-1", "g-2", "g-3"]
+        await s.finish_clean()
+
+    run(main())
+

@@ -17,7 +17,7 @@ from terminus.effects.sanitize import LeakSanitizerError, sanitizing
 from terminus.effects.sequence import RunningBatch, SchedulerPools
 from terminus.effects.sim.transport import FakeTransport
 from terminus.kernels import HostPagePool, LoRARegistry
-from terminus.states.sequence import Abort as SeqAbort
+from terminus.states.sequence import SequenceAbort as SeqAbort
 from tests.tokenizer_side import make_side
 
 pytest_plugins = ["pytester"]

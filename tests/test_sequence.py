@@ -3,6 +3,8 @@ prefill, decode, and one batched release per plan per step over real pools."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -11,20 +13,21 @@ from terminus.fsm import TransitionNotAllowed
 from terminus.fsm.paths import complete, covering_paths
 from terminus.states.sequence import (
     SEQUENCE,
-    Abort,
     Admit,
     ChunkDone,
     ChunkLaunched,
     Fail,
     Finish,
     LastChunkDone,
+    SequenceAbort,
     Token,
 )
 
 
-@pytest.fixture
-def pools():
-    p = SchedulerPools(rows=8, max_context_len=64, kv_tokens=256, mamba_slots=8, strict=True)
+@pytest.fixture(params=[1, 16], ids=["page1", "page16"])
+def pools(request):
+    p = SchedulerPools(rows=8, max_context_len=64, kv_tokens=256, mamba_slots=8, strict=True,
+                       page_size=request.param)
     yield p
     p.assert_full()
 
@@ -59,7 +62,7 @@ def test_a_sequence_prefills_in_overlapped_chunks_decodes_and_releases_once(pool
     assert step.terminal.tolist() == rows.tolist()
     assert sorted(log) == sorted((int(r), "finished") for r in rows)
     assert rb.released_tokens == 38
-    rb.fire(rows, Abort)  # the abort echo after finish releases nothing
+    rb.fire(rows, SequenceAbort)  # the abort echo after finish releases nothing
     assert len(log) == 2 and rb.retired == {"finished": 2, "aborted": 0, "failed": 0}
 
 
@@ -69,7 +72,7 @@ def test_an_abort_with_two_chunks_in_flight_releases_only_after_the_last_result(
     rows = rb.admit(1, mamba=True)
     prefill_chunk(rb, rows, 16)
     prefill_chunk(rb, rows, 16)
-    rb.fire(rows, Abort)
+    rb.fire(rows, SequenceAbort)
     assert rb.rows_in("draining_2").tolist() == rows.tolist()
     rb.fire(rows, ChunkDone)
     assert log == [] and pools.kv.available == pools.kv.capacity - 32  # I8: still waits
@@ -99,7 +102,7 @@ def test_a_declared_error_rejects_the_whole_step_and_changes_nothing(pools):
                        "'prefill'"):
         rb.fire(rows, Token)
     assert torch.equal(rb.batch.states, before)
-    rb.fire(rows, Abort)
+    rb.fire(rows, SequenceAbort)
 
 
 def test_a_live_row_cannot_be_recycled(pools):
@@ -107,7 +110,7 @@ def test_a_live_row_cannot_be_recycled(pools):
     rows = rb.admit(1, mamba=False)
     with pytest.raises(TransitionNotAllowed, match="only a terminal"):
         rb.batch.recycle(rows)
-    rb.fire(rows, Abort)
+    rb.fire(rows, SequenceAbort)
 
 
 def test_admission_is_all_or_nothing(pools):
@@ -118,7 +121,7 @@ def test_admission_is_all_or_nothing(pools):
     assert rb.admit(1, mamba=False) is None
     assert not rb.append_kv(rows, torch.full((8,), 64))  # 512 > 256 tokens: nothing taken
     assert pools.kv.available == pools.kv.capacity
-    rb.fire(rows, Abort)
+    rb.fire(rows, SequenceAbort)
 
 
 def test_every_transition_and_pair_of_the_sequence_machine_on_a_real_batch(pools):
@@ -161,7 +164,7 @@ def test_a_failing_batched_plan_does_not_skip_the_other_plans_rows(pools):
     rows = rb.admit(2, mamba=True)
     assert rb.append_kv(rows, torch.tensor([3, 3]))
     ev = torch.full((rb.batch.n,), -1, dtype=torch.int64)
-    ev[rows[0]] = rb.event[Abort]
+    ev[rows[0]] = rb.event[SequenceAbort]
     ev[rows[1]] = rb.event[Fail]
     with pytest.raises(ReleaseFailed) as info:
         rb.step(ev)
@@ -178,9 +181,9 @@ def test_an_abort_aimed_at_a_vacant_row_is_an_error_and_frees_nothing(pools):
                            if r != int(rows[0])][:1])
     free_before = pools.table.available
     with pytest.raises(TransitionNotAllowed, match="state 'vacant'"):
-        rb.fire(vacant, Abort)
+        rb.fire(vacant, SequenceAbort)
     assert pools.table.available == free_before
-    rb.fire(rows, Abort)
+    rb.fire(rows, SequenceAbort)
 
 
 def test_a_batch_given_some_plans_must_be_given_all_of_them():
@@ -200,7 +203,7 @@ def test_admitted_rows_are_admitted_at_once_so_an_immediate_abort_releases_them(
     rows = rb.admit(2, mamba=True)
     assert rb.rows_in("prefill").tolist() == rows.tolist()
     assert rb.rows_in("vacant").numel() == 6
-    rb.fire(rows, Abort)
+    rb.fire(rows, SequenceAbort)
     assert sorted(log) == sorted((int(r), "aborted") for r in rows)
 
 
@@ -224,37 +227,125 @@ def test_a_refused_batched_release_still_tells_the_owner_which_rows_retired(pool
     assert sorted(log) == sorted((int(r), "finished") for r in rows)
     assert rb.retired["finished"] == 2
     # The strict pool refused the whole KV free; the slots went back all the same.
-    pools.kv.free(torch.cat((tokens[0][1:], tokens[1])))
+    rest = torch.cat((tokens[0][1:], tokens[1]))
+    ps = pools.page_size  # with pages, the bad free already returned row 0's page
+    pools.kv.free(rest[rest // ps != tokens[0][0] // ps])
 
 
 def test_one_echo_that_raises_does_not_keep_the_other_retired_rows_silent(pools):
     from terminus.effects.sim.serving import SimConfig, SimScheduler
     from terminus.effects.sim.workload import RequestSpec
+    from terminus.states.request import RequestKey
 
     heard = []
 
     class Tokenizer:  # stands in for TokenizerSide: only its two echo entry points
         def on_finish(self, rid, reason):
-            heard.append((rid, reason))
-            if rid == "r0":
+            heard.append((rid.rid, reason))
+            if rid.rid == "r0":
                 raise RuntimeError("r0's LoRA release underflowed")
 
         def on_error(self, rid, status, message):
-            heard.append((rid, status))
+            heard.append((rid.rid, status))
 
         def on_output(self, rid):
             pass
 
-    def spec_of(rid):
-        return RequestSpec(rid, "plain", 0, 4, 1, None, 1, None, None, mamba=False)
+    def spec_of(key):
+        return RequestSpec(key.group, "plain", 0, 4, 1, None, 1, None, None, mamba=False)
 
     sched = SimScheduler(RunningBatch(pools), SimConfig(chunk_size=64), spec_of)
     sched.tokenizer = Tokenizer()
     for rid in ("r0", "r1", "r2"):
-        sched.send(rid, 4, None)
+        sched.send(RequestKey(rid), 4, None)
     with pytest.raises(Exception) as info:
         for _ in range(10):
             sched.step()
     assert "r0's LoRA release underflowed" in repr(info.value)
     assert sorted(heard) == [("r0", "length"), ("r1", "length"), ("r2", "length")]
     assert sched.idle
+
+
+def pages_of(pools, row):
+    return set((pools.table.tokens(int(row)) // pools.page_size).tolist())
+
+
+@pytest.mark.parametrize("rows_counts, why", [
+    ([30, -5], "negative token counts \\[-5\\] for rows"),
+    ([70, 3], "would hold \\[72\\] tokens, past the table's max_context_len 64"),
+], ids=["negative", "past_max_context_len"])
+def test_append_kv_refuses_bad_counts_before_taking_any_kv(pools, rows_counts, why):
+    rb = RunningBatch(pools)
+    rows = rb.admit(2, mamba=False)
+    assert rb.append_kv(rows, torch.tensor([2, 2]))
+    kv_free, lengths = pools.kv.available, pools.table.lengths.clone()
+    with pytest.raises(ValueError, match=why):
+        rb.append_kv(rows, torch.tensor(rows_counts))
+    assert pools.kv.available == kv_free  # nothing taken, nothing without an owner
+    assert torch.equal(pools.table.lengths, lengths)
+    with pytest.raises(ValueError, match="name a row more than once"):
+        rb.append_kv(torch.cat((rows, rows[:1])), torch.tensor([1, 1, 1]))
+    with pytest.raises(ValueError, match="2 rows but 1 counts"):
+        rb.append_kv(rows, torch.tensor([1]))
+    assert pools.kv.available == kv_free
+    rb.fire(rows, SequenceAbort)
+
+
+def test_each_request_has_pages_of_its_own_and_the_first_retirement_frees_only_its_own():
+    pools = SchedulerPools(rows=4, max_context_len=64, kv_tokens=256, mamba_slots=4,
+                           strict=True, page_size=16)
+    log = []
+    rb = RunningBatch(pools, retire_log(log))
+    rows = rb.admit(3, mamba=False)
+    prefill_chunk(rb, rows, 0)  # one launch for all three rows, of different sizes:
+    assert rb.append_kv(rows, torch.tensor([5, 7, 9]))
+    owned = [pages_of(pools, r) for r in rows]
+    assert all(len(p) == 1 for p in owned) and len(set.union(*owned)) == 3
+    rb.fire(rows, LastChunkDone)
+    rb.fire(rows[:1], Finish)  # the first retirement frees row 0's page only
+    assert pools.kv.available == pools.kv.capacity - 2 * 16
+    assert all(pages_of(pools, r) == p for r, p in zip(rows[1:], owned[1:], strict=True))
+    rb.fire(rows[1:], Finish)  # strict: a page freed twice would raise DoubleFree here
+    assert [s for _, s in log] == ["finished"] * 3
+    pools.assert_full()
+
+
+def test_a_rows_partial_last_page_is_filled_before_a_new_page_is_taken():
+    pools = SchedulerPools(rows=4, max_context_len=64, kv_tokens=256, mamba_slots=4,
+                           strict=True, page_size=16)
+    rb = RunningBatch(pools)
+    rows = rb.admit(2, mamba=False)
+    assert rb.append_kv(rows, torch.tensor([5, 16]))
+    assert rb.append_kv(rows, torch.tensor([7, 1]))  # row 0 fits its page; row 1 does not
+    assert [len(pages_of(pools, r)) for r in rows] == [1, 2]
+    assert rb.append_kv(rows, torch.tensor([6, 0]))  # 12 + 6: 4 on its page, 2 on a new one
+    t0 = pools.table.tokens(int(rows[0]))
+    assert t0.numel() == 18 and torch.unique(t0).numel() == 18
+    assert (t0[:16] // 16).unique().numel() == 1  # the first page is full
+    assert t0[16] % 16 == 0 and t0[17] == t0[16] + 1  # then a new page, from its start
+    for _ in range(14):  # decode one token a step: row 0 fills its second page first
+        assert rb.append_kv(rows[:1], torch.ones(1, dtype=torch.int64))
+    assert len(pages_of(pools, rows[0])) == 2
+    assert pools.kv.available == pools.kv.capacity - 4 * 16
+    rb.fire(rows, SequenceAbort)
+    pools.assert_full()
+
+
+def test_scheduler_pools_check_runs_each_audited_pools_own_check():
+    from terminus.kernels import DoubleFree
+    from tests import sglang_shapes as sg
+
+    pools = SchedulerPools(rows=2, max_context_len=8, kv_tokens=16, mamba_slots=2)
+    t = pools.kv.alloc(4)
+    pools.kv.free(t[:2])
+    pools.kv.free(t[:2])  # not strict: recorded on the device, not raised here
+    with pytest.raises(DoubleFree, match=re.escape(f"double free of {sorted(t[:2].tolist())}")):
+        pools.check()
+    pools.kv.clear()
+    pools.check()
+    pools.assert_full()
+    theirs = SchedulerPools(rows=2, max_context_len=8, mamba_slots=2,
+                            kv=sg.TokenAllocator(16))
+    assert theirs.unchecked() == ["kv"] and "kv_tokens" not in theirs.leaks()
+    theirs.check()  # nothing it can check on an engine's pool
+    theirs.assert_full()

@@ -175,3 +175,23 @@ def test_fault_rate_injects_faults_at_every_call_site_kind_and_leaks_nothing():
         assert fired[kind] > 0, (kind, fired)
     assert result["leaks"] == dict.fromkeys(result["leaks"], 0)
     assert result["max_streams_per_request"] == 1
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_simulate_leaks_nothing_with_pages_of_1_and_of_16_tokens(tmp_path, page_size):
+    out = tmp_path / "sim.json"
+    assert main(["--requests", "300", "--seed", "5", "--abort-rate", "0.4", "--fault-rate",
+                 "0.2", "--no-progress", "--page-size", str(page_size),
+                 "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["page_size"] == page_size
+    assert set(r["leaks"].values()) == {0} and r["max_streams_per_request"] == 1
+    assert r["peak"]["kv_tokens"] % page_size == 0  # whole pages, both servers
+
+
+@pytest.mark.parametrize("bad", ["0", "12", "2048"])
+def test_a_page_size_that_is_not_a_power_of_two_up_to_1024_is_one_line(capsys, bad):
+    from terminus.fsm.cli import main as terminus
+
+    assert terminus(["simulate", "--page-size", bad]) == 2
+    err = capsys.readouterr().err
+    assert err == ("terminus simulate: --page-size must be a power of two from 1 to 1024, "
+                   f"got {bad}\n")

@@ -38,7 +38,7 @@ REQUEST_EVENTS = st.one_of(
     st.just(rq.Output()),
     st.builds(rq.Finished, reason=st.sampled_from(["stop", "length", "abort"])),
     st.builds(rq.SchedulerError, status=STATUS),
-    st.just(rq.Abort()),
+    st.just(rq.RequestAbort()),
 )
 SAMPLING_EVENTS = st.one_of(
     st.builds(rq.Submitted, acquire=st.booleans()),
@@ -49,14 +49,14 @@ SAMPLING_EVENTS = st.one_of(
     st.just(sm.WarmupFinished()),
     st.builds(sm.BatchFailed, status=STATUS),
     st.just(sm.FanOut()),
-    st.just(rq.Abort()),
+    st.just(rq.RequestAbort()),
 )
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(REQUEST_EVENTS, max_size=25))
 def test_request_agrees_with_the_transitions_oracle_on_random_sequences(events):
-    diff = Differential(rq.Request(rq.REQUEST, "r"))
+    diff = Differential(rq.Request(rq.REQUEST.bind(partial=True), "r"))
     for ev in events:
         diff.deliver(ev)
     assert diff.plans_match()
@@ -65,7 +65,7 @@ def test_request_agrees_with_the_transitions_oracle_on_random_sequences(events):
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(SAMPLING_EVENTS, st.integers(0, 2)), max_size=25))
 def test_sampling_agrees_with_the_transitions_oracle_on_random_sequences(steps):
-    group = sm.SamplingGroup(sm.SAMPLING, "g", prompts=["x"], n=2)
+    group = sm.SamplingGroup(sm.SAMPLING.bind(partial=True), "g", prompts=["x"], n=2)
     diff = Differential(group)
     for ev, pending in steps:
         group.pending_warmups = pending  # the guard reads it, in both engines
@@ -78,7 +78,7 @@ def test_sampling_agrees_with_the_transitions_oracle_on_random_sequences(steps):
                                  la.UnloadRequested(), la.UsersDrained(),
                                  la.UnloadTimedOut()]), max_size=20))
 def test_lora_adapter_agrees_with_the_transitions_oracle_on_random_sequences(events):
-    diff = Differential(la.LORA_ADAPTER.create("a"))
+    diff = Differential(la.LORA_ADAPTER.bind(partial=True).create("a"))
     for ev in events:
         diff.deliver(ev)
     assert diff.plans_match()
@@ -205,7 +205,7 @@ def test_every_sampling_transition_and_pair_releases_or_hands_over_its_reference
         for c in group.children:  # each child owns exactly the one it was handed
             want = [c.lora_id] if c.lora is not None else []
             assert [h.value for h in rig.ledger.owned(c)] == want
-            c.fire(rq.Abort())
+            c.fire(rq.RequestAbort())
 
     paths = rig.walk(rig.sampling, make, arrange, after)
     assert paths > 20

@@ -40,21 +40,25 @@ class FakeTokenizer:
 
 
 class FakeScheduler:
-    """Records what was sent and aborted; `fail` holds rids (or "*") whose send raises."""
+    """Records what was sent and aborted, by the id on the wire (`str(key)`, as a socket
+    would carry it); `fail` holds ids (or "*") whose send raises."""
 
     def __init__(self) -> None:
-        self.sent: dict[Any, tuple[Any, int | None]] = {}
-        self.aborted: list[Any] = []
+        self.sent: dict[str, tuple[Any, int | None]] = {}
+        self.aborted: list[str] = []
         self.fail: set[Any] = set()
+        self.keys: list[Any] = []  # what `send` was given, as given
 
     def send(self, rid: Any, tokens: Any, lora_id: int | None) -> None:
-        if rid in self.fail or "*" in self.fail:
-            raise ConnectionError(f"scheduler socket closed while sending {rid!r}")
-        assert rid not in self.sent, f"{rid!r} sent twice"
-        self.sent[rid] = (tokens, lora_id)
+        wire = str(rid)
+        self.keys.append(rid)
+        if wire in self.fail or "*" in self.fail:
+            raise ConnectionError(f"scheduler socket closed while sending {wire!r}")
+        assert wire not in self.sent, f"{wire!r} sent twice"
+        self.sent[wire] = (tokens, lora_id)
 
     def abort(self, rid: Any) -> None:
-        self.aborted.append(rid)
+        self.aborted.append(str(rid))
 
 
 class RecordingSink:
@@ -104,8 +108,7 @@ class Side:
     """A TokenizerSide over a real registry, fake engine internals and a recording sink."""
 
     def __init__(self, registry: LoRARegistry, adapters: dict[str, int], *,
-                 gated: bool = False, async_release: bool = False,
-                 retain_terminal: int = 1024) -> None:
+                 gated: bool = False, async_release: bool = False) -> None:
         self.registry = registry
         self.adapters = adapters
         self.front: Any = GatedRegistry(registry, async_only=async_release) if gated \
@@ -114,8 +117,7 @@ class Side:
         self.scheduler = FakeScheduler()
         self.sink = RecordingSink()
         self.side = TokenizerSide(self.front, self.tokenizer, self.scheduler, self.sink,
-                                  async_release=async_release,
-                                  retain_terminal=retain_terminal)
+                                  async_release=async_release)
         self.ledger = self.side.ledger
 
     def lora_handles(self) -> dict[int, int]:

@@ -29,6 +29,7 @@ from terminus.effects.prefix_cache import CountingPrefixCache
 from terminus.effects.tokenizer import InvalidRequest
 from terminus.effects.transport import TransportError
 from terminus.kernels import ReleaseUnderflow
+from terminus.states.request import RequestKey
 
 from .scenarios import _Naive, _Plan
 from .serving import Parts, Shared, SimConfig, SimPrefetch, SimScheduler
@@ -68,16 +69,17 @@ class NaiveTokenizer:
         except ReleaseUnderflow:
             self.underflows += 1  # in production: the counter goes negative, unload hangs
 
-    def _pop(self, rid: Any, outcome: str, status: int) -> None:
+    def _pop(self, rid: RequestKey, outcome: str, status: int) -> None:
         st = self.rid_to_state.pop(rid, None)
         if st is None:
             return
         self._release(st.get("lora_id"))
         if st.get("stream", True):
-            self.sink.put(TerminalOutput(rid, outcome, status))
+            self.sink.put(TerminalOutput(rid.rid, outcome, status))
 
     async def submit(self, prompt: Any, lora: str | None = None, *, rid: Any) -> None:
         """One request: acquire, tokenize, send."""
+        rid = RequestKey(rid)
         st: dict[str, Any] = {"lora_id": None}
         self.rid_to_state[rid] = st
         if lora is not None:
@@ -105,6 +107,7 @@ class NaiveTokenizer:
     async def submit_batch(self, prompts: list[Any], lora: str | None, *, n: int,
                            rid: Any) -> None:
         """Parallel sampling: n references, a warm-up, then n children."""
+        rid = RequestKey(rid, "group")
         prompt = prompts[0]
         ids: list[int] = []
         self.rid_to_state[rid] = {"lora_id": None, "stream": False, "n": n}
@@ -128,7 +131,7 @@ class NaiveTokenizer:
             return
         self.rid_to_state[rid]["tokens"] = tokens
         self.rid_to_state[rid]["ids"] = ids
-        warm = f"{rid}-warmup-0"
+        warm = RequestKey(rid.group, "warmup", 0)
         self.rid_to_state[warm] = {"lora_id": ids[0] if ids else None, "stream": False,
                                    "parent": rid}
         try:
@@ -136,13 +139,13 @@ class NaiveTokenizer:
         except ConnectionError:
             self._pop(warm, "dispatch_failed", 503)
 
-    def _fan_out(self, group: Any) -> None:
+    def _fan_out(self, group: RequestKey) -> None:
         st = self.rid_to_state.pop(group, None)
         if st is None:
             return
         ids = st.get("ids") or [None] * st["n"]
         for k, lora_id in enumerate(ids):
-            child = f"{group}-{k}"
+            child = RequestKey(group.group, "child", k)
             self.rid_to_state[child] = {"lora_id": lora_id}
             try:
                 self.scheduler.send(child, st["tokens"], lora_id)
@@ -151,17 +154,18 @@ class NaiveTokenizer:
 
     def abort(self, rid: Any) -> None:
         """Pop the state (and children) and ask the scheduler to abort."""
-        self._pop(rid, "aborted", 499)
+        self._pop(RequestKey(rid), "aborted", 499)
+        self._pop(RequestKey(rid, "group"), "aborted", 499)
         for k in range(64):
-            child = f"{rid}-{k}"
+            child = RequestKey(rid, "child", k)
             if child in self.rid_to_state:
                 self._pop(child, "aborted", 499)
                 self.scheduler.abort(child)
-        warm = f"{rid}-warmup-0"
+        warm = RequestKey(rid, "warmup", 0)
         if warm in self.rid_to_state:
             self._pop(warm, "aborted", 499)
             self.scheduler.abort(warm)
-        self.scheduler.abort(rid)
+        self.scheduler.abort(RequestKey(rid))
 
     def on_output(self, rid: Any) -> bool:
         """A streamed chunk."""
@@ -292,11 +296,12 @@ class NaiveDisagg:
         """Units missing from each pool once the cache is evicted."""
         self.cache.evict_all()
         p = self.pools
+        used = p.in_use()  # our pools: every one is audited
         return {
-            "kv_tokens": p.kv.capacity - p.kv.available,  # type: ignore[attr-defined]
-            "mamba_slots": p.mamba.capacity - p.mamba.available,  # type: ignore[attr-defined]
-            "request_slots": p.table.capacity - p.table.available,
-            "metadata_slots": p.metadata.capacity - p.metadata.available,
+            "kv_tokens": used["kv"],
+            "mamba_slots": used["mamba"],
+            "request_slots": used["table"],
+            "metadata_slots": used["metadata"],
             "host_pages": p.host.occupied,
         }
 

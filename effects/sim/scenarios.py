@@ -316,8 +316,8 @@ def disagg_seed(naive: bool, seed: int = 0, *, requests: int = 64, chunk_size: i
     outs: dict[str, list[TerminalOutput]] = {}
     for o in sink.outputs:
         outs.setdefault(o.rid, []).append(o)
-    kv, mamba = pools.kv, pools.mamba
-    kv_leak = kv.capacity - kv.available  # type: ignore[attr-defined]
+    used = pools.in_use()  # our pools: every one is audited
+    kv_leak = used["kv"]
     return DisaggLeak(
         loop="naive" if naive else "machines",
         seed=seed,
@@ -327,8 +327,8 @@ def disagg_seed(naive: bool, seed: int = 0, *, requests: int = 64, chunk_size: i
         chunk_size=chunk_size,
         kv_tokens_leaked=kv_leak,
         kv_chunks_leaked=kv_leak / chunk_size,
-        mamba_states_leaked=mamba.capacity - mamba.available,  # type: ignore[attr-defined]
-        metadata_slots_leaked=pools.metadata.capacity - pools.metadata.available,
+        mamba_states_leaked=used["mamba"],
+        metadata_slots_leaked=used["metadata"],
         host_pages_leaked=pools.host.occupied,
         req_slots_leaked=pools.table.capacity - pools.table.available,
         aborted_cached=sum(1 for r in aborted if cache.inserts[r]),

@@ -52,13 +52,14 @@ from terminus.effects.tokenizer import InvalidRequest, TokenizerSide
 from terminus.fsm import ReleaseFailed, TransitionRecord
 from terminus.kernels import HostPagePool, LoRARegistry
 from terminus.kernels.collective import grid_partitions
-from terminus.states.sequence import Abort as SeqAbort
+from terminus.states.request import RequestKey
 from terminus.states.sequence import (
     ChunkDone,
     ChunkLaunched,
     Fail,
     Finish,
     LastChunkDone,
+    SequenceAbort,
     Token,
 )
 
@@ -103,6 +104,7 @@ class SimConfig(msgspec.Struct, frozen=True):
     mamba_slots: int = 512
     max_context_len: int = 512
     chunk_size: int = 64
+    page_size: int = 1  # KV tokens per page, scheduler and disaggregated prefill
     device: str = "cpu"
     strict: bool = False
     disagg_rows: int = 64
@@ -158,7 +160,7 @@ class SimScheduler:
     """The scheduler process: a SchedulerLink for the tokenizer, rows for sequences."""
 
     def __init__(self, running: RunningBatch, cfg: SimConfig,
-                 spec_of: Callable[[Any], RequestSpec]) -> None:
+                 spec_of: Callable[[RequestKey], RequestSpec]) -> None:
         self.running = running
         self.cfg = cfg
         self.spec_of = spec_of
@@ -177,7 +179,7 @@ class SimScheduler:
         spec = self.spec_of(rid)
         if spec.rid in self.dispatch_failures:
             raise ConnectionError("scheduler socket closed")
-        warmup = "-warmup-" in str(rid)
+        warmup = rid.role == "warmup"
         seq = _Seq(rid, int(tokens), 1 if warmup else spec.max_new_tokens,
                    None if warmup else spec.fault)
         self.queue.append(seq)
@@ -291,7 +293,7 @@ class SimScheduler:
             else:
                 rows.append(seq.row)
         self.aborts.clear()
-        self._fire(rows, SeqAbort)
+        self._fire(rows, SequenceAbort)
 
     def _retired(self, rows: torch.Tensor, state: str) -> None:
         seqs = [self.by_row.pop(r) for r in rows.tolist()]
@@ -352,7 +354,7 @@ class SimDisagg:
                                  mamba_slots=cfg.disagg_rows, metadata_slots=cfg.disagg_rows,
                                  host_pages=cfg.host_pages,
                                  max_context_len=cfg.max_context_len, device=cfg.device,
-                                 strict=cfg.strict)
+                                 strict=cfg.strict, page_size=cfg.page_size)
         self.faults = FaultPlan(strict=False)
         self._kv = pools.kv
         pools.kv = proxy(pools.kv, "kv", self.faults)  # an allocator fault raises here
@@ -438,11 +440,12 @@ class SimDisagg:
         """Units missing from each pool once the cache is evicted."""
         self.engine.cache.evict_all()  # type: ignore[attr-defined]
         p = self.engine.pools
+        used = p.in_use()  # our pools: every one is audited
         return {
-            "kv_tokens": self._kv.capacity - self._kv.available,  # type: ignore[attr-defined]
-            "mamba_slots": p.mamba.capacity - p.mamba.available,  # type: ignore[attr-defined]
-            "request_slots": p.table.capacity - p.table.available,
-            "metadata_slots": p.metadata.capacity - p.metadata.available,
+            "kv_tokens": used["kv"],
+            "mamba_slots": used["mamba"],
+            "request_slots": used["table"],
+            "metadata_slots": used["metadata"],
             "host_pages": p.host.occupied,
             "ledger_handles": self.engine.ledger.count(),
         }
@@ -557,7 +560,7 @@ class Shared:
     registry: LoRARegistry
     tokenizer: FakeTokenizer
     sink: OutputLog
-    spec_of: Callable[[Any], RequestSpec]
+    spec_of: Callable[[RequestKey], RequestSpec]
 
 
 class Parts(Protocol):
@@ -626,8 +629,7 @@ class MachineParts:
         self.ledger = lora_ledger(RequestResources(shared.registry, shared.sink,
                                                    self.scheduler))
         self.tokenizer = TokenizerSide(shared.registry, shared.tokenizer, self.scheduler,
-                                       shared.sink, ledger=self.ledger,
-                                       retain_terminal=1 << 30)
+                                       shared.sink, ledger=self.ledger)
         self.scheduler.tokenizer = self.tokenizer
         self.disagg = SimDisagg(shared.cfg, shared.sink)
         self.prefetch = SimPrefetch(shared.cfg)
@@ -683,7 +685,8 @@ class ServingLoop:
                                     max_context_len=self.cfg.max_context_len,
                                     kv_tokens=self.cfg.kv_tokens,
                                     mamba_slots=self.cfg.mamba_slots,
-                                    device=self.cfg.device, strict=self.cfg.strict)
+                                    device=self.cfg.device, strict=self.cfg.strict,
+                                    page_size=self.cfg.page_size)
         self.running = RunningBatch(self.pools)
         self.registry = _RegistryWithLatency()
         self.sink = OutputLog()
@@ -701,10 +704,9 @@ class ServingLoop:
         self.violations: list[str] = []
         """What the pools' own checks raised at the last audit (`leaks()`)."""
 
-    def spec_of(self, rid: Any) -> RequestSpec:
-        """The workload entry a request id (or a child / warm-up rid) belongs to."""
-        base = str(rid).split("-", 1)[0]
-        return self.specs[base]
+    def spec_of(self, key: RequestKey) -> RequestSpec:
+        """The workload entry a request (or a child or warm-up of its group) belongs to."""
+        return self.specs[key.group]
 
     def machines(self) -> list[Any]:
         """Every bound machine object the loop drives (for traces and counts)."""
@@ -784,13 +786,12 @@ class ServingLoop:
 
     def _sample_peaks(self) -> None:
         p, d = self.pools, self.disagg.pools
+        pu, du = p.in_use(), d.in_use()  # our pools: every one is audited
         now = {
-            "kv_tokens": p.kv.capacity - p.kv.available + d.kv.capacity - d.kv.available,
-            "request_rows": p.table.capacity - p.table.available
-            + d.table.capacity - d.table.available,
-            "mamba_slots": p.mamba.capacity - p.mamba.available
-            + d.mamba.capacity - d.mamba.available,
-            "metadata_slots": d.metadata.capacity - d.metadata.available,
+            "kv_tokens": pu["kv"] + du["kv"],
+            "request_rows": pu["table"] + du["table"],
+            "mamba_slots": pu["mamba"] + du["mamba"],
+            "metadata_slots": du["metadata"],
             "host_pages": sum(s.host.occupied for s in self.prefetch.sites)
             + d.host.occupied,
             "live_requests": len(self.tokenizer.live),
@@ -898,7 +899,8 @@ class ServingLoop:
 
     def _children(self, spec: RequestSpec) -> list[Any]:
         """The request ids of a sampling request's children."""
-        return [f"{spec.rid}-{k}" for k in range(spec.n)] if spec.n > 1 else []
+        return [RequestKey(spec.rid, "child", k).rid for k in range(spec.n)] if spec.n > 1 \
+            else []
 
     def _streamed(self, rid: Any, streams: Counter[Any]) -> bool:
         # A sampling group streams through its children once it fanned out.
