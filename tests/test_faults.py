@@ -456,8 +456,8 @@ def test_a_fault_at_each_prefetch_call_site_ends_clean(site):
 
 def batch_run(plan: FaultPlan) -> tuple[list[BaseException], Any, list[Any]]:
     from terminus.effects.sequence import RunningBatch, SchedulerPools
-    from terminus.states.sequence import SequenceAbort as SeqAbort
     from terminus.states.sequence import ChunkLaunched, Finish, LastChunkDone
+    from terminus.states.sequence import SequenceAbort as SeqAbort
 
     pools = SchedulerPools(rows=4, max_context_len=32, kv_tokens=64, mamba_slots=4,
                            strict=True)
