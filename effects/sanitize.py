@@ -368,7 +368,8 @@ def _audit_disagg(d: Any) -> list[Finding]:
                         by_kind["mamba"])
     out += _compare("req_slot", owned["req_slot"], _in_use(p.table), p.table,
                     by_kind["req_slot"])
-    out += _compare("metadata", owned["metadata"], _in_use(p.metadata), p.metadata)
+    if hasattr(_real(p.metadata), "capacity"):  # an engine's own may not say
+        out += _compare("metadata", owned["metadata"], _in_use(p.metadata), p.metadata)
     host = _real(p.host)
     out += _compare("hicache", owned["hicache"], host.occupied, host,
                     outside=int(getattr(host, "deferred", 0)))
@@ -476,8 +477,10 @@ def _audit_prefetch(site: Any) -> list[Finding]:
 
 
 def _audit_adapters(mgr: Any) -> list[Finding]:
-    out = []
+    out: list[Finding] = []
     reg = _real(mgr.registry)
+    if not hasattr(reg, "id_of") or not hasattr(reg, "counts"):
+        return out  # an engine's registry (SGLang's shape): nothing to compare by id
     for name, inst in mgr.adapters.items():
         i = mgr.ids.get(name)
         if inst.state == "ready":
