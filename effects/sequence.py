@@ -30,6 +30,8 @@ from terminus.kernels.protocols import (
 )
 from terminus.states.sequence import SEQUENCE, Admit
 
+from .sanitize import sanitized
+
 __all__ = ["RunningBatch", "SchedulerPools"]
 
 
@@ -139,6 +141,7 @@ class RunningBatch:
 
     # -- admission and growth --------------------------------------------------------
 
+    @sanitized
     def admit(self, n: int, mamba: bool) -> torch.Tensor | None:
         """Rows for `n` new sequences (with a Mamba state each when `mamba`), admitted
         (state `prefill`), or None.
@@ -151,7 +154,11 @@ class RunningBatch:
         rows = pools.table.alloc(n)
         assert rows is not None
         if mamba:
-            slots = pools.mamba.alloc(n)
+            try:
+                slots = pools.mamba.alloc(n)
+            except BaseException:
+                pools.table.free(rows)  # not admitted yet: nobody else can free them
+                raise
             assert slots is not None
             pools.table.mamba_slots.index_copy_(0, rows, slots.to(torch.int64))
         # Admitted in the same call: a row that owns resources is never left vacant,
@@ -160,6 +167,7 @@ class RunningBatch:
         self.fire(rows, Admit)
         return rows
 
+    @sanitized
     def append_kv(self, rows: torch.Tensor, counts: torch.Tensor) -> bool:
         """Give each row `counts[i]` more KV tokens, written into its table row at once.
 
@@ -242,12 +250,14 @@ class RunningBatch:
 
     # -- stepping ----------------------------------------------------------------------
 
+    @sanitized
     def fire(self, rows: torch.Tensor, event: type) -> BatchStep:
         """Deliver one event class to `rows` (no event to the others) in one step."""
         ev = torch.full((self.batch.n,), -1, dtype=torch.int64, device=self.batch.device)
         ev[rows] = self.event[event]
         return self.batch.step(ev)
 
+    @sanitized
     def step(self, events: torch.Tensor) -> BatchStep:
         """Deliver `events[r]` (an event id or -1) to every row at once."""
         return self.batch.step(events)

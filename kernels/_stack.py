@@ -488,6 +488,10 @@ class StackPool:
         """Raise ``DoubleFree`` / ``ForeignIndex`` naming what was wrongly freed (one sync)."""
         self._free.check()
 
+    def held(self, limit: int = 16) -> list[int]:
+        """Up to ``limit`` ids handed out now (empty when double-free detection is off)."""
+        return self._free.held(limit)
+
     def assert_full(self) -> None:
         """Raise ``LeakError`` naming what is still held."""
         self._free.assert_full()

@@ -49,6 +49,12 @@ class HostPagePool(StackPool):
         """Pages reserved by prefetches that have not been released or taken yet."""
         return self._prefetching
 
+    @property
+    def deferred(self) -> int:
+        """Pages their owner released while a reader held a lock: the reader's last
+        unlock frees them (one sync)."""
+        return int(self._doomed.sum())
+
     def locked_pages(self) -> int:
         """How many pages hold at least one lock reference (one sync)."""
         return int((self.lock_refs > 0).sum())

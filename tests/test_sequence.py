@@ -208,6 +208,9 @@ def test_admitted_rows_are_admitted_at_once_so_an_immediate_abort_releases_them(
     assert sorted(log) == sorted((int(r), "aborted") for r in rows)
 
 
+@pytest.mark.terminus_no_sanitize(
+    "a deliberate stray free; the sanitizer reports (at this fire) the 7 tokens the "
+    "refused release_batch leaves with no owner: issue 13's release_batch item")
 def test_a_refused_batched_release_still_tells_the_owner_which_rows_retired(pools):
     from terminus.fsm import ReleaseFailed
     from terminus.kernels import DoubleFree
