@@ -28,7 +28,7 @@ import torch
 
 from terminus.effects.disagg import DisaggPools, DisaggPrefill
 from terminus.effects.output import OutputLog, OutputSink, TerminalOutput
-from terminus.effects.prefix_cache import CountingPrefixCache
+from terminus.effects.prefix_cache import PrefixCache
 from terminus.effects.transport import Poll, TransportError
 
 from .transport import FakeTransport
@@ -119,12 +119,13 @@ class _NaiveReq:
 class _Naive:
     """The pre-fix result loop, kept deliberately as it was (see the module docstring)."""
 
-    def __init__(self, pools: DisaggPools, transport: FakeTransport, cache: CountingPrefixCache,
+    def __init__(self, pools: DisaggPools, transport: FakeTransport, cache: PrefixCache,
                  sink: OutputSink, chunk_size: int, mamba_per_request: int) -> None:
         self.pools, self.transport, self.cache, self.sink = pools, transport, cache, sink
         self.chunk_size = chunk_size
         self.mamba_per_request = mamba_per_request
         self.reqs: dict[str, _NaiveReq] = {}
+        self._anon = 1 << 40  # token ids no two prompts share
 
     def add(self, p: _Plan) -> None:
         r = self.reqs[p.rid] = _NaiveReq(p)
@@ -203,7 +204,9 @@ class _Naive:
             return
         # The final chunk is not checked for an abort.
         r.kv.append(kv)
-        self.cache.insert(rid, torch.cat(r.kv))
+        kv_all = torch.cat(r.kv)
+        self.cache.insert(rid, tuple(range(self._anon, self._anon + kv_all.numel())), kv_all)
+        self._anon += int(kv_all.numel())
         r.kv = []
         r.state = "transferring"
         self.transport.send(rid, torch.cat([kv]))
@@ -271,7 +274,7 @@ def disagg_seed(naive: bool, seed: int = 0, *, requests: int = 64, chunk_size: i
     failing = [p.rid for p in plans if p.sender_fails]
     if failing:
         transport.fail("abort", failing)
-    cache = CountingPrefixCache(pools.kv)
+    cache = PrefixCache(pools.kv)
     sink = OutputLog()
     loop: Any
     if naive:
