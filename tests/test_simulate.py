@@ -58,6 +58,22 @@ def test_the_naive_baseline_shows_each_seeds_leak_on_the_same_workload(small_run
     assert leaks["lora_refs"] > 0  # ...and an abort that overtakes an acquire orphans it
     assert leaks["collective_deadlocks"] > 0  # prefetch seed: ranks skip the barrier
     assert naive["requests"] == machines["requests"]
+    # The classic prefix-cache leak: an aborted sequence dropped without its release
+    # keeps its lock, so the prefix it matched can never be evicted.
+    assert naive["prefix_cache"]["locked_at_end"] > 0
+    assert naive["prefix_cache"]["pages_by_holder"]["requests"] > 0
+
+
+def test_the_prefix_cache_hits_evicts_under_pressure_and_ends_unlocked(small_runs):
+    machines, _ = small_runs
+    pc = machines["prefix_cache"]
+    assert 0 < pc["hit_rate"] < 1 and pc["hit_tokens"] > 0
+    assert pc["peak_cached_tokens"] >= pc["inserted_tokens"] - pc["evicted_tokens"] > 0
+    assert pc["duplicate_tokens"] > 0  # shared system prompts were inserted again
+    assert pc["locked_at_end"] == 0
+    pages = pc["pages_by_holder"]
+    assert pages["cache_locked"] == 0 and pages["requests"] == 0
+    assert pages["free"] + pages["cache_evictable"] == pages["capacity"]
 
 
 def test_the_workload_is_the_same_for_the_same_options():

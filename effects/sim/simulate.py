@@ -122,6 +122,7 @@ def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu",
     finally:
         observe.set_recorder(prev)
         torch.set_num_threads(threads)
+    prefix_cache = loop.prefix_cache()
     leaks = loop.leaks()
     effects = sum(sum(m.stats.plans_run.values()) for m in loop.machines())
     return {
@@ -138,6 +139,7 @@ def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu",
         "transitions_by_machine": dict(sorted(counter.transitions.items())),
         "effects": effects,
         "peak": loop.peaks(),
+        "prefix_cache": prefix_cache,
         "leaks": leaks,
     }
 
