@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from terminus.kernels import bench_radix
 from terminus.kernels.batched import release_batch
 from terminus.kernels.kv import TokenKVAllocator
 from terminus.kernels.req_table import ReqToTokenTable
@@ -123,7 +124,9 @@ def run(quick: bool = False, device: str = "cpu") -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run(quick, dev)
+        out = _run(quick, dev)
+        out["radix"] = bench_radix.run(quick)  # the prefix tree: Python on the host
+        return out
     finally:
         torch.set_num_threads(threads)
 
@@ -368,4 +371,4 @@ def table(result: dict) -> list[tuple[str, str]]:
             "free throughput",
             f"{result['free_per_s']:,.0f} frees/s ({result['free_tokens_per_s']:,.0f} tokens/s)",
         ),
-    ]
+    ] + (bench_radix.rows(result["radix"]) if "radix" in result else [])
