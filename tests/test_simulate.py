@@ -164,3 +164,18 @@ def test_a_page_size_that_is_not_a_power_of_two_up_to_1024_is_one_line(capsys, b
     err = capsys.readouterr().err
     assert err == ("terminus simulate: --page-size must be a power of two from 1 to 1024, "
                    f"got {bad}\n")
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_the_prefix_lock_leak_scenario_exhausts_the_naive_pool_only(tmp_path, page_size):
+    out = tmp_path / "lock.json"
+    assert main(["--scenario", "prefix-lock-leak", "--page-size", str(page_size),
+                 "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    naive, machines = r["naive"], r["machines"]
+    assert naive["exhausted"] and naive["refused"] > 0
+    assert naive["locked_at_end"] == naive["kv_tokens_leaked"] == naive["kv_tokens"]
+    assert not machines["exhausted"] and machines["refused"] == 0
+    assert machines["aborted"] == machines["conversations"]
+    assert machines["evicted_tokens"] > 0
+    assert machines["locked_at_end"] == machines["kv_tokens_leaked"] == 0

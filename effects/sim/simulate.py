@@ -217,12 +217,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--baseline", choices=["naive"],
                    help="also run the seeds' pre-fix logic on the same workload")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--scenario", choices=["disagg-seed"],
+    p.add_argument("--scenario", choices=["disagg-seed", "prefix-lock-leak"],
                    help="instead of the workload, replay one seed's production case "
-                        "through the naive loop and the machines")
+                        "(disagg-seed), or aborted turns that matched a cached prefix "
+                        "(prefix-lock-leak), through the naive loop and the machines")
     a = p.parse_args(argv)
     if a.scenario == "disagg-seed":
         return _disagg_seed(a.seed, a.json)
+    if a.scenario == "prefix-lock-leak":
+        return _prefix_lock_leak(a.page_size, a.json)
     wcfg = WorkloadConfig(requests=a.requests, seed=a.seed, abort_rate=a.abort_rate,
                           fault_rate=a.fault_rate, n=a.n,
                           disagg_fraction=a.disagg_fraction,
@@ -279,6 +282,30 @@ def _disagg_seed(seed: int, json_path: str | None) -> int:
     Console().print(t)
     if json_path:
         write_json(json_path, {r.loop: msgspec.to_builtins(r) for r in runs})
+    return 0
+
+
+def _prefix_lock_leak(page_size: int, json_path: str | None) -> int:
+    """Aborted second turns that matched their first, cached turn: the naive abort path
+    forgets the lock and the pool runs dry; the machines release it and keep evicting."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .scenarios import prefix_lock_leak
+
+    _check_writable(json_path, "the summary")
+    runs = [prefix_lock_leak(naive, page_size=page_size) for naive in (True, False)]
+    t = Table(title="prefix cache: a lock not released on abort", header_style="bold")
+    t.add_column("")
+    for r in runs:
+        t.add_column(r.loop, justify="right")
+    for f in runs[0].__struct_fields__[1:]:
+        t.add_row(f.replace("_", " "), *(str(getattr(r, f)) for r in runs))
+    t.add_row("pool exhausted", *(str(r.exhausted) for r in runs))
+    Console().print(t)
+    if json_path:
+        write_json(json_path, {r.loop: {**msgspec.to_builtins(r), "exhausted": r.exhausted}
+                               for r in runs})
     return 0
 
 
