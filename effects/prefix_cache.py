@@ -180,7 +180,7 @@ class PrefixCache:
         }
 
 
-class PageAudit(dict):  # type: ignore[type-arg]
+class PageAudit(dict[str, int]):
     """KV token slots by holder: `free`, `cache_locked`, `cache_evictable`, `requests`
     (and `capacity`); `audit_pages` returns one after checking it adds up."""
 

@@ -149,7 +149,8 @@ class RunningBatch:
         def release_rows(ctx: ReleaseContext, rows: torch.Tensor) -> None:
             state = _TERMINAL_OF_PLAN[ctx.plan]
             try:
-                starts, errors = None, []
+                starts: torch.Tensor | None = None
+                errors: list[Exception] = []
                 if self.cache is not None:
                     starts, errors = self._retire_cached(rows, state)
                 out = release_batch(rows, pools.table, pools.kv, pools.mamba,
