@@ -300,3 +300,13 @@ def test_tree_export_and_cache_refuse_a_lock_on_an_evicted_node(pools):
     pools.assert_full()
     with pytest.raises(TransitionNotAllowed):
         RunningBatch(pools, cache=PrefixCache(pools.kv)).fire(torch.tensor([0]), Finish)
+
+
+def test_the_readme_example_runs():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S)
+               if "PrefixCache(pools.kv)" in b]
+    exec(compile(code, "README.md", "exec"), {})
