@@ -156,7 +156,9 @@ class PrefixCache:
         idx = self.tree.evict(num_tokens)
         n = int(idx.numel())
         if n:
-            self.kv.free(idx)
+            # Tree values are whole pages, each page's tokens in order: one index per
+            # page names it (the allocator frees whole pages).
+            self.kv.free(idx[::self.page_size] if self.page_size > 1 else idx)
             self.evicted_tokens += n
         return n
 

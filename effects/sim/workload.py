@@ -22,6 +22,7 @@ its earlier turns (what a prefix cache can hit), and requests share system promp
 
 from __future__ import annotations
 
+import functools
 import random
 
 import msgspec
@@ -107,10 +108,12 @@ class WorkloadConfig(msgspec.Struct, frozen=True):
             raise ValueError(f"arrivals_per_step must be >= 1, got {self.arrivals_per_step}")
 
 
-def _segment(key: str, n: int) -> list[int]:
-    """`n` token ids seeded by `key` (the same key always gives the same ids)."""
-    rng = random.Random(key)
-    return [rng.randrange(1, 32000) for _ in range(n)]
+@functools.lru_cache(maxsize=4096)
+def _segment(key: str, n: int) -> tuple[int, ...]:
+    """`n` token ids (1..32000) seeded by `key` (the same key always gives the same ids;
+    system prompts and conversation turns recur, so recent segments are kept)."""
+    raw = memoryview(random.Random(key).randbytes(2 * n)).cast("H")
+    return tuple(t % 32000 + 1 for t in raw)
 
 
 def prompt_tokens(spec: RequestSpec, seed: int = 0) -> list[int]:
@@ -129,8 +132,8 @@ def reply_tokens(spec: RequestSpec, n: int, seed: int = 0) -> list[int]:
     """The first `n` tokens the model replies to `spec` (a conversation's next turn
     has them in its prompt)."""
     if spec.conv >= 0:
-        return _segment(f"{seed}/conv/{spec.conv}/{len(spec.history)}", n)
-    return _segment(f"{seed}/{spec.rid}/reply", n)
+        return list(_segment(f"{seed}/conv/{spec.conv}/{len(spec.history)}", n))
+    return list(_segment(f"{seed}/{spec.rid}/reply", n))
 
 
 def _shape(cfg: WorkloadConfig, rng: random.Random, convs: dict[int, list[int]],
