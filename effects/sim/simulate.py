@@ -177,6 +177,11 @@ def _table(result: dict[str, Any], baseline: dict[str, Any] | None) -> None:
         f"{r['effects']:,}")
     for k in result["peak"]:
         row(f"peak {k.replace('_', ' ')}", lambda r, k=k: f"{r['peak'].get(k, 0):,}")
+    row("prefix cache hit rate", lambda r: f"{r['prefix_cache']['hit_rate']:.1%}")
+    row("prefix cache tokens evicted", lambda r: f"{r['prefix_cache']['evicted_tokens']:,}")
+    row("prefix cache peak cached tokens",
+        lambda r: f"{r['prefix_cache']['peak_cached_tokens']:,}")
+    row("prefix cache locked at end", lambda r: f"{r['prefix_cache']['locked_at_end']:,}")
     row("max terminal streams per request", lambda r: r["max_streams_per_request"])
     for k in result["leaks"]:
         row(f"leak: {k.replace('_', ' ')}", lambda r, k=k: f"{r['leaks'][k]:,}",
