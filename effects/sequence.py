@@ -134,6 +134,9 @@ class RunningBatch:
         """Per row: its token ids (the prompt given at admission; the caller appends
         the tokens it generates), the cache's key when it finishes."""
         self.kv_start = torch.zeros(n, dtype=torch.int64, device=pools.table.device)
+        cap = getattr(pools.kv, "capacity", 0)
+        self.evict_batch = max(pools.page_size, cap // 32)
+        """Tokens evicted at least when growth finds the KV pool short."""
         self.on_retired = on_retired
         self.retired = {name: 0 for name in _TERMINAL_OF_PLAN.values()}
         self.released_tokens = 0
@@ -328,7 +331,9 @@ class RunningBatch:
         if got is None and self.cache is not None:
             short = n - kv.available_size()
             if 0 < short <= self.cache.evictable_tokens:
-                self.cache.evict(short)
+                # Evict a batch at once (1/32 of the pool at least): one scan of the
+                # tree's leaves then serves many allocations.
+                self.cache.evict(max(short, self.evict_batch))
                 got = kv.alloc(n)
         return got
 
