@@ -378,7 +378,8 @@ def make_ledger(resources: DisaggResources) -> Ledger:
 class PrefillRequest(DisaggReq):
     """A request instance plus what the loop needs to cut it into chunks."""
 
-    __slots__ = ("chunk_size", "n_chunks", "prompt_len", "sender_deadline", "tokens")
+    __slots__ = ("cached", "chunk_size", "n_chunks", "prompt_len", "sender_deadline",
+                 "tokens")
 
     def __init__(self, machine: Machine, key: str, prompt_len: int, chunk_size: int,
                  tokens: tuple[int, ...] = ()) -> None:
@@ -387,12 +388,19 @@ class PrefillRequest(DisaggReq):
         self.tokens = tokens
         """The prompt's token ids (what the prefix cache is keyed by)."""
         self.chunk_size = chunk_size
+        self.cached = 0
+        """Prompt tokens matched in the prefix cache (not prefilled again)."""
         self.n_chunks = -(-prompt_len // chunk_size)
         self.sender_deadline: float | None = None  # set when it starts awaiting_sender
 
+    def set_cached(self, n: int) -> None:
+        """The first `n` prompt tokens came from the prefix cache: chunks cover the rest."""
+        self.cached = n
+        self.n_chunks = -(-(self.prompt_len - n) // self.chunk_size)
+
     def chunk_len(self, k: int) -> int:
-        """Tokens in chunk `k`."""
-        return min(self.chunk_size, self.prompt_len - k * self.chunk_size)
+        """Tokens in chunk `k` (chunks start after the cached prefix)."""
+        return min(self.chunk_size, self.prompt_len - self.cached - k * self.chunk_size)
 
 
 class DisaggPrefill:
@@ -456,8 +464,12 @@ class DisaggPrefill:
             host_pages: int = 0, tokens: tuple[int, ...] | None = None) -> PrefillRequest:
         """A new request in `bootstrapping`; `host_pages` > 0 starts its host prefetch.
 
-        `tokens`: the prompt's token ids (`prompt_len` of them), the prefix cache's key
-        when it succeeds; without them its KV is cached under ids no other prompt has.
+        `tokens`: the prompt's token ids (`prompt_len` of them), the prefix cache's key:
+        the longest cached prefix of all but the last token is matched and locked (a
+        `PREFIX_LOCK` handle the request owns, released by whichever terminal plan it
+        reaches), and only the rest is prefilled; on success the KV is inserted.
+        Without `tokens` nothing is matched and the KV is cached under ids no other
+        prompt has.
         """
         if tokens is not None and len(tokens) != prompt_len:
             raise ValueError(f"request {rid!r}: {len(tokens)} tokens given for "
@@ -472,12 +484,18 @@ class DisaggPrefill:
             raise ValueError(f"request {rid!r}: prompt_len {prompt_len} exceeds the "
                              f"request table's max_context_len {limit}; cut the prompt or "
                              "raise max_context_len")
+        match = None
         if tokens is None:
             tokens = tuple(range(self._anon, self._anon + prompt_len))
             self._anon += prompt_len
+        else:
+            match = self.cache.match(tokens, limit=prompt_len - 1)
         req = PrefillRequest(self.requests_machine, rid, prompt_len, chunk_size,
                              tuple(tokens))
         self.requests[rid] = req
+        if match is not None and match.length:
+            self.ledger.acquire(req, PREFIX_LOCK, self.cache.lock(match))
+            req.set_cached(match.length)
         if host_pages > 0:
             pf = self.pools.host.prefetch(host_pages)
             if pf is not None:  # no room: the request just runs without host pages
@@ -589,8 +607,11 @@ class DisaggPrefill:
         chunk = Chunk(self.chunks_machine, (rid, k), parent=req, index=k,
                       last=k == req.n_chunks - 1)
         self.ledger.acquire(chunk, "kv", kv)
-        row = self.ledger.owned(req, "req_slot")[0].value
-        pools.table.write(int(row[0]), k * req.chunk_size, kv)
+        row = int(self.ledger.owned(req, "req_slot")[0].value[0])
+        if k == 0:
+            for h in self.ledger.owned(req, PREFIX_LOCK):
+                pools.table.write(row, 0, h.value.indices)
+        pools.table.write(row, req.cached + k * req.chunk_size, kv)
         for prev in req.chunks:
             if prev.state == "running":
                 prev.fire(NextLaunched())
@@ -636,7 +657,8 @@ class DisaggPrefill:
             chunk.fire(Abandon())
         report = req.fire(ChunkResult(k, chunk.last))
         if req.state == "transferring":
-            kv = [h.value for h in self.ledger.owned(req, "kv")]
+            kv = [h.value.indices for h in self.ledger.owned(req, PREFIX_LOCK)]
+            kv += [h.value for h in self.ledger.owned(req, "kv")]
             try:
                 self.transport.send(rid, torch.cat(kv))
             except TransportError as e:

@@ -246,17 +246,79 @@ def test_disagg_success_inserts_once_and_frees_duplicates_and_tail_through_the_r
         disagg):
     e = disagg
     ps = e.pools.page_size
-    a = prefill(e, "a", SHARED)
-    assert a.state == "succeeded" and e.cache.inserts["a"] == 1
+    # Two requests with the same prompt prefill at once: neither finds it cached.
+    for rid in ("a", "b"):
+        e.add(rid, 40, chunk_size=16, tokens=tuple(SHARED))
+        e.bootstrap(rid)
+        assert e.req(rid).cached == 0
+    for k in range(3):
+        for rid in ("a", "b"):
+            e.schedule(rid)
+            e.result(rid, k)
+            e.audit()
+    e.poll_transfer("a")
+    assert e.req("a").state == "succeeded" and e.cache.inserts["a"] == 1
     assert e.cache.held_tokens == (32 if ps == 16 else 40)
-    # The same prompt again: every page it took is a duplicate, freed by its KV releaser.
-    b = prefill(e, "b", SHARED)
-    assert b.state == "succeeded" and e.cache.inserts["b"] == 1
+    # b's pages duplicate a's: its KV releaser frees them (and the unaligned tail).
+    e.poll_transfer("b")
+    assert e.req("b").state == "succeeded" and e.cache.inserts["b"] == 1
     assert e.cache.duplicate_tokens == (32 if ps == 16 else 40)
     assert e.cache.held_tokens == (32 if ps == 16 else 40)
     audit = e.audit()
     assert audit["requests"] == 0 and audit["cache_evictable"] == e.cache.held_tokens
     assert audit["free"] + audit["cache_evictable"] == audit["capacity"]
+    assert e.ledger.count() == 0
+
+
+def test_disagg_matches_a_cached_prefix_prefills_only_the_rest_and_sends_it_all(disagg):
+    e = disagg
+    ps = e.pools.page_size
+    prefill(e, "a", SHARED)
+    prompt = SHARED[:32] + list(range(1, 20))  # 51 tokens, the first 32 cached
+    r = prefill(e, "b", prompt, chunk=16, abort_at=None)
+    assert r.state == "succeeded" and r.cached == 32 and r.n_chunks == 2
+    assert e.transport.sent_tokens["b"] == 51  # the matched pages are sent too
+    assert e.cache.locked_tokens == 0 and e.ledger.count(PREFIX_LOCK) == 0
+    assert e.cache.held_tokens == (32 + 16 if ps == 16 else 40 + 19)
+
+
+@pytest.mark.parametrize("ending", ["aborted", "failed", "bootstrap_failed",
+                                    "aborted_transfer"])
+def test_disagg_every_terminal_path_with_a_matched_prefix_unlocks_once(disagg, ending):
+    e = disagg
+    prefill(e, "a", SHARED)
+    inserted = e.cache.inserted_tokens
+    prompt = SHARED[:32] + [3] * 20
+    if ending == "bootstrap_failed":
+        e.transport.fail("bootstrap", "r", times=1)
+    if ending == "failed":
+        e.transport.fail("send", "r", times=1)
+    e.add("r", len(prompt), chunk_size=16, tokens=tuple(prompt))
+    assert e.cache.locked_tokens == 32 and e.ledger.count(PREFIX_LOCK) == 1
+    e.bootstrap("r")
+    e.audit()
+    if ending == "aborted":
+        e.schedule("r")
+        e.abort("r")
+        e.result("r", 0)
+    elif ending == "aborted_transfer":
+        e.transport.auto_complete = False
+        for k in range(2):
+            e.schedule("r")
+            e.result("r", k)
+        assert e.req("r").state == "transferring"
+        e.abort("r")
+        e.transport.abort("r")
+        e.poll_transfer("r")
+    elif ending == "failed":
+        for k in range(2):
+            e.schedule("r")
+            e.result("r", k)
+    e.audit()
+    want = "aborted" if ending == "aborted_transfer" else ending
+    assert e.req("r").state == want
+    assert e.cache.locked_tokens == 0 and e.ledger.count(PREFIX_LOCK) == 0
+    assert e.cache.inserted_tokens == inserted and e.cache.inserts["r"] == 0
     assert e.ledger.count() == 0
 
 
