@@ -39,7 +39,7 @@ lint: $(STAMP) $(TYPECHECK)
 $(TYPECHECK):
 	mkdir -p $@
 	ln -sfn ../../../__init__.py ../../../py.typed $@/
-	for d in fsm states effects kernels; do ln -sfn ../../../$$d $@/$$d; done
+	for d in fsm states effects kernels metrics; do ln -sfn ../../../$$d $@/$$d; done
 
 diagrams: $(STAMP)
 	$(BIN)/terminus diagrams

@@ -152,7 +152,7 @@ class TokenizerSide:
         self.sink = sink
         if ledger is None:
             ledger = lora_ledger(RequestResources(registry, sink, scheduler, async_release))
-        elif LORA not in ledger._releasers:
+        elif LORA not in ledger.kinds:
             ledger = lora_ledger(ledger.resources, ledger)
         self.ledger = ledger
         self.requests = bind_request(ledger)

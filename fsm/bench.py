@@ -7,6 +7,15 @@ O(n)), `fire_ns_1k` (the same at 1k), `fire_ns_recorder_attached` (terminus with
 no-op recorder attached, to show what observation costs and that detaching it costs
 nothing), `bytes_per_instance`, `create_us`, `create_us_1k`, `batch_step_ns_per_instance`
 (100k instances, CPU) and `speedup_vs_transitions`.
+
+The ledger figures are measured on the engine alone (a two-state machine whose terminal
+edge runs one `Release("kv")` step, a no-op releaser, one handle per instance):
+`acquire_us` (µs per `ledger.acquire` with the most handles outstanding, 200k; 50k with
+`--quick`), `acquire_us_by_outstanding` (the same at each size, to show it is flat),
+`terminal_fire_us` (µs per terminal `fire` that runs the plan and releases the handle)
+and `bytes_per_handle` (traced memory per outstanding handle). Each timing is the best
+of three runs, in CPU time of the benchmark's thread (`time.thread_time_ns`), so that
+other processes on a shared machine do not inflate these sub-microsecond figures.
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import observe
+from .ledger import Ledger
+from .plan import Plan, Release, release_effect
 from .spec import ANY, IGNORE, Event, Spec, State, go
 
 if TYPE_CHECKING:
@@ -211,6 +222,82 @@ def _batch_step(n: int, reps: int) -> float:
     return (time.perf_counter_ns() - t0) / (2 * reps * n)
 
 
+class Done(Event):
+    """The one event of the ledger benchmark's machine: live -> done (terminal)."""
+
+
+@release_effect
+def _release_nothing(ctx: Any, handle: Any) -> None:
+    pass
+
+
+def _ledger_machine() -> tuple[Machine, Ledger]:
+    m = Spec("bench_handle", states=(State("live", initial=True), State("done", terminal=True)),
+             events=(Done,), table={"live": {Done: go("done", plan="release")},
+                                    "done": {ANY: IGNORE}}).build()
+    ledger = Ledger({"kv": _release_nothing})
+    return m.bind({"release": Plan(Release("kv"))}, ledger), ledger
+
+
+def _timed(fn: Callable[[], None]) -> int:
+    """CPU ns of this thread spent in `fn()` (garbage collection paused)."""
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.thread_time_ns()
+        fn()
+        return time.thread_time_ns() - t0
+    finally:
+        gc.enable()
+
+
+def _ledger_round(n: int) -> tuple[float, float]:
+    """(µs per acquire, µs per terminal fire) with `n` handles outstanding."""
+    m, ledger = _ledger_machine()
+    insts = [m.create() for _ in range(n)]
+    acquire = ledger.acquire
+    done = Done()
+
+    def acquire_all() -> None:
+        for i in insts:
+            acquire(i, "kv", 1)
+
+    def fire_all() -> None:
+        for i in insts:
+            i.fire(done)
+
+    t_acq = _timed(acquire_all)
+    t_fire = _timed(fire_all)
+    assert ledger.count() == 0 and m.stats.plans_run["release"] == n
+    return t_acq / n / 1000, t_fire / n / 1000
+
+
+def _bytes_per_handle(n: int) -> float:
+    m, ledger = _ledger_machine()
+    insts = [m.create() for _ in range(n)]
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in insts:
+        ledger.acquire(i, "kv", 1)
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return (after - before) / n
+
+
+def ledger_figures(quick: bool = False) -> dict[str, Any]:
+    """The ledger's figures (see the module docstring)."""
+    sizes = (10_000, 50_000) if quick else (10_000, 200_000)
+    by_n: dict[str, float] = {}
+    fire = float("inf")
+    for n in sizes:
+        rounds = [_ledger_round(n) for _ in range(3)]
+        by_n[str(n)] = min(a for a, _ in rounds)
+        fire = min(fire, *(f for _, f in rounds))
+    return {"acquire_us": by_n[str(sizes[-1])], "acquire_us_by_outstanding": by_n,
+            "terminal_fire_us": fire, "bytes_per_handle": _bytes_per_handle(sizes[-1])}
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     """Run every figure once; `quick` shrinks sizes for a smoke test."""
     big = 10_000 if quick else 100_000
@@ -234,6 +321,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         tr = _transitions(small, max(2, rounds // 2))
         sm = _statemachine(small, max(2, rounds // 2))
         batch = _batch_step(big, 20 if quick else 100)
+        ledger = ledger_figures(quick)
     finally:
         torch.set_num_threads(threads)
     fire_terminus = t_big["fire_ns"]
@@ -250,6 +338,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "create_us_1k": t_small["create_us"],
         "batch_step_ns_per_instance": batch,
         "speedup_vs_transitions": tr / fire_terminus,
+        **ledger,
         "notes": "transitions and python-statemachine measured at 1k live instances: "
                  "transitions' add_model is O(n) per model",
     }
@@ -281,5 +370,9 @@ def table(r: dict[str, Any]) -> list[tuple[str, str]]:
         (f"batched step, {n:,} instances, CPU", f"{r['batch_step_ns_per_instance']:.2f} ns/inst"),
         ("batched vs scalar, per instance",
          f"{f['terminus'] / r['batch_step_ns_per_instance']:.0f}x"),
+        *[(f"ledger.acquire, {int(n):,} outstanding", f"{us:.2f} µs")
+          for n, us in r["acquire_us_by_outstanding"].items()],
+        ("terminal fire, one Release step", f"{r['terminal_fire_us']:.2f} µs"),
+        ("bytes per handle", f"{r['bytes_per_handle']:.0f} B"),
     ]
     return rows

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import inspect
 import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
@@ -29,11 +30,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `terminus` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
     commands = _group("terminus.commands")
+    if args and args[0] in ("-V", "--version"):
+        print(f"terminus {_version()}")
+        return 0
     if not args or args[0] in ("-h", "--help"):
-        print("usage: terminus COMMAND [ARGS...]\n\ncommands:")
+        print("usage: terminus [--version] COMMAND [ARGS...]\n\n"
+              "Explicit finite-state-machine request lifecycles for LLM serving.\n\n"
+              "commands:")
+        width = max((len(n) for n in commands), default=0)
         for name in sorted(commands):
-            print(f"  {name}")
-        print("\n`terminus COMMAND --help` describes each one.")
+            print(f"  {name:<{width}}  {summary(commands[name])}")
+        print("\noptions:\n  -h, --help     show this message and exit\n"
+              "  -V, --version  print the installed version (distribution terminus-fsm) "
+              "and exit\n\n`terminus COMMAND --help` describes each command's options.")
         return 0 if args else 2
     name, rest = args[0], args[1:]
     ep = commands.get(name)
@@ -49,11 +58,64 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def _version() -> str:
+    from terminus import __version__
+
+    return __version__
+
+
+class _Captured(Exception):
+    """Raised by a command's parser while `command_parser` looks at it."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        super().__init__(parser.prog)
+        self.parser = parser
+
+
+_capturing = False
+
+
+def command_parser(ep: Any) -> argparse.ArgumentParser | None:
+    """The argument parser a subcommand of this distribution builds, without running it.
+
+    Each of them builds its parser with `parser()` before doing anything else; another
+    package's command is never called (None), since it may not parse arguments at all.
+    """
+    global _capturing
+    dist = getattr(ep, "dist", None)
+    if dist is None or dist.name != "terminus-fsm":
+        return None
+    fn = ep.load()
+    _capturing = True
+    try:
+        fn(["--help"])
+    except _Captured as c:
+        return c.parser
+    except (Exception, SystemExit):
+        return None
+    finally:
+        _capturing = False
+    return None
+
+
+def summary(ep: Any) -> str:
+    """One line describing a subcommand: its parser's description, else its docstring."""
+    p = command_parser(ep)
+    text = (p.description if p is not None else None) or (ep.load().__doc__ or "")
+    first = re.split(r"\.\s+(?=[A-Z])|;\s", " ".join(text.split()))[0].rstrip(".")
+    return first or "(no description)"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad option as one line (CliError), not a usage dump."""
 
     def error(self, message: str) -> Any:
         raise CliError(f"{message} (see --help)")
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if _capturing:
+            raise _Captured(self)
+        return super().parse_known_args(args, namespace)
 
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -84,6 +146,10 @@ def print_table(title: str, rows: Sequence[tuple[str, str]]) -> None:
     Console(width=None if sys.stdout.isatty() else 110).print(t)
 
 
+def _takes_device(mod: Any) -> bool:
+    return "device" in inspect.signature(mod.run).parameters
+
+
 def bench_main(argv: list[str]) -> int:
     """`terminus bench [NAME...] [--quick] [--json PATH] [--device DEV]`: print figures."""
     benches = _group("terminus.benchmarks")
@@ -104,12 +170,16 @@ def bench_main(argv: list[str]) -> int:
         if n not in benches:
             raise CliError(f"unknown benchmark {n!r}; benchmarks: {', '.join(sorted(benches))}")
     mods = {n: importlib.import_module(benches[n].value) for n in names}
-    on_device = [n for n in names if "device" in inspect.signature(mods[n].run).parameters]
+    on_device = [n for n in names if _takes_device(mods[n])]
     if a.device not in (None, "cpu") and len(on_device) < len(names):
         cpu_only = [n for n in names if n not in on_device]
         verb = "runs" if len(cpu_only) == 1 else "run"
+        # Every registered benchmark that takes a device, not only the ones named.
+        able = [n for n in sorted(benches)
+                if _takes_device(mods.get(n) or importlib.import_module(benches[n].value))]
         raise CliError(f"--device {a.device}: {', '.join(cpu_only)} {verb} on the CPU only; "
-                       f"name the benchmarks that take a device: {', '.join(on_device) or 'none'}")
+                       "name the benchmarks that take a device: "
+                       f"{', '.join(able) or 'none is installed'}")
     if a.json:
         write_json(a.json, {})  # fail on an unwritable path before minutes of work
     results: dict[str, Any] = {}

@@ -60,14 +60,57 @@ class MachineLoadError(Exception):
     """A `module:attr` could not be loaded as a built `fsm.Machine`; the message says why."""
 
 
+def _import(name: str) -> object:
+    """Import a dotted module name, or a file (`path/to/file.py`), from the current directory.
+
+    A file is imported under its dotted name: its folder, or the topmost folder above it
+    that holds no `__init__.py`, goes first on `sys.path` (as `python path/to/file.py`
+    does), so its relative imports work. A module name that is not installed is looked up
+    in the current directory too (as `python -m` does), without PYTHONPATH.
+    """
+    import os
+    import sys
+    from pathlib import Path
+
+    if name.endswith(".py") or "/" in name or os.sep in name:
+        path = Path(name).resolve()
+        if not path.is_file():
+            raise ImportError(f"no such file {str(path)!r}")
+        parts, root = ([] if path.stem == "__init__" else [path.stem]), path.parent
+        while (root / "__init__.py").is_file():
+            parts.insert(0, root.name)
+            root = root.parent
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
+        mod = importlib.import_module(".".join(parts))
+        got = getattr(mod, "__file__", None)
+        if got is None or Path(got).resolve() != path:
+            raise ImportError(f"{str(path)!r} would be imported as {mod.__name__!r}, which "
+                              f"is already the module at {got}; rename the file, or name "
+                              "the module as MODULE:ATTR")
+        return mod
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        cwd = os.getcwd()
+        if e.name is None or not (name + ".").startswith(e.name + ".") or cwd in sys.path:
+            raise
+        sys.path.append(cwd)
+        return importlib.import_module(name)
+
+
 def load(spec: str) -> Machine:
-    """Import `module:attr` (attr may be dotted) and return it; it must be a built Machine."""
+    """Import `module:attr` (attr may be dotted) and return it; it must be a built Machine.
+
+    `module` is a dotted name (found on `sys.path`, or in the current directory) or a path
+    to a `.py` file.
+    """
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
         raise MachineLoadError(
             f"{spec!r} is not MODULE:ATTR (e.g. terminus.states.request:REQUEST)")
     try:
-        obj: object = importlib.import_module(mod_name)
+        obj: object = _import(mod_name)
     except ImportError as e:
         raise MachineLoadError(f"cannot import module {mod_name!r} of {spec!r}: {e}") from None
     for part in attr.split("."):

@@ -70,15 +70,41 @@ class TransitionNotAllowed(FsmError):
 
 
 class UnknownEvent(FsmError):
-    """An object that is not one of the machine's declared events was fired."""
+    """An object that is not one of the machine's declared events was fired.
 
-    def __init__(self, machine: str, state: str, event: str, known: tuple[str, ...]) -> None:
+    Fields: `machine`, `state`, `event` (names), `problem` and `fix`. The default
+    problem is "not an event of this machine"; the engine says more where it can (an
+    event class fired instead of an instance, another machine's event of the same name).
+    """
+
+    def __init__(self, machine: str, state: str, event: str, known: tuple[str, ...], *,
+                 problem: str | None = None, fix: str | None = None) -> None:
         self.machine = machine
         self.state = state
         self.event = event
+        self.problem = problem or f"{event!r} is not an event of this machine"
+        self.fix = fix or (f"fire one of {', '.join(known)} (declare new events in the "
+                           "Spec)")
+        super().__init__(f"machine {machine!r}, state {state!r}: {self.problem}; {self.fix}")
+
+
+class PlanNotBound(InvalidDefinition):
+    """A planned edge was fired on a machine whose plans were never bound.
+
+    Raised before anything changes. Fields as `InvalidDefinition`, plus `plan`.
+    """
+
+    def __init__(self, machine: str, plan: str, state: str, event: str) -> None:
+        self.plan = plan
         super().__init__(
-            f"machine {machine!r}, state {state!r}: {event!r} is not an event of this "
-            f"machine; fire one of {', '.join(known)} (declare new events in the Spec)"
+            machine,
+            f"this edge runs release plan {plan!r}, but the machine was never bound to an "
+            "implementation of it, so its terminal transition would release nothing",
+            f"fire on machine.bind(plans={{{plan!r}: Plan(...), ...}}, ledger=...); for a "
+            "declaration-only use (an oracle, a table test) bind(partial=True) runs "
+            "missing plans as empty ones",
+            state=state,
+            event=event,
         )
 
 

@@ -17,33 +17,61 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from .errors import DoubleRelease, OwnershipError
+import msgspec
+
+from .errors import DoubleRelease, OwnershipError, ReleaseOutsideTerminal
 from .plan import (
-    _ENGINE,
+    Action,
     EffectError,
+    Plan,
     PlanReport,
+    Release,
     ReleaseContext,
-    _require_effect,
     call_step,
+    release_context,
+    require_effect,
 )
 
-if TYPE_CHECKING:
-    from .machine import Instance
+
+class Owner(Protocol):
+    """What the ledger reads of an owner (an `fsm.Instance`)."""
+
+    @property
+    def machine(self) -> Any: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def terminal(self) -> bool: ...
 
 
-class Handle:
-    """One acquired resource: `kind`, `value` (pages, a slot, an adapter id), `owner`."""
 
-    __slots__ = ("hid", "kind", "owner", "released", "value")
+_HIDS = itertools.count(1)
 
-    def __init__(self, hid: int, kind: str, value: Any, owner: Instance) -> None:
-        self.hid = hid
-        self.kind = kind
-        self.value = value
-        self.owner = owner
-        self.released = False
+
+class Handle(msgspec.Struct, eq=False):
+    """One acquired resource: `kind`, `value` (pages, a slot, an adapter id), `owner`,
+    `released`, and `hid` (a process-wide number, given when first asked for: in a
+    repr or an error). Compared and hashed by identity.
+
+    A msgspec Struct rather than a slotted class: it is built in C (otherwise an
+    acquire's largest cost), and with its number given lazily it takes 80 bytes and
+    no int object.
+    """
+
+    kind: str
+    value: Any
+    owner: Any
+    released: bool = False
+    _hid: int = 0
+
+    @property
+    def hid(self) -> int:
+        """This handle's number, for messages (given on first use, unique per process)."""
+        if not self._hid:
+            self._hid = next(_HIDS)
+        return self._hid
 
     def __repr__(self) -> str:
         state = "released" if self.released else f"owner={self.owner!r}"
@@ -67,9 +95,10 @@ class Ledger:
         self._releasers: dict[str, Callable[..., Any]] = {}
         for kind, fn in (releasers or {}).items():
             self.register_kind(kind, fn)
-        self._owned: dict[Any, dict[int, Handle]] = {}
-        self._observers: dict[int, list[Any]] = {}
-        self._ids = itertools.count(1)
+        # owner -> its one handle, or a list of them (most owners own one of a kind at a
+        # time: a bare handle keeps the common case to one dict entry and no list).
+        self._owned: dict[Any, Handle | list[Handle]] = {}
+        self._observers: dict[Handle, list[Any]] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
         self._in_plan: set[int] = set()  # id() of instances whose plan is running
         self.errors: list[EffectError] = []
@@ -81,12 +110,17 @@ class Ledger:
 
     def register_kind(self, kind: str, release: Callable[..., Any]) -> None:
         """Set the default release effect for handles of `kind`."""
-        _require_effect(release, f"releaser for kind {kind!r}")
+        require_effect(release, f"releaser for kind {kind!r}")
         self._releasers[kind] = release
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        """The handle kinds this ledger has a default releaser for."""
+        return frozenset(self._releasers)
 
     # -- ownership ----------------------------------------------------------------
 
-    def acquire(self, owner: Instance, kind: str, value: Any) -> Handle:
+    def acquire(self, owner: Owner, kind: str, value: Any) -> Handle:
         """Record that `owner` now owns `value`; returns its handle.
 
         When `owner` is already terminal, the handle is released at once (I6) and
@@ -97,36 +131,68 @@ class Ledger:
                 f"no releaser registered for handle kind {kind!r}; pass "
                 f"releasers={{{kind!r}: effect}} to the Ledger before acquiring"
             )
-        self._require_mine(owner, "acquire for")
-        h = Handle(next(self._ids), kind, value, owner)
-        self._owned.setdefault(owner, {})[h.hid] = h
+        m = owner.machine
+        if m.ledger is not self:
+            self._require_mine(owner, "acquire for")
+        h = Handle(kind, value, owner)
+        owned = self._owned
+        cur = owned.get(owner)  # _link, inlined: this is the acquire hot path
+        if cur is None:
+            owned[owner] = h
+        elif type(cur) is list:
+            cur.append(h)
+        else:
+            owned[owner] = [cur, h]  # type: ignore[list-item]
         if owner.terminal and id(owner) not in self._in_plan:
             self._release_late(h)
         return h
 
-    def transfer(self, handle: Handle, to: Instance) -> None:
+    def _link(self, owner: Any, h: Handle) -> None:
+        owned = self._owned
+        cur = owned.get(owner)
+        if cur is None:
+            owned[owner] = h
+        elif type(cur) is list:
+            cur.append(h)
+        else:
+            owned[owner] = [cur, h]  # type: ignore[list-item]
+
+    def _unlink(self, owner: Any, h: Handle) -> bool:
+        owned = self._owned
+        cur = owned.get(owner)
+        if cur is h:
+            del owned[owner]
+            return True
+        if type(cur) is list and any(x is h for x in cur):
+            rest = [x for x in cur if x is not h]
+            owned[owner] = rest[0] if len(rest) == 1 else rest
+            return True
+        return False
+
+    def transfer(self, handle: Handle, to: Owner) -> None:
         """Move ownership of `handle` to `to`; released at once if `to` is terminal."""
         if handle.released:
             raise OwnershipError(f"cannot transfer {handle!r}: it was already released")
         if handle.owner is to:
             return
         self._require_mine(to, "transfer to")
-        src = self._owned.get(handle.owner)
-        if src is None or handle.hid not in src:
+        if not self._holds(handle.owner, handle):
             raise OwnershipError(f"{handle!r} is not in the ledger")
         if handle.owner.terminal and id(handle.owner) not in self._in_plan:
             raise OwnershipError(
                 f"cannot transfer {handle!r}: its owner is terminal and has released it"
             )
-        del src[handle.hid]
-        if not src:
-            del self._owned[handle.owner]
+        self._unlink(handle.owner, handle)
         handle.owner = to
-        self._owned.setdefault(to, {})[handle.hid] = handle
+        self._link(to, handle)
         if to.terminal and id(to) not in self._in_plan:
             self._release_late(handle)
 
-    def _require_mine(self, owner: Instance, what: str) -> None:
+    def _holds(self, owner: Any, h: Handle) -> bool:
+        cur = self._owned.get(owner)
+        return cur is h or (type(cur) is list and any(x is h for x in cur))
+
+    def _require_mine(self, owner: Owner, what: str) -> None:
         # Only a machine bound to this ledger runs this ledger's releases at its terminal
         # transition; a handle owned by any other instance would never be released.
         if owner.machine.ledger is not self:
@@ -136,34 +202,39 @@ class Ledger:
                 "handle; bind the machine with ledger=<this ledger>"
             )
 
-    def observe(self, handle: Handle, observer: Instance) -> None:
+    def observe(self, handle: Handle, observer: Owner) -> None:
         """Record `observer` as a non-owner user of `handle`: its terminal releases nothing."""
         if observer is handle.owner:
             raise OwnershipError(f"{observer!r} owns {handle!r}; an owner is not an observer")
-        self._observers.setdefault(handle.hid, []).append(observer)
+        self._observers.setdefault(handle, []).append(observer)
 
     def observers(self, handle: Handle) -> list[Any]:
         """Instances recorded as observers of `handle`."""
-        return list(self._observers.get(handle.hid, ()))
+        return list(self._observers.get(handle, ()))
 
     def owned(self, owner: Any, kind: str | None = None) -> list[Handle]:
         """The unreleased handles `owner` owns now, of `kind` if given, in acquire order."""
-        hs = self._owned.get(owner)
-        if not hs:
+        cur = self._owned.get(owner)
+        if cur is None:
             return []
-        return [h for h in hs.values() if kind is None or h.kind == kind]
+        if type(cur) is not list:
+            return [cur] if kind is None or cur.kind == kind else []  # type: ignore[list-item, union-attr]
+        return [h for h in cur if kind is None or h.kind == kind]
 
     def outstanding(self) -> dict[Any, list[Handle]]:
         """Every unreleased handle, by owner."""
-        return {o: list(hs.values()) for o, hs in self._owned.items() if hs}
+        return {o: self.owned(o) for o in self._owned}
 
     def count(self, kind: str | None = None) -> int:
         """Number of unreleased handles (of `kind` if given)."""
         return sum(1 for h in self._iter() if kind is None or h.kind == kind)
 
     def _iter(self) -> Iterator[Handle]:
-        for hs in self._owned.values():
-            yield from hs.values()
+        for cur in self._owned.values():
+            if type(cur) is list:
+                yield from cur
+            else:
+                yield cur  # type: ignore[misc]
 
     def assert_empty(self) -> None:
         """Raise AssertionError listing every unreleased handle, if any."""
@@ -174,27 +245,66 @@ class Ledger:
 
     # -- release (engine only) ------------------------------------------------------
 
+    def run_plan(self, ctx: ReleaseContext, plan: Plan, report: PlanReport) -> None:
+        """Run `plan` over what `ctx.instance` owns, inside the engine's live context.
+
+        Steps run in order, each even when an earlier one raised (errors go to
+        `report.errors`): `Release(kind)` releases every handle of that kind the
+        instance owns at that moment, `Action` runs once. Then every handle the plan did
+        not name is released by its kind's default releaser, so a plan can order
+        releases but cannot forget one (I3). While the plan runs, a handle acquired for
+        (or transferred to) the instance is the plan's to release, not a late release.
+        The engine calls this for a terminal transition; `ctx` must be live.
+        """
+        if not ctx.live:
+            raise ReleaseOutsideTerminal(f"Ledger.run_plan({report.plan!r})")
+        owner = ctx.instance
+        owned = self._owned
+        key = id(owner)
+        in_plan = self._in_plan
+        in_plan.add(key)
+        try:
+            for step in plan.steps:
+                if type(step) is Release:
+                    if owner in owned:
+                        self._release_owned(ctx, owner, step.kind, step.fn, report,
+                                            step.name, step.best_effort)
+                else:
+                    assert isinstance(step, Action)
+                    self._call(step.fn, (ctx,), report, step.name, step.best_effort)
+            if owner in owned:
+                self._release_owned(ctx, owner, None, None, report, None, False)
+        finally:
+            in_plan.discard(key)
+        if report.errors:
+            self.errors.extend(report.errors)
+
     def _mark_released(self, handle: Handle) -> None:
         if handle.released:
             raise DoubleRelease(handle)
         handle.released = True
-        hs = self._owned.get(handle.owner)
-        if hs is not None:
-            hs.pop(handle.hid, None)
-            if not hs:
-                del self._owned[handle.owner]
-        self._observers.pop(handle.hid, None)
+        self._unlink(handle.owner, handle)
+        if self._observers:
+            self._observers.pop(handle, None)
         self.released += 1
+
+    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], report: PlanReport,
+              step: str, best_effort: bool) -> None:
+        task = call_step(fn, args, report, step, best_effort)
+        if task is not None:
+            self._keep(task, report, step, best_effort)
 
     def _release(self, ctx: ReleaseContext, handle: Handle, fn: Callable[..., Any] | None,
                  report: PlanReport, step: str, best_effort: bool) -> None:
         """Release one handle inside a running plan; marks it first, so never twice."""
         self._mark_released(handle)
         report.released.append(handle)
-        release = fn if fn is not None else self._releasers[handle.kind]
-        call_step(release, (ctx, handle), report, self, step, best_effort)
+        task = call_step(fn or self._releasers[handle.kind], (ctx, handle), report, step,
+                         best_effort)
+        if task is not None:
+            self._keep(task, report, step, best_effort)
 
-    def _release_owned(self, ctx: ReleaseContext, owner: Instance, kind: str | None,
+    def _release_owned(self, ctx: ReleaseContext, owner: Owner, kind: str | None,
                        fn: Callable[..., Any] | None, report: PlanReport, step: str | None,
                        best_effort: bool) -> None:
         """Release what `owner` owns (of `kind`) inside its plan.
@@ -203,8 +313,27 @@ class Ledger:
         (a transfer to a peer): those are skipped, never released twice or for the wrong
         owner.
         """
-        for h in self.owned(owner, kind):
-            if h.released or h.owner is not owner:
+        cur = self._owned.get(owner)
+        if cur is None:
+            return
+        if type(cur) is Handle:  # one handle: the common case, released inline
+            if cur.released or (kind is not None and cur.kind != kind):
+                return
+            cur.released = True
+            del self._owned[owner]
+            if self._observers:
+                self._observers.pop(cur, None)
+            self.released += 1
+            report.released.append(cur)
+            name = step or f"release {cur.kind}"
+            task = call_step(fn or self._releasers[cur.kind], (ctx, cur), report, name,
+                             best_effort)
+            if task is not None:
+                self._keep(task, report, name, best_effort)
+            return
+        snapshot: list[Handle] = list(cur)  # type: ignore[arg-type]
+        for h in snapshot:
+            if h.released or h.owner is not owner or (kind is not None and h.kind != kind):
                 continue
             self._release(ctx, h, fn, report, step or f"release {h.kind}", best_effort)
 
@@ -212,13 +341,10 @@ class Ledger:
         owner = handle.owner
         m = owner.machine
         state = owner.state
-        ctx = ReleaseContext(_ENGINE, m.name, owner, None, "<late acquire>", state, state,
-                             self)
         report = PlanReport(m.name, owner, "<late acquire>")
-        try:
+        with release_context(m.name, owner, None, "<late acquire>", state, state,
+                             self) as ctx:
             self._release(ctx, handle, None, report, f"release {handle.kind} (late)", False)
-        finally:
-            ctx._live = False
         self.late_released += 1
         self.errors.extend(report.errors)
         if report.errors:

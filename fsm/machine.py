@@ -14,60 +14,28 @@ observations, runs release plans, and queues events fired while it runs
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from . import observe as _obs
-from .errors import InvalidDefinition, ReleaseFailed, TransitionNotAllowed, UnknownEvent
-from .plan import _ENGINE, EMPTY_PLAN, Action, Plan, PlanReport, Release, ReleaseContext, call_step
-from .spec import DECISIONS, ERRORED, GUARDED, IGNORED, TRANSITION, Alt
+from .errors import (
+    InvalidDefinition,
+    PlanNotBound,
+    ReleaseFailed,
+    TransitionNotAllowed,
+    UnknownEvent,
+)
+from .ledger import Ledger
+from .observe import Stats
+from .plan import EMPTY_PLAN, Plan, PlanReport, Release, release_context
+from .table import DECISIONS, ERRORED, GUARDED, IGNORED, TRANSITION, Alt, Declaration, Guard, Tables
 
 if TYPE_CHECKING:
     import torch
 
     from .batch import Batch
-    from .ledger import Ledger
-    from .spec import Spec
 
-
-class Tables(msgspec.Struct, frozen=True):
-    """The compiled tables, indexed [state][event] by declaration order.
-
-    `next`: the target of the cell's transition, the state itself for an ignore, -1 for
-    an error, -2 for a guarded cell. `decision`: TRANSITION (0), IGNORE (1), ERROR (2)
-    or GUARDED (3). `plan`: index into `plan_names` of the plan the edge runs, or -1.
-    """
-
-    next: tuple[tuple[int, ...], ...]
-    decision: tuple[tuple[int, ...], ...]
-    plan: tuple[tuple[int, ...], ...]
-    terminal: tuple[bool, ...]
-    plan_names: tuple[str, ...]
-
-    def to_torch(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        """The same tables as int64/bool tensors on `device` (keys as the fields)."""
-        import torch
-
-        return {
-            "next": torch.tensor(self.next, dtype=torch.int64, device=device),
-            "decision": torch.tensor(self.decision, dtype=torch.int64, device=device),
-            "plan": torch.tensor(self.plan, dtype=torch.int64, device=device),
-            "terminal": torch.tensor(self.terminal, dtype=torch.bool, device=device),
-        }
-
-
-class Stats:
-    """Counters a machine keeps off the fast path: ignores and plan runs."""
-
-    __slots__ = ("effect_errors", "ignored", "plans_run")
-
-    def __init__(self) -> None:
-        self.ignored: Counter[tuple[str, str]] = Counter()
-        self.plans_run: Counter[str] = Counter()
-        self.effect_errors = 0
+__all__ = ["Instance", "Machine", "Stats", "Tables"]
 
 
 class Machine:
@@ -79,7 +47,7 @@ class Machine:
     """
 
     name: str
-    spec: Spec
+    spec: Declaration
     states: tuple[str, ...]
     events: tuple[type, ...]
     initial: int
@@ -88,13 +56,15 @@ class Machine:
     tables: Tables
     ledger: Ledger | None
     stats: Stats
-    _guards: dict[str, Any]
+    _guards: dict[str, Guard]
     _eidx: dict[type, int]
     _enames: tuple[str, ...]
     _fast_rows: tuple[dict[type, int], ...]
     _slow_rows: tuple[dict[type, int], ...]
     _rows: tuple[dict[type, int], ...]
     _plans: dict[str, Plan]
+    _partial: bool
+    _bound: bool
     _sinks: list[Any]
     _observed: bool
 
@@ -111,11 +81,13 @@ class Machine:
     @classmethod
     def _compile(
         cls,
-        spec: Spec,
+        spec: Declaration,
         cells: list[list[tuple[Alt, ...]]],
         initial: int,
         terminal: tuple[bool, ...],
+        guards: Mapping[str, Guard],
     ) -> Machine:
+        """The runtime of a validated declaration (called by `Spec.build`)."""
         m = object.__new__(cls)
         m.name = spec.name
         m.spec = spec
@@ -124,7 +96,7 @@ class Machine:
         m.initial = initial
         m.terminal = terminal
         m.cells = tuple(tuple(r) for r in cells)
-        m._guards = dict(spec.guards)
+        m._guards = dict(guards)
         m._eidx = {ev: i for i, ev in enumerate(spec.events)}
         m._enames = tuple(ev.__name__ for ev in spec.events)
         plan_names = sorted({a.plan for r in cells for alts in r for a in alts if a.plan})
@@ -160,11 +132,14 @@ class Machine:
         m.tables = Tables(tuple(nxt), tuple(dec), tuple(pl), terminal, tuple(plan_names))
         m._fast_rows = tuple(fast)
         m._slow_rows = tuple(slow)
-        m._init_runtime(None, None)
+        m._init_runtime(None, None, partial=False, bound=False)
         return m
 
-    def _init_runtime(self, plans: dict[str, Plan] | None, ledger: Ledger | None) -> None:
+    def _init_runtime(self, plans: dict[str, Plan] | None, ledger: Ledger | None, *,
+                      partial: bool, bound: bool) -> None:
         self._plans = plans or {}
+        self._partial = partial
+        self._bound = bound
         self.ledger = ledger
         self.stats = Stats()
         self._sinks = []
@@ -178,7 +153,34 @@ class Machine:
         self._observed = observed
         self._rows = self._slow_rows if observed else self._fast_rows
 
+    def on_recorder_change(self) -> None:
+        """Switch tables after a recorder was attached or detached (`fsm.set_recorder`)."""
+        self._refresh()
+
+    def __repr__(self) -> str:
+        terminal = ", ".join(repr(n) for n, t in zip(self.states, self.terminal, strict=True)
+                             if t)
+        if self._bound:
+            how = ("bound with ledger" if self.ledger is not None else "bound without ledger")
+            how += ", missing plans run empty" if self._partial else ""
+        else:
+            how = "unbound (bind it to run its plans)" if self.plan_names else "unbound"
+        return (f"<Machine {self.name!r}: {len(self.states)} states (initial "
+                f"{self.states[self.initial]!r}; terminal {terminal}), {len(self.events)} "
+                f"events ({', '.join(self._enames)}), plans "
+                f"{', '.join(self.plan_names) or 'none'}; {how}>")
+
     # -- binding and instances ---------------------------------------------------------
+
+    @property
+    def guards(self) -> Mapping[str, Guard]:
+        """The guard functions by name (`guards=` and those given inline with `when=`)."""
+        return dict(self._guards)
+
+    @property
+    def bound(self) -> bool:
+        """True for a machine returned by `bind()`."""
+        return self._bound
 
     @property
     def plan_names(self) -> tuple[str, ...]:
@@ -186,12 +188,18 @@ class Machine:
         return self.tables.plan_names
 
     def bind(self, plans: Mapping[str, Plan] | None = None,
-             ledger: Ledger | None = None) -> Machine:
+             ledger: Ledger | None = None, *, partial: bool = False) -> Machine:
         """A copy of this machine whose terminal edges run `plans` over `ledger`.
 
         Every plan the declaration names needs an implementation, and every
         `Release(kind)` step without its own function needs the ledger's releaser for
         that kind; both are checked here, not at the first terminal transition.
+        `partial=True` is the explicit opt-out for declaration-only uses (an oracle, a
+        test of the table): a plan not given runs as an empty plan, which releases only
+        what the instance owns through the kinds' default releasers.
+
+        A machine that was built and never bound refuses to fire an edge that runs a
+        plan (`PlanNotBound`), so a declaration's plans can never run as empty unnoticed.
         """
         plans = dict(plans or {})
         declared = set(self.plan_names)
@@ -204,12 +212,15 @@ class Machine:
                 raise InvalidDefinition(
                     self.name, f"plan {p!r} is {plans[p]!r}, not a Plan",
                     "wrap its steps: Plan(Action(...), Release(...))")
-        if plans or ledger is not None:
-            for p in self.plan_names:
-                if p not in plans:
-                    raise InvalidDefinition(
-                        self.name, f"plan {p!r} has no implementation",
-                        f"pass plans={{{p!r}: Plan(...)}} to bind()")
+        if not partial:
+            missing = [p for p in self.plan_names if p not in plans]
+            if missing:
+                raise InvalidDefinition(
+                    self.name, f"plan {missing[0]!r} has no implementation" if
+                    len(missing) == 1 else
+                    f"plans {', '.join(map(repr, missing))} have no implementation",
+                    f"pass plans={{{missing[0]!r}: Plan(...), ...}} to bind() (or "
+                    "partial=True for a declaration-only use, where they run empty)")
         for p, plan in plans.items():
             for step in plan.steps:
                 if isinstance(step, Release) and ledger is None:
@@ -219,7 +230,7 @@ class Machine:
                         "ledger, so it could never own such a handle",
                         "pass ledger=Ledger(...) to bind(), or drop the Release step")
                 if isinstance(step, Release) and step.fn is None and (
-                        ledger is None or step.kind not in ledger._releasers):
+                        ledger is None or step.kind not in ledger.kinds):
                     raise InvalidDefinition(
                         self.name,
                         f"plan {p!r} releases kind {step.kind!r} but the ledger has no "
@@ -230,7 +241,7 @@ class Machine:
         for k, v in self.__dict__.items():
             if k not in ("_frozen",):
                 object.__setattr__(m, k, v)
-        m._init_runtime(plans, ledger)
+        m._init_runtime(plans, ledger, partial=partial, bound=True)
         return m
 
     def create(self, key: Any = None) -> Instance:
@@ -251,11 +262,33 @@ class Machine:
                 return self._enames.index(event)
             except ValueError:
                 raise UnknownEvent(self.name, "-", event, self._enames) from None
-        try:
-            return self._eidx[event]
-        except KeyError:
-            raise UnknownEvent(self.name, "-", getattr(event, "__name__", repr(event)),
-                               self._enames) from None
+        e = self._eidx.get(event) if isinstance(event, type) else None
+        if e is None:
+            raise self._unknown("-", event, wanted="class")
+        return e
+
+    def _unknown(self, state: str, event: Any, wanted: str = "instance") -> UnknownEvent:
+        """The error for firing (or looking up) `event`, which is not one of ours: it
+        says what the object was (a class, an instance, another machine's event of the
+        same name) and what to pass instead."""
+        cls = event if isinstance(event, type) else type(event)
+        name = getattr(cls, "__name__", repr(cls))
+        ours = self.events[self._enames.index(name)] if name in self._enames else None
+        where = f"{ours.__module__}.{name}" if ours is not None else ""
+        problem = fix = None
+        if ours is not None and cls is not ours:
+            problem = (f"{name} from {cls.__module__} is another machine's event; this "
+                       f"machine's {name} is {where}")
+            fix = f"import and fire {where} (each machine accepts only its own event classes)"
+        elif wanted == "instance" and isinstance(event, type) and event in self._eidx:
+            problem = f"the event class {name} was fired itself, not an instance of it"
+            fix = f"fire an instance: {name}(...)"
+        elif wanted == "class" and ours is not None:
+            problem = f"{event!r} is an event instance; event_id takes the event class"
+            fix = f"pass {name} (or the name {name!r})"
+        elif isinstance(event, type):
+            problem = f"{name!r} is not an event of this machine"
+        return UnknownEvent(self.name, state, name, self._enames, problem=problem, fix=fix)
 
     def state_id(self, name: str) -> int:
         """The index of a state name in this machine's tables."""
@@ -271,6 +304,16 @@ class Machine:
         return self._enames
 
     # -- observation ---------------------------------------------------------------------
+
+    @property
+    def sinks(self) -> tuple[Any, ...]:
+        """The sinks attached with `add_sink`, in order."""
+        return tuple(self._sinks)
+
+    @property
+    def observed(self) -> bool:
+        """True while a sink or the process-wide recorder observes this machine."""
+        return self._observed
 
     def add_sink(self, sink: Any) -> None:
         """Call `sink(TransitionRecord)` for every decision this machine object makes."""
@@ -303,17 +346,25 @@ class Machine:
         if q is not None:  # run-to-completion: handled after the running step
             q.append(event)
             return None
-        inst._q = q = deque()
-        result: PlanReport | None = None
-        errors: list[Exception] = []
+        inst._q = q = []
+        try:  # the fired event's own step: its report is what fire() returns
+            result = self._step(inst, event)
+        except Exception as e:
+            if not q:
+                inst._q = None
+                raise
+            return self._drain(inst, q, [e])
+        if q:  # events its effects fired at this instance, in order
+            return self._drain(inst, q, [], result)
+        inst._q = None
+        return result
+
+    def _drain(self, inst: Instance, q: list[Any], errors: list[Exception],
+               result: PlanReport | None = None) -> PlanReport | None:
         try:
-            try:  # the fired event's own step: its report is what fire() returns
-                result = self._step(inst, event)
-            except Exception as e:
-                errors.append(e)
-            while q:  # events its effects fired at this instance, in order
+            while q:
                 try:
-                    self._step(inst, q.popleft())
+                    self._step(inst, q.pop(0))
                 except Exception as e:
                     errors.append(e)
         finally:
@@ -329,7 +380,7 @@ class Machine:
         s = inst._s
         e = self._eidx.get(type(event))
         if e is None:
-            raise UnknownEvent(self.name, self.states[s], type(event).__name__, self._enames)
+            raise self._unknown(self.states[s], event)
         alts = self.cells[s][e]
         k = -1
         alt: Alt | None = None
@@ -351,6 +402,8 @@ class Machine:
             if self._observed:
                 self._observe(inst, s, e, k, alt, None)
             return None
+        if alt.plan is not None and alt.plan not in self._plans and not self._partial:
+            raise PlanNotBound(self.name, alt.plan, self.states[s], self._enames[e])
         inst._s = alt.target
         if not self.terminal[alt.target]:
             if self._observed:
@@ -369,34 +422,16 @@ class Machine:
         pname = name or "<release owned>"
         plan = self._plans.get(name, EMPTY_PLAN) if name else EMPTY_PLAN
         ledger = self.ledger
-        ctx = ReleaseContext(_ENGINE, self.name, inst, event, pname, self.states[src],
-                             self.states[dst], ledger)
-        report = PlanReport(self.name, inst, pname)
-        # While the plan runs, a handle acquired for the instance is the plan's to
-        # release (its leftover sweep below); once it ended, the ledger releases it.
-        if ledger is not None:
-            ledger._in_plan.add(id(inst))
-        try:
-            for step in plan.steps:
-                if isinstance(step, Release):
-                    if ledger is not None:
-                        ledger._release_owned(ctx, inst, step.kind, step.fn, report,
-                                              step.name, step.best_effort)
-                else:
-                    assert isinstance(step, Action)
-                    call_step(step.fn, (ctx,), report, ledger, step.name, step.best_effort)
-            # A plan orders releases; it cannot forget one (I3).
+        report = PlanReport(self.name, inst, pname, [], [], [])
+        with release_context(self.name, inst, event, pname, self.states[src],
+                             self.states[dst], ledger) as ctx:
             if ledger is not None:
-                ledger._release_owned(ctx, inst, None, None, report, None, False)
-        finally:
-            ctx._live = False
-            if ledger is not None:
-                ledger._in_plan.discard(id(inst))
+                ledger.run_plan(ctx, plan, report)
+            else:  # bind() refuses Release steps without a ledger
+                plan.run_actions(ctx, report)
         self.stats.plans_run[pname] += 1
         if report.errors:
             self.stats.effect_errors += len(report.errors)
-            if ledger is not None:
-                ledger.errors.extend(report.errors)
             fatal = [er for er in report.errors if not er.best_effort]
             if fatal:
                 raise ReleaseFailed(
@@ -418,7 +453,7 @@ class Instance:
     def __init__(self, machine: Machine, key: Any = None) -> None:
         self._m = machine
         self._s = machine.initial
-        self._q: deque[Any] | None = None
+        self._q: list[Any] | None = None
         self.key = key
 
     def fire(self, event: Any) -> PlanReport | None:

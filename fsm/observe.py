@@ -2,19 +2,30 @@
 
 Nothing here costs anything while nobody observes: a machine with no sink and no
 recorder runs its fast table; attaching either switches every affected machine to the
-table whose every cell goes through the observed path (see `Machine._refresh`).
+table whose every cell goes through the observed path (`Observed.on_recorder_change`).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import msgspec
 
-if TYPE_CHECKING:
-    from .machine import Machine
+Machine = Any  # a `fsm.Machine`: this module sits below it and only passes it along
+
+
+class Stats:
+    """Counters a machine keeps off the fast path: ignores, plan runs, effect errors."""
+
+    __slots__ = ("effect_errors", "ignored", "plans_run")
+
+    def __init__(self) -> None:
+        self.ignored: Counter[tuple[str, str]] = Counter()
+        self.plans_run: Counter[str] = Counter()
+        self.effect_errors = 0
 
 
 class TransitionRecord(msgspec.Struct, frozen=True, gc=False):
@@ -48,7 +59,13 @@ class Recorder(Protocol):
         ...
 
 
-_machines: weakref.WeakSet[Machine] = weakref.WeakSet()
+class Observed(Protocol):
+    """A machine that switches tables when the recorder is attached or detached."""
+
+    def on_recorder_change(self) -> None: ...
+
+
+_machines: weakref.WeakSet[Observed] = weakref.WeakSet()
 _recorder: Recorder | None = None
 
 
@@ -62,10 +79,10 @@ def set_recorder(rec: Recorder | None) -> Recorder | None:
     global _recorder
     prev, _recorder = _recorder, rec
     for m in list(_machines):
-        m._refresh()
+        m.on_recorder_change()
     return prev
 
 
-def register(machine: Machine) -> None:
+def register(machine: Observed) -> None:
     """Called by the engine for every machine object it creates."""
     _machines.add(machine)

@@ -59,7 +59,7 @@ def transitions_machine(m: Machine, *, machine_cls: type[TMachine] = TMachine,
 
 
 def _condition(m: Machine, guard: str) -> Any:
-    fn = m._guards[guard]
+    fn = m.guards[guard]
 
     def cond(ev: Any) -> bool:
         return bool(fn(ev.model.subject, ev.kwargs["event"]))

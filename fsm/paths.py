@@ -20,11 +20,12 @@ the same on every run.
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .graph import shortest_routes
 from .machine import Machine
-from .spec import DECISIONS, TRANSITION
+from .table import DECISIONS, TRANSITION
 
 
 @dataclass(frozen=True)
@@ -77,21 +78,23 @@ def _step(m: Machine, s: int, e: int, k: int) -> Step:
                 a.guard, a.plan)
 
 
+def transitions_from(m: Machine, s: int) -> Iterator[tuple[tuple[int, int, int], int]]:
+    """The declared transitions leaving state `s` as `((s, event, alt), target)`, in
+    declaration order: the edges `fsm.graph` walks."""
+    for e, alts in enumerate(m.cells[s]):
+        for k, a in enumerate(alts):
+            if a.decision == TRANSITION:
+                yield (s, e, k), a.target
+
+
+def _steps(m: Machine, route: tuple[tuple[int, int, int], ...]) -> tuple[Step, ...]:
+    return tuple(_step(m, s, e, k) for s, e, k in route)
+
+
 def routes(m: Machine) -> list[tuple[Step, ...] | None]:
     """The shortest route (steps) from the initial state to each state, by state id."""
-    best: list[tuple[Step, ...] | None] = [None] * len(m.states)
-    best[m.initial] = ()
-    todo = deque([m.initial])
-    while todo:
-        s = todo.popleft()
-        here = best[s]
-        assert here is not None
-        for e, alts in enumerate(m.cells[s]):
-            for k, a in enumerate(alts):
-                if a.decision == TRANSITION and best[a.target] is None:
-                    best[a.target] = (*here, _step(m, s, e, k))
-                    todo.append(a.target)
-    return best
+    found = shortest_routes([m.initial], lambda s: transitions_from(m, s))
+    return [_steps(m, found[s]) if s in found else None for s in range(len(m.states))]
 
 
 def _route(m: Machine, r: list[tuple[Step, ...] | None], s: int) -> tuple[Step, ...]:
@@ -146,18 +149,10 @@ def covering_paths(m: Machine) -> list[Path]:
 
 def to_terminal(m: Machine, state: str) -> tuple[Step, ...]:
     """The shortest route from `state` to a terminal state (empty when it is terminal)."""
-    s0 = m.state_id(state)
-    best: dict[int, tuple[Step, ...]] = {s0: ()}
-    todo = deque([s0])
-    while todo:
-        s = todo.popleft()
+    found = shortest_routes([m.state_id(state)], lambda s: transitions_from(m, s))
+    for s, route in found.items():  # in BFS order: the first terminal one is nearest
         if m.terminal[s]:
-            return best[s]
-        for e, alts in enumerate(m.cells[s]):
-            for k, a in enumerate(alts):
-                if a.decision == TRANSITION and a.target not in best:
-                    best[a.target] = (*best[s], _step(m, s, e, k))
-                    todo.append(a.target)
+            return _steps(m, route)
     raise ValueError(f"machine {m.name!r}: no terminal state is reachable from {state!r}")
 
 
@@ -167,4 +162,4 @@ def complete(m: Machine, path: Path) -> Path:
 
 
 __all__ = ["Path", "Step", "complete", "covering_paths", "pair_paths", "routes",
-           "to_terminal", "transition_paths"]
+           "to_terminal", "transition_paths", "transitions_from"]

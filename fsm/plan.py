@@ -27,12 +27,11 @@ import asyncio
 import functools
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
+
+import msgspec
 
 from .errors import FsmError, ReleaseOutsideTerminal
-
-if TYPE_CHECKING:
-    from .ledger import Handle, Ledger
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -44,11 +43,15 @@ class ReleaseContext:
 
     Fields: `machine` (name), `instance`, `event` (the event that caused the terminal
     transition, None for a late release), `plan` (name), `source` and `target` (state
-    names), `ledger`, and `resources` (whatever the ledger was given, for effects).
+    names), `ledger` (the machine's `Ledger`, or None), `resources` (whatever the ledger
+    was given, for effects), and `rows` (for a batched plan, the int64 indices of the
+    rows that took an edge running it in this step; None for a scalar instance).
+
+    Only the engine makes one, through `release_context()`.
     """
 
-    __slots__ = ("_live", "event", "instance", "ledger", "machine", "plan", "source",
-                 "target")
+    __slots__ = ("_live", "event", "instance", "ledger", "machine", "plan", "rows",
+                 "source", "target")
 
     def __init__(
         self,
@@ -59,11 +62,13 @@ class ReleaseContext:
         plan: str,
         source: str,
         target: str,
-        ledger: Ledger | None,
+        ledger: Any,
+        rows: Any = None,
     ) -> None:
         if token is not _ENGINE:
             raise ReleaseOutsideTerminal("ReleaseContext()")
         self._live = True
+        self.rows = rows
         self.machine = machine
         self.instance = instance
         self.event = event
@@ -82,9 +87,28 @@ class ReleaseContext:
         """The resources object given to the ledger (`Ledger(resources=...)`)."""
         return None if self.ledger is None else self.ledger.resources
 
+    def __enter__(self) -> ReleaseContext:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._live = False  # closed here, for every way a release block ends
+
     def __repr__(self) -> str:
         return (f"ReleaseContext({self.machine}:{self.source}->{self.target}, "
                 f"plan={self.plan!r}, live={self._live})")
+
+
+release_context: Callable[..., ReleaseContext] = functools.partial(ReleaseContext, _ENGINE)
+"""`release_context(machine, instance, event, plan, source, target, ledger, rows=None)`:
+the one place a `ReleaseContext` is opened (engine only); use it as
+`with release_context(...) as ctx:`.
+
+The machine (a terminal transition), the ledger (a late release) and a batch (a batched
+plan) run their release steps inside it; the context is dead once the block ends,
+whatever it raised (`ReleaseContext.__exit__`), so an effect that kept it cannot run
+later (I1). A partial of the constructor with the engine's token, so opening one costs
+no extra Python call.
+"""
 
 
 def release_effect(fn: F) -> F:
@@ -108,7 +132,8 @@ def is_release_effect(fn: Any) -> bool:
     return bool(getattr(fn, "__terminus_release__", False))
 
 
-def _require_effect(fn: Any, what: str) -> None:
+def require_effect(fn: Any, what: str) -> None:
+    """Raise TypeError naming `what` unless `fn` is decorated with `@release_effect`."""
     if not is_release_effect(fn):
         raise TypeError(
             f"{what} {getattr(fn, '__qualname__', fn)!r} is not a release effect; "
@@ -128,7 +153,7 @@ class Action:
 
     def __init__(self, fn: Callable[..., Any], *, best_effort: bool = False,
                  name: str | None = None) -> None:
-        _require_effect(fn, "Action step")
+        require_effect(fn, "Action step")
         self.fn = fn
         self.best_effort = best_effort
         self.name: str = name or str(getattr(fn, "__name__", "action"))
@@ -149,7 +174,7 @@ class Release:
     def __init__(self, kind: str, fn: Callable[..., Any] | None = None, *,
                  best_effort: bool = False) -> None:
         if fn is not None:
-            _require_effect(fn, f"Release({kind!r}) step")
+            require_effect(fn, f"Release({kind!r}) step")
         self.kind = kind
         self.fn = fn
         self.best_effort = best_effort
@@ -172,6 +197,13 @@ class Plan:
             if not isinstance(s, (Action, Release)):
                 raise TypeError(f"plan step {s!r} is neither an Action nor a Release")
         self.steps = steps
+
+    def run_actions(self, ctx: ReleaseContext, report: PlanReport) -> None:
+        """Run the plan's steps in order where no ledger is involved (a machine bound
+        without one, a batched plan): every step is an `Action`, called `fn(ctx)`."""
+        for step in self.steps:
+            assert isinstance(step, Action), "Release steps need a ledger (Ledger.run_plan)"
+            call_step(step.fn, (ctx,), report, step.name, step.best_effort)
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -203,18 +235,19 @@ class EffectError(FsmError):
         self.__cause__ = error
 
 
-class PlanReport:
-    """What one run of a release plan did: handles released, step errors, async tasks."""
+class PlanReport(msgspec.Struct, eq=False):
+    """What one run of a release plan did: `released` (the `Handle`s it released, in
+    order), `errors` (the step errors), `tasks` (async steps still running).
 
-    __slots__ = ("errors", "instance", "machine", "plan", "released", "tasks")
+    A msgspec Struct: built in C, once per terminal transition.
+    """
 
-    def __init__(self, machine: str, instance: Any, plan: str) -> None:
-        self.machine = machine
-        self.instance = instance
-        self.plan = plan
-        self.released: list[Handle] = []
-        self.errors: list[EffectError] = []
-        self.tasks: list[asyncio.Future[Any]] = []
+    machine: str
+    instance: Any
+    plan: str
+    released: list[Any] = msgspec.field(default_factory=list)
+    errors: list[EffectError] = msgspec.field(default_factory=list)
+    tasks: list[asyncio.Future[Any]] = msgspec.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -230,18 +263,18 @@ def call_step(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     report: PlanReport,
-    ledger: Ledger | None,
     step: str,
     best_effort: bool,
-) -> None:
-    """Run one step; record its error; keep an async result referenced until it ends."""
+) -> asyncio.Future[Any] | None:
+    """Run one step and record its error. An async result becomes a task, listed in
+    `report.tasks` and returned, for the caller (the ledger) to keep referenced."""
     try:
         res = fn(*args)
     except Exception as e:  # every step runs; the error is reported, never swallowed
         report.errors.append(EffectError(report.machine, report.plan, step, best_effort, e))
-        return
+        return None
     if res is None or not inspect.isawaitable(res):
-        return
+        return None
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError as e:
@@ -251,12 +284,10 @@ def call_step(
             report.machine, report.plan, step, best_effort,
             RuntimeError(f"{e}: an async release step needs a running event loop; fire "
                          "the terminal event from a coroutine, or make the step sync")))
-        return
-    else:
-        task = loop.create_task(_as_coro(res))
-        report.tasks.append(task)
-        if ledger is not None:
-            ledger._keep(task, report, step, best_effort)
+        return None
+    task = loop.create_task(_as_coro(res))
+    report.tasks.append(task)
+    return task
 
 
 async def _as_coro(aw: Awaitable[Any]) -> Any:

@@ -26,103 +26,46 @@ integer tables the runtime uses.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, TypeAlias
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import msgspec
 
 from .errors import InvalidDefinition
+from .graph import invert, reachable
+from .machine import Machine
+from .table import (
+    ANY,
+    DECISIONS,
+    ERROR,
+    ERRORED,
+    GUARDED,
+    IGNORE,
+    IGNORED,
+    TRANSITION,
+    Alt,
+    Cell,
+    Event,
+    Go,
+    Guard,
+    Marker,
+    State,
+    go,
+    guard_name,
+)
 
-if TYPE_CHECKING:
-    from .machine import Machine
+__all__ = ["ANY", "DECISIONS", "ERROR", "ERRORED", "GUARDED", "IGNORE", "IGNORED",
+           "TRANSITION", "Alt", "Cell", "Event", "Go", "Guard", "Spec", "State", "go"]
 
-Guard: TypeAlias = Callable[[Any, Any], bool]
-"""A named predicate `guard(instance, event) -> bool`; it must not change anything."""
-
-
-if TYPE_CHECKING:
-    # mypy's dataclass_transform refuses a subclass that does not repeat frozen=True;
-    # msgspec itself inherits the config, so users subclass Event without repeating it.
-    class Event(msgspec.Struct, tag=True, gc=False):
-        """Base class for events (see the runtime definition)."""
-
-else:
-
-    class Event(msgspec.Struct, frozen=True, tag=True, gc=False):
-        """Base class for events: frozen, tagged msgspec Structs (the tag is the class
-        name). Subclass it with the event's fields::
-
-            class ChunkResult(Event):
-                chunk: int
-                last: bool = False
-        """
-
-
-class State(msgspec.Struct, frozen=True):
-    """A state of a machine. Exactly one is `initial`; `terminal` states are final."""
-
-    name: str
-    initial: bool = False
-    terminal: bool = False
-    doc: str = ""
-
-
-class Go(msgspec.Struct, frozen=True):
-    """A transition to `target`, taken when guard `when` holds (always when None).
-
-    `plan` names the release plan run on entry; only edges into terminal states have one.
-    """
-
-    target: str
-    plan: str | None = None
-    when: str | None = None
-
-
-def go(target: str, *, plan: str | None = None, when: str | None = None) -> Go:
-    """Declare a transition cell: `go("aborted", plan="release_aborted")`."""
-    return Go(target, plan, when)
-
-
-class _Marker:
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-IGNORE: Final = _Marker("IGNORE")
-"""The event is absorbed where it arrives: no state change, no effect, counted."""
-ERROR: Final = _Marker("ERROR")
-"""The event is a caller error where it arrives: firing it raises TransitionNotAllowed."""
-ANY: Final = _Marker("ANY")
-"""Row key standing for every event the row does not name."""
-
-Cell: TypeAlias = "Go | str | _Marker | Sequence[Go | str | _Marker]"
-
-# Decisions, as stored in compiled tables.
-TRANSITION: Final = 0
-IGNORED: Final = 1
-ERRORED: Final = 2
-DECISIONS: Final = ("transition", "ignore", "error")
-GUARDED: Final = 3
-"""`Tables.decision` code of a cell decided by guards at run time (not in DECISIONS)."""
-
-
-class Alt(msgspec.Struct, frozen=True):
-    """One compiled alternative of a (state, event) cell, tried in declaration order."""
-
-    decision: int  # TRANSITION, IGNORED or ERRORED
-    target: int  # state id; the source state for IGNORED/ERRORED
-    plan: str | None
-    guard: str | None
+Cells = list[list[tuple[Alt, ...]]]
 
 
 def _event_name(ev: Any) -> str:
     return ev.__name__ if isinstance(ev, type) else repr(ev)
+
+
+def _name(state: Any) -> str:
+    return state.name if isinstance(state, State) else repr(state)
 
 
 class Spec:
@@ -145,7 +88,33 @@ class Spec:
         self.guards = dict(guards or {})
         self.doc = doc
 
-    # -- validation ---------------------------------------------------------------
+    def __repr__(self) -> str:
+        states = [_name(s) for s in self.states]
+        initial = [s.name for s in self.states if isinstance(s, State) and s.initial]
+        terminal = [s.name for s in self.states if isinstance(s, State) and s.terminal]
+        return (f"Spec({self.name!r}, states={states}, initial="
+                f"{initial[0] if len(initial) == 1 else initial!r}, terminal={terminal}, "
+                f"events={[_event_name(e) for e in self.events]})")
+
+    def build(self) -> Machine:
+        """Validate the declaration and compile it; see the module docstring.
+
+        Three steps, each raising `InvalidDefinition` on the first problem it finds:
+        the declaration's parts (events, states), cell compilation (every pair declared,
+        targets, plans, guards named or given inline) with the guard checks, and the
+        graph checks (every state reachable, a terminal state reachable from each).
+        """
+        self._check_events()
+        self._check_states()
+        guards = self._resolve_guards()
+        cells, used = self._compile_cells(guards)
+        self._check_guards(used)
+        initial = next(i for i, s in enumerate(self.states) if s.initial)
+        terminal = tuple(s.terminal for s in self.states)
+        self._check_graph(cells, initial, terminal)
+        return Machine._compile(self, cells, initial, terminal, guards)
+
+    # -- the declaration's parts --------------------------------------------------
 
     def _err(self, problem: str, fix: str, state: str | None = None, event: Any = None) -> None:
         raise InvalidDefinition(
@@ -181,6 +150,13 @@ class Spec:
             seen[ev.__name__] = ev
 
     def _check_states(self) -> None:
+        for s in self.states:
+            if not isinstance(s, State):
+                self._err(
+                    f"state {s!r} is a {type(s).__name__}, not a State",
+                    f"declare it as State({s!r}) (State({s!r}, initial=True) for the "
+                    "initial one, terminal=True where the lifecycle ends)",
+                )
         names = [s.name for s in self.states]
         for n in names:
             if names.count(n) > 1:
@@ -209,16 +185,85 @@ class Spec:
                     state=row,
                 )
 
-    def _alts(self, state: str, event: Any, cell: Any) -> list[Go | _Marker]:
+    # -- cell compilation ---------------------------------------------------------
+
+    def _resolve_guards(self) -> dict[str, Guard]:
+        """`guards=` plus the guard functions given inline (`go(..., when=fn)`), by name."""
+        guards = dict(self.guards)
+        inline: dict[str, Guard] = {}
+        for state, row in self.table.items():
+            for event, cell in row.items():
+                items = cell if isinstance(cell, (list, tuple)) else [cell]
+                for it in items:
+                    when = it.when if isinstance(it, Go) else None
+                    if when is None or isinstance(when, str):
+                        continue
+                    if not callable(when):
+                        self._err(
+                            f"guard {when!r} is neither a name nor a function",
+                            "write go(..., when='name') with guards={'name': fn}, or "
+                            "go(..., when=fn)",
+                            state,
+                            event,
+                        )
+                    name = guard_name(when)
+                    other = inline.get(name, guards.get(name))
+                    if other is not None and other is not when:
+                        self._err(
+                            f"two different guard functions are named {name!r}",
+                            "give each guard function its own name (a def, not a "
+                            "lambda, when there are several), or use the same function",
+                            state,
+                            event,
+                        )
+                    inline[name] = when
+        guards.update(inline)
+        return guards
+
+    def _compile_cells(self, guards: Mapping[str, Guard]) -> tuple[Cells, set[str]]:
+        """Each (state, event) cell as a tuple of `Alt`, plus the guards the cells use."""
+        sid = {s.name: i for i, s in enumerate(self.states)}
+        declared = set(self.events)
+        cells: Cells = []
+        used: set[str] = set()
+        for s in self.states:
+            row = self.table.get(s.name, {})
+            for key in row:
+                if key is not ANY and key not in declared:
+                    self._err(
+                        "the row names an event that is not declared",
+                        "add it to events=, or remove it from the row",
+                        s.name,
+                        key,
+                    )
+            default = row.get(ANY)
+            out: list[tuple[Alt, ...]] = []
+            for ev in self.events:
+                cell = row.get(ev, default)
+                if cell is None:
+                    self._err(
+                        "no transition, IGNORE or ERROR is declared for this pair (I4: "
+                        "every (state, event) pair is declared)",
+                        "add the event to the row as go(...), IGNORE or ERROR, or give "
+                        "the row an ANY entry",
+                        s.name,
+                        ev,
+                    )
+                out.append(tuple(self._compile_alt(s, ev, a, sid, guards, used)
+                                 for a in self._alts(s.name, ev, cell)))
+            cells.append(out)
+        return cells, used
+
+    def _alts(self, state: str, event: Any, cell: Any) -> list[Go | Marker]:
         items = list(cell) if isinstance(cell, (list, tuple)) else [cell]
         if not items:
             self._err("empty list of alternatives", "declare go(...), IGNORE or ERROR",
                       state, event)
-        alts: list[Go | _Marker] = []
+        alts: list[Go | Marker] = []
         for it in items:
             if isinstance(it, str):
                 it = Go(it)
-            if not isinstance(it, (Go, _Marker)) or it is ANY:
+            if not isinstance(it, (Go, Marker)) or it is ANY:
                 self._err(
                     f"cell {it!r} is not a transition, IGNORE or ERROR",
                     "write go('target', plan=..., when=...), IGNORE or ERROR",
@@ -243,107 +288,66 @@ class Spec:
             )
         return alts
 
-    def build(self) -> Machine:
-        """Validate the declaration and compile it; see the module docstring."""
-        from .machine import Machine  # the runtime depends on the declaration, not back
+    def _compile_alt(self, s: State, ev: type, a: Go | Marker, sid: Mapping[str, int],
+                     guards: Mapping[str, Guard], used: set[str]) -> Alt:
+        here = sid[s.name]
+        if a is IGNORE:
+            return Alt(IGNORED, here, None, None)
+        if a is ERROR:
+            return Alt(ERRORED, here, None, None)
+        assert isinstance(a, Go)
+        if s.terminal:
+            self._err(
+                f"a terminal state has an edge to {a.target!r} (I2: a machine enters a "
+                "terminal state once and never leaves)",
+                "declare the event IGNORE or ERROR in terminal states",
+                s.name,
+                ev,
+            )
+        if a.target not in sid:
+            self._err(
+                f"transition to undeclared state {a.target!r}",
+                "declare the target in states=, or fix its name",
+                s.name,
+                ev,
+            )
+        target = sid[a.target]
+        if a.plan is not None and not self.states[target].terminal:
+            self._err(
+                f"release plan {a.plan!r} on an edge to non-terminal state {a.target!r} "
+                "(I1: release effects run only on entering a terminal state)",
+                "move the plan to the edge that enters the terminal state",
+                s.name,
+                ev,
+            )
+        guard = None if a.when is None else guard_name(a.when)
+        if guard is not None:
+            if guard not in guards:
+                self._err(
+                    f"guard {guard!r} has no implementation",
+                    f"pass guards={{{guard!r}: predicate}} to the Spec, or the function "
+                    "itself: go(..., when=predicate)",
+                    s.name,
+                    ev,
+                )
+            used.add(guard)
+        return Alt(TRANSITION, target, a.plan, guard)
 
-        self._check_events()
-        self._check_states()
-        names = [s.name for s in self.states]
-        sid = {n: i for i, n in enumerate(names)}
-        terminal = tuple(s.terminal for s in self.states)
-        initial = next(i for i, s in enumerate(self.states) if s.initial)
-        ev_ids = {ev: i for i, ev in enumerate(self.events)}
+    # -- guard and graph checks ---------------------------------------------------
 
-        cells: list[list[tuple[Alt, ...]]] = []
-        used_guards: set[str] = set()
-        for s in self.states:
-            row = self.table.get(s.name, {})
-            default = row.get(ANY)
-            for key in row:
-                if key is not ANY and key not in ev_ids:
-                    self._err(
-                        "the row names an event that is not declared",
-                        "add it to events=, or remove it from the row",
-                        s.name,
-                        key,
-                    )
-            out_row: list[tuple[Alt, ...]] = []
-            for ev in self.events:
-                cell = row.get(ev, default)
-                if cell is None:
-                    self._err(
-                        "no transition, IGNORE or ERROR is declared for this pair (I4: "
-                        "every (state, event) pair is declared)",
-                        "add the event to the row as go(...), IGNORE or ERROR, or give "
-                        "the row an ANY entry",
-                        s.name,
-                        ev,
-                    )
-                compiled: list[Alt] = []
-                for a in self._alts(s.name, ev, cell):
-                    if a is IGNORE:
-                        compiled.append(Alt(IGNORED, sid[s.name], None, None))
-                        continue
-                    if a is ERROR:
-                        compiled.append(Alt(ERRORED, sid[s.name], None, None))
-                        continue
-                    assert isinstance(a, Go)
-                    if s.terminal:
-                        self._err(
-                            f"a terminal state has an edge to {a.target!r} (I2: a machine "
-                            "enters a terminal state once and never leaves)",
-                            "declare the event IGNORE or ERROR in terminal states",
-                            s.name,
-                            ev,
-                        )
-                    if a.target not in sid:
-                        self._err(
-                            f"transition to undeclared state {a.target!r}",
-                            "declare the target in states=, or fix its name",
-                            s.name,
-                            ev,
-                        )
-                    if a.plan is not None and not terminal[sid[a.target]]:
-                        self._err(
-                            f"release plan {a.plan!r} on an edge to non-terminal state "
-                            f"{a.target!r} (I1: release effects run only on entering a "
-                            "terminal state)",
-                            "move the plan to the edge that enters the terminal state",
-                            s.name,
-                            ev,
-                        )
-                    if a.when is not None:
-                        if a.when not in self.guards:
-                            self._err(
-                                f"guard {a.when!r} has no implementation",
-                                f"pass guards={{{a.when!r}: predicate}} to the Spec",
-                                s.name,
-                                ev,
-                            )
-                        used_guards.add(a.when)
-                    compiled.append(Alt(TRANSITION, sid[a.target], a.plan, a.when))
-                out_row.append(tuple(compiled))
-            cells.append(out_row)
-
+    def _check_guards(self, used: set[str]) -> None:
         for g in self.guards:
-            if g not in used_guards:
+            if g not in used:
                 self._err(
                     f"guard {g!r} is implemented but no edge uses it",
                     "remove it from guards=, or use it with go(..., when=...)",
                 )
 
-        succ: list[set[int]] = [
-            {a.target for alts in row for a in alts if a.decision == TRANSITION}
-            for row in cells
-        ]
-        seen = {initial}
-        todo = deque([initial])
-        while todo:
-            for t in succ[todo.popleft()]:
-                if t not in seen:
-                    seen.add(t)
-                    todo.append(t)
+    def _check_graph(self, cells: Cells, initial: int, terminal: tuple[bool, ...]) -> None:
+        names = [s.name for s in self.states]
+        succ = [{a.target for alts in row for a in alts if a.decision == TRANSITION}
+                for row in cells]
+        seen = reachable([initial], succ.__getitem__)
         for i, n in enumerate(names):
             if i not in seen:
                 self._err(
@@ -351,17 +355,7 @@ class Spec:
                     "add a transition into it, or remove it",
                     n,
                 )
-        pred: list[set[int]] = [set() for _ in names]
-        for i, ts in enumerate(succ):
-            for t in ts:
-                pred[t].add(i)
-        ends = {i for i, t in enumerate(terminal) if t}
-        todo = deque(ends)
-        while todo:
-            for p in pred[todo.popleft()]:
-                if p not in ends:
-                    ends.add(p)
-                    todo.append(p)
+        ends = reachable([i for i, t in enumerate(terminal) if t], invert(succ).__getitem__)
         for i, n in enumerate(names):
             if i not in ends:
                 self._err(
@@ -370,6 +364,3 @@ class Spec:
                     "add a transition from it (an abort, a failure) toward a terminal state",
                     n,
                 )
-
-        return Machine._compile(self, cells, initial, terminal)
-

@@ -92,7 +92,8 @@ def test_a_release_plan_on_an_edge_to_a_non_terminal_state_is_rejected():
 
 def test_a_guard_without_an_implementation_is_rejected():
     with raises("machine 'lifecycle', state 'prefilling', event 'Chunk': guard 'last_chunk' "
-                "has no implementation; pass guards={'last_chunk': predicate} to the Spec"):
+                "has no implementation; pass guards={'last_chunk': predicate} to the Spec, "
+                "or the function itself: go(..., when=predicate)"):
         lifecycle_spec(guards={"chunks_in_flight": GUARDS["chunks_in_flight"]}).build()
 
 

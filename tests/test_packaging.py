@@ -13,7 +13,7 @@ import pytest
 
 DIST = "terminus-fsm"
 ROOT = Path(__file__).resolve().parent.parent
-SUBPACKAGES = ("fsm", "states", "effects", "kernels")
+SUBPACKAGES = ("fsm", "states", "effects", "kernels", "metrics")
 
 
 def test_the_installed_distribution_declares_only_the_terminus_import_name():

@@ -407,7 +407,7 @@ def test_a_shared_ledger_gets_the_lora_releaser():
         s = await make_side()
         shared = Ledger(resources=s.side.ledger.resources)  # no "lora" kind yet
         side = TokenizerSide(s.registry, s.tokenizer, s.scheduler, s.sink, ledger=shared)
-        assert side.ledger is shared and "lora" in shared._releasers
+        assert side.ledger is shared and "lora" in shared.kinds
         await side.submit("hello", "a", rid="q1")
         side.on_finish("q1")
         shared.assert_empty()

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 
 import pytest
 
 from terminus.fsm import (
     Action,
     EffectError,
+    InvalidDefinition,
     Ledger,
     Plan,
     Release,
@@ -373,11 +375,33 @@ def test_trace_records_encode_as_msgpack_and_json(world):
     assert b'"decision":"transition"' in msgspec.json.encode(records[0])
 
 
-def test_an_unbound_machine_runs_terminal_transitions_without_effects():
+def test_an_unbound_machine_refuses_a_planned_edge_naming_the_plan_and_changes_nothing():
+    from terminus.fsm import PlanNotBound
+
     job = LIFECYCLE.create("r1")
+    with pytest.raises(PlanNotBound, match=re.escape(
+            "machine 'lifecycle', state 'queued', event 'Abort': this edge runs release "
+            "plan 'release_aborted', but the machine was never bound to an implementation "
+            "of it, so its terminal transition would release nothing; fire on "
+            "machine.bind(plans={'release_aborted': Plan(...), ...}, ledger=...); for a "
+            "declaration-only use (an oracle, a table test) bind(partial=True) runs "
+            "missing plans as empty ones")) as info:
+        job.fire(Abort())
+    assert info.value.plan == "release_aborted"
+    assert job.state == "queued" and not job.busy
+    job.fire(Start())  # a plain edge still fires
+    assert job.state == "prefilling"
+
+
+def test_binding_with_partial_runs_missing_plans_as_empty_ones():
+    m = LIFECYCLE.bind(partial=True)
+    job = m.create("r1")
     report = job.fire(Abort())
     assert report is not None and report.released == [] and report.plan == "release_aborted"
-    assert LIFECYCLE.stats.plans_run["release_aborted"] >= 1
+    assert m.stats.plans_run == {"release_aborted": 1}
+    with pytest.raises(InvalidDefinition, match="plans 'release_aborted', 'release_finished' "
+                       r"have no implementation; pass plans=\{'release_aborted': Plan"):
+        LIFECYCLE.bind()
 
 
 def test_instances_are_small():

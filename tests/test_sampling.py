@@ -5,13 +5,11 @@ failure before fan-out releases every reference from the parents."""
 from __future__ import annotations
 
 import asyncio
-import re
-from pathlib import Path
 
 import pytest
 
 from terminus.effects.request import LORA, FanOutMismatch, bind_sampling
-from terminus.effects.tokenizer import NotCreatedYet, RequestKey, TokenizerSide
+from terminus.effects.tokenizer import NotCreatedYet, RequestKey
 from terminus.fsm import EffectError, ReleaseFailed
 from terminus.states.request import LoRAAcquired, Request, RequestAbort, Submitted, Validated
 from terminus.states.sampling import FanOut, SamplingGroup, WarmupFinished
@@ -596,24 +594,3 @@ def test_the_scheduler_link_is_sent_keys_and_the_stream_carries_client_ids():
 
     run(main())
 
-
-def test_the_readme_tokenizer_example_runs_and_ends_with_counters_zero():
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
-    (code,) = [b for b in blocks if "TokenizerSide(registry, tokenizer" in b]
-
-    async def main():
-        s = await make_side("sql-lora")
-        body = "".join(f"    {line}\n" for line in code.splitlines())
-        scope = {"TokenizerSide": TokenizerSide, "registry": s.registry,
-                 "tokenizer": s.tokenizer, "scheduler_link": s.scheduler, "sink": s.sink,
-                 "prompt": "hello", "prompts": ["one", "two"]}
-        exec(f"async def example():\n{body}    return side\n", scope)
-        side = await scope["example"]()
-        assert side.live == {} and side.unknown_events == 0
-        assert [s.sink.outcome(r) for r in ("r1", "g1-0", "g1-1", "g1-7")] == \
-            ["aborted", "finished", "errored", "aborted"]
-        side.ledger.assert_empty()
-        s.registry.assert_full()
-
-    run(main())

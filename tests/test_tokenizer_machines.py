@@ -56,7 +56,7 @@ SAMPLING_EVENTS = st.one_of(
 @settings(max_examples=150, deadline=None)
 @given(st.lists(REQUEST_EVENTS, max_size=25))
 def test_request_agrees_with_the_transitions_oracle_on_random_sequences(events):
-    diff = Differential(rq.Request(rq.REQUEST, "r"))
+    diff = Differential(rq.Request(rq.REQUEST.bind(partial=True), "r"))
     for ev in events:
         diff.deliver(ev)
     assert diff.plans_match()
@@ -65,7 +65,7 @@ def test_request_agrees_with_the_transitions_oracle_on_random_sequences(events):
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(SAMPLING_EVENTS, st.integers(0, 2)), max_size=25))
 def test_sampling_agrees_with_the_transitions_oracle_on_random_sequences(steps):
-    group = sm.SamplingGroup(sm.SAMPLING, "g", prompts=["x"], n=2)
+    group = sm.SamplingGroup(sm.SAMPLING.bind(partial=True), "g", prompts=["x"], n=2)
     diff = Differential(group)
     for ev, pending in steps:
         group.pending_warmups = pending  # the guard reads it, in both engines
@@ -78,7 +78,7 @@ def test_sampling_agrees_with_the_transitions_oracle_on_random_sequences(steps):
                                  la.UnloadRequested(), la.UsersDrained(),
                                  la.UnloadTimedOut()]), max_size=20))
 def test_lora_adapter_agrees_with_the_transitions_oracle_on_random_sequences(events):
-    diff = Differential(la.LORA_ADAPTER.create("a"))
+    diff = Differential(la.LORA_ADAPTER.bind(partial=True).create("a"))
     for ev in events:
         diff.deliver(ev)
     assert diff.plans_match()

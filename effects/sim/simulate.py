@@ -93,15 +93,37 @@ def _check_writable(path: str | None, what: str) -> None:
                        "not writable")
 
 
+def watch_loop(metrics: Any, loop: Any) -> None:
+    """Mount `terminus.metrics.Metrics` on a serving loop's machines, ledgers, pools and
+    LoRA registry (pool names `scheduler.kv`, `disagg.metadata`, `prefetch.host.rank0`...)."""
+    metrics.watch_machine(*loop.machines())
+    metrics.watch_lora("sim", loop.registry)
+    for name in ("kv", "table", "mamba"):
+        metrics.watch_pool(f"scheduler.{name}", getattr(loop.pools, name))
+    for name, pool in loop.disagg.pools.pools().items():
+        metrics.watch_pool(f"disagg.{name}", pool)
+    for site in loop.prefetch.sites:
+        metrics.watch_pool(f"prefetch.host.rank{site.rank}", site.host)
+    # Ledgers: only the machines' parts keep them (the naive baseline has none).
+    for name, owner in (("tokenizer", loop.parts), ("disagg", getattr(loop.disagg, "engine",
+                                                                      None)),
+                        *((f"prefetch.rank{s.rank}", s) for s in loop.prefetch.sites)):
+        ledger = getattr(owner, "ledger", None)
+        if ledger is not None:
+            metrics.watch_ledger(name, ledger)
+
+
 def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu",
                    parts: PartsFactory | None = None, trace: Any = None,
-                   progress: Any = None, page_size: int = 16) -> dict[str, Any]:
+                   progress: Any = None, page_size: int = 16,
+                   metrics: Any = None) -> dict[str, Any]:
     """Run one workload through the serving loop; the summary dict.
 
     `parts`: `serving.machine_parts` (the default: the declared machines) or
     `naive.naive_parts` (the seeds' pre-fix logic). `page_size`: KV tokens per page of
     the scheduler's and the disaggregated-prefill server's KV pools (16 by default;
-    1 is token granularity).
+    1 is token granularity). `metrics`, a `terminus.metrics.Metrics`, is mounted on the
+    loop before it runs (see `watch_loop`); the caller serves it and unmounts it.
     """
     import torch
 
@@ -115,6 +137,8 @@ def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu",
     cfg = SimConfig(device=device, chunk_size=wcfg.chunk_size, page_size=page_size)
     loop = ServingLoop(workload, cfg, parts=parts or machine_parts, adapters=wcfg.adapters,
                        trace=trace, progress=progress)
+    if metrics is not None:
+        watch_loop(metrics, loop)
     counter = _Counting()
     prev = observe.set_recorder(counter)
     try:
@@ -202,17 +226,27 @@ def main(argv: list[str]) -> int:
                "and audit leaks.")
     p.add_argument("--requests", type=int, default=d.requests, metavar="N",
                    help=f"requests in the workload (default {d.requests})")
-    p.add_argument("--seed", type=int, default=d.seed, metavar="S")
+    p.add_argument("--seed", type=int, default=d.seed, metavar="S",
+                   help=f"seed of the workload generator: the same seed and options give "
+                        f"the same workload (default {d.seed})")
     p.add_argument("--abort-rate", type=float, default=d.abort_rate, metavar="P",
-                   help="fraction of requests the client aborts (0..1)")
+                   help=f"fraction of requests the client aborts, 0..1 (default "
+                        f"{d.abort_rate})")
     p.add_argument("--fault-rate", type=float, default=d.fault_rate, metavar="P",
-                   help="fraction of requests that hit a transport or scheduler fault")
+                   help=f"fraction of requests that hit a transport or scheduler fault, "
+                        f"0..1 (default {d.fault_rate})")
     p.add_argument("--n", type=int, default=3, metavar="N",
                    help="parallel samples of a sampling request (default 3)")
-    p.add_argument("--disagg-fraction", type=float, default=d.disagg_fraction, metavar="P")
+    p.add_argument("--disagg-fraction", type=float, default=d.disagg_fraction, metavar="P",
+                   help=f"fraction of requests served by disaggregated prefill, 0..1 "
+                        f"(default {d.disagg_fraction})")
     p.add_argument("--prefetch-fraction", type=float, default=d.prefetch_fraction,
-                   metavar="P")
-    p.add_argument("--device", default="cpu", help="torch device of the pools")
+                   metavar="P",
+                   help=f"fraction of requests whose prefix is prefetched from storage "
+                        f"into host pages on every rank, 0..1 (default "
+                        f"{d.prefetch_fraction})")
+    p.add_argument("--device", default="cpu",
+                   help="torch device of the pools: cpu (default), cuda or cuda:N")
     p.add_argument("--page-size", type=int, default=16, metavar="T",
                    help="KV tokens per page (default 16, as deployments run pages above "
                         "1; 1 is token granularity); a power of two up to 1024")
@@ -222,6 +256,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--baseline", choices=["naive"],
                    help="also run the seeds' pre-fix logic on the same workload")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics of the machines' run on "
+                        "http://127.0.0.1:PORT/metrics while it runs (0: a free port; "
+                        "needs the extra terminus-fsm[metrics])")
     p.add_argument("--scenario", choices=["disagg-seed", "prefix-lock-leak"],
                    help="instead of the workload, replay one seed's production case "
                         "(disagg-seed), or aborted turns that matched a cached prefix "
@@ -230,6 +268,9 @@ def main(argv: list[str]) -> int:
     if a.scenario == "disagg-seed":
         return _disagg_seed(a.seed, a.json)
     if a.scenario == "prefix-lock-leak":
+        if not 1 <= a.page_size <= 64 or a.page_size & (a.page_size - 1):
+            raise CliError(f"--page-size with --scenario prefix-lock-leak must be a power "
+                           f"of two from 1 to 64, got {a.page_size}")
         return _prefix_lock_leak(a.page_size, a.json)
     wcfg = WorkloadConfig(requests=a.requests, seed=a.seed, abort_rate=a.abort_rate,
                           fault_rate=a.fault_rate, n=a.n,
@@ -246,13 +287,16 @@ def main(argv: list[str]) -> int:
     _check_writable(a.json, "the summary")
     _check_writable(a.trace, "the trace")
 
+    metrics = _serve_metrics(a.metrics_port) if a.metrics_port is not None else None
     trace = _TraceWriter(a.trace) if a.trace else None
     try:
         result = _run_with_progress(wcfg, a.device, "machines", trace, not a.no_progress,
-                                    a.page_size)
+                                    a.page_size, metrics)
     finally:
         if trace is not None:
             trace.close()
+        if metrics is not None:
+            metrics.unmount()
     if trace is not None:
         result["trace_records"] = trace.records
     baseline = None
@@ -314,15 +358,39 @@ def _prefix_lock_leak(page_size: int, json_path: str | None) -> int:
     return 0
 
 
+def _serve_metrics(port: int) -> Any:
+    import sys
+
+    try:
+        from terminus.metrics import Metrics
+    except ImportError as e:
+        raise CliError(f"--metrics-port: {e}") from None
+    from prometheus_client import CollectorRegistry
+
+    if not 0 <= port <= 65535:
+        raise CliError(f"--metrics-port must be between 0 and 65535, got {port}")
+    metrics = Metrics(CollectorRegistry())
+    try:
+        bound = metrics.serve(port)
+    except OSError as e:
+        metrics.unmount()
+        raise CliError(f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}: "
+                       f"{e.strerror or e}") from None
+    print(f"terminus simulate: metrics on http://127.0.0.1:{bound}/metrics",
+          file=sys.stderr, flush=True)
+    return metrics
+
+
 def _run_with_progress(wcfg: WorkloadConfig, device: str, loop: str, trace: Any,
-                       show: bool, page_size: int = 16) -> dict[str, Any]:
+                       show: bool, page_size: int = 16,
+                       metrics: Any = None) -> dict[str, Any]:
     from .naive import naive_parts
     from .serving import machine_parts
 
     parts = naive_parts if loop == "naive" else machine_parts
     if not show:
         return run_simulation(wcfg, device=device, parts=parts, trace=trace,
-                              page_size=page_size)
+                              page_size=page_size, metrics=metrics)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     label = "naive baseline" if loop == "naive" else "machines"
@@ -339,4 +407,4 @@ def _run_with_progress(wcfg: WorkloadConfig, device: str, loop: str, trace: Any,
                 bar.refresh()
 
         return run_simulation(wcfg, device=device, parts=parts, trace=trace,
-                              progress=advance, page_size=page_size)
+                              progress=advance, page_size=page_size, metrics=metrics)
