@@ -78,7 +78,7 @@ CALL_SITES: tuple[CallSite, ...] = tuple([
         "(sender_abort, best-effort)", TransportError),
     *_c("allocator", "kv", "alloc available_size", "DisaggPrefill.schedule"),
     *_c("allocator", "kv", "free", "release effect free_kv; insert_kv_into_cache when the "
-        "cache refused; CountingPrefixCache.evict_all"),
+        "cache refused; PrefixCache.evict"),
     *_c("allocator", "mamba", "alloc available_size", "DisaggPrefill.schedule; "
         "RunningBatch.admit"),
     *_c("allocator", "mamba", "free", "release effect free_mamba; release_batch"),

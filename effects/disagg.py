@@ -79,7 +79,7 @@ from terminus.states.disagg import (
 )
 
 from .output import OutputLog, OutputSink, TerminalOutput
-from .prefix_cache import CountingPrefixCache, PrefixCache
+from .prefix_cache import PREFIX_LOCK, PrefixCache, audit_pages, release_prefix_lock
 from .sanitize import sanitized
 from .transport import Poll, Transport, TransportError
 
@@ -94,7 +94,7 @@ __all__ = [
     "make_ledger",
 ]
 
-KINDS = ("hicache", "metadata", "req_slot", "mamba", "kv")
+KINDS = ("hicache", "metadata", "req_slot", "mamba", "kv", PREFIX_LOCK)
 """Handle kinds this module's ledger knows."""
 
 
@@ -243,25 +243,60 @@ def release_hicache(ctx: ReleaseContext, handle: Any) -> None:
     prefetch.release()
 
 
-@release_effect
-def stage_kv_for_cache(ctx: ReleaseContext, handle: Any) -> None:
-    """Collect a KV handle for the single prefix-cache insert that follows."""
-    _res(ctx).staged.setdefault(ctx.instance, []).append(handle.value)
+def _insertable(parts: list[torch.Tensor], page_size: int) -> int:
+    """Tokens of the concatenated `parts` whose pages line up with token positions: up
+    to the end of the first part that does not fill whole pages (each part starts on a
+    page of its own, so a page of the key past it would mix two physical pages)."""
+    n = 0
+    for p in parts:
+        n += int(p.numel())
+        if p.numel() % page_size:
+            break
+    return n
 
 
 @release_effect
 def insert_kv_into_cache(ctx: ReleaseContext) -> None:
-    """Insert the request's whole KV into the prefix cache: once per request."""
+    """Insert the request's KV into the prefix cache, once per request, before its KV
+    handles are released: the tree takes what is new; `free_kv_not_cached` then frees
+    the rest (duplicates, the unaligned tail) through the KV releaser. When the insert
+    raises, the cache took nothing and every page is freed there."""
     res = _res(ctx)
-    parts = res.staged.pop(ctx.instance, [])
+    inst = ctx.instance
+    assert ctx.ledger is not None
+    parts = [h.value for h in ctx.ledger.owned(inst, "kv")]
+    locks = [h.value for h in ctx.ledger.owned(inst, PREFIX_LOCK)]
     if not parts:
         return
-    try:
-        res.cache.insert(ctx.instance.key, torch.cat(parts))
-    except BaseException:
-        for kv in parts:  # the cache did not take them: they are still ours to free
-            res.pools.kv.free(kv)
-        raise
+    matched = locks[0].indices if locks else None
+    owned_from = locks[0].length if locks else 0
+    n = _insertable(parts, res.pools.page_size)
+    kv = torch.cat(([matched] if matched is not None else []) + parts)[:owned_from + n]
+    tokens = inst.tokens if isinstance(inst, PrefillRequest) else ()
+    if len(tokens) < kv.numel():
+        kv = kv[:len(tokens)]
+    result = res.cache.insert(inst.key, tokens[:kv.numel()], kv,
+                              owned_from=min(owned_from, kv.numel()))
+    res.staged[inst] = [result.taken]
+
+
+@release_effect
+def free_kv_not_cached(ctx: ReleaseContext, handle: Any) -> None:
+    """Free the pages of a KV handle that the prefix cache did not take (all of them
+    when nothing was inserted)."""
+    res = _res(ctx)
+    taken = res.staged.get(ctx.instance)
+    idx = handle.value
+    if taken and taken[0].numel():
+        idx = idx[~torch.isin(idx.to(torch.int64), taken[0].to(idx.device))]
+    if idx.numel():
+        res.pools.kv.free(idx)
+
+
+@release_effect
+def forget_insert(ctx: ReleaseContext) -> None:
+    """Drop the record of what the cache took (every KV handle was released)."""
+    _res(ctx).staged.pop(ctx.instance, None)
 
 
 @release_effect
@@ -294,13 +329,15 @@ def stream_terminal(ctx: ReleaseContext) -> None:
     _res(ctx).sink.put(TerminalOutput(str(inst.key), ctx.target, message=reason))
 
 
-_LOCAL = (Release("metadata"), Release("hicache"), Release("kv"), Release("mamba"),
-          Release("req_slot"))
+_LOCAL = (Release("metadata"), Release("hicache"), Release("kv"), Release(PREFIX_LOCK),
+          Release("mamba"), Release("req_slot"))
 
 REQUEST_PLANS: dict[str, Plan] = {
     "release_succeeded": Plan(
-        Release("kv", stage_kv_for_cache),
         Action(insert_kv_into_cache),
+        Release("kv", free_kv_not_cached),
+        Action(forget_insert),
+        Release(PREFIX_LOCK),
         Release("mamba"), Release("req_slot"), Release("metadata"), Release("hicache"),
         Action(stream_terminal, best_effort=True),
     ),
@@ -331,7 +368,8 @@ CHUNK_PLANS: dict[str, Plan] = {
 def make_ledger(resources: DisaggResources) -> Ledger:
     """A ledger with this module's default releasers over `resources`."""
     return Ledger({"kv": free_kv, "mamba": free_mamba, "req_slot": free_req_slot,
-                   "metadata": free_metadata, "hicache": release_hicache},
+                   "metadata": free_metadata, "hicache": release_hicache,
+                   PREFIX_LOCK: release_prefix_lock},
                   resources=resources)
 
 
@@ -341,18 +379,29 @@ def make_ledger(resources: DisaggResources) -> Ledger:
 class PrefillRequest(DisaggReq):
     """A request instance plus what the loop needs to cut it into chunks."""
 
-    __slots__ = ("chunk_size", "n_chunks", "prompt_len", "sender_deadline")
+    __slots__ = ("cached", "chunk_size", "n_chunks", "prompt_len", "sender_deadline",
+                 "tokens")
 
-    def __init__(self, machine: Machine, key: str, prompt_len: int, chunk_size: int) -> None:
+    def __init__(self, machine: Machine, key: str, prompt_len: int, chunk_size: int,
+                 tokens: tuple[int, ...] = ()) -> None:
         super().__init__(machine, key)
         self.prompt_len = prompt_len
+        self.tokens = tokens
+        """The prompt's token ids (what the prefix cache is keyed by)."""
         self.chunk_size = chunk_size
+        self.cached = 0
+        """Prompt tokens matched in the prefix cache (not prefilled again)."""
         self.n_chunks = -(-prompt_len // chunk_size)
         self.sender_deadline: float | None = None  # set when it starts awaiting_sender
 
+    def set_cached(self, n: int) -> None:
+        """The first `n` prompt tokens came from the prefix cache: chunks cover the rest."""
+        self.cached = n
+        self.n_chunks = -(-(self.prompt_len - n) // self.chunk_size)
+
     def chunk_len(self, k: int) -> int:
-        """Tokens in chunk `k`."""
-        return min(self.chunk_size, self.prompt_len - k * self.chunk_size)
+        """Tokens in chunk `k` (chunks start after the cached prefix)."""
+        return min(self.chunk_size, self.prompt_len - self.cached - k * self.chunk_size)
 
 
 class DisaggPrefill:
@@ -385,7 +434,9 @@ class DisaggPrefill:
         self.errors: list[Exception] = []
         self.pools = pools
         self.transport: Transport = transport
-        self.cache: PrefixCache = cache if cache is not None else CountingPrefixCache(pools.kv)
+        self.cache = cache if cache is not None else PrefixCache(
+            pools.kv, pools.page_size, getattr(pools.kv, "device", "cpu"))
+        self._anon = 1 << 40  # token ids of prompts given without tokens: never shared
         self.sink: OutputSink = sink if sink is not None else OutputLog()
         self.mamba_per_request = mamba_per_request
         self.resources = DisaggResources(pools, self.transport, self.cache, self.sink)
@@ -412,8 +463,19 @@ class DisaggPrefill:
 
     @sanitized
     def add(self, rid: str, prompt_len: int, *, chunk_size: int,
-            host_pages: int = 0) -> PrefillRequest:
-        """A new request in `bootstrapping`; `host_pages` > 0 starts its host prefetch."""
+            host_pages: int = 0, tokens: tuple[int, ...] | None = None) -> PrefillRequest:
+        """A new request in `bootstrapping`; `host_pages` > 0 starts its host prefetch.
+
+        `tokens`: the prompt's token ids (`prompt_len` of them), the prefix cache's key:
+        the longest cached prefix of all but the last token is matched and locked (a
+        `PREFIX_LOCK` handle the request owns, released by whichever terminal plan it
+        reaches), and only the rest is prefilled; on success the KV is inserted.
+        Without `tokens` nothing is matched and the KV is cached under ids no other
+        prompt has.
+        """
+        if tokens is not None and len(tokens) != prompt_len:
+            raise ValueError(f"request {rid!r}: {len(tokens)} tokens given for "
+                             f"prompt_len {prompt_len}; pass one token id per position")
         if rid in self.requests:
             raise ValueError(f"request {rid!r} already exists; request ids are unique")
         if prompt_len < 1 or chunk_size < 1:
@@ -424,8 +486,18 @@ class DisaggPrefill:
             raise ValueError(f"request {rid!r}: prompt_len {prompt_len} exceeds the "
                              f"request table's max_context_len {limit}; cut the prompt or "
                              "raise max_context_len")
-        req = PrefillRequest(self.requests_machine, rid, prompt_len, chunk_size)
+        match = None
+        if tokens is None:
+            tokens = tuple(range(self._anon, self._anon + prompt_len))
+            self._anon += prompt_len
+        else:
+            match = self.cache.match(tokens, limit=prompt_len - 1)
+        req = PrefillRequest(self.requests_machine, rid, prompt_len, chunk_size,
+                             tuple(tokens))
         self.requests[rid] = req
+        if match is not None and match.length:
+            self.ledger.acquire(req, PREFIX_LOCK, self.cache.lock(match))
+            req.set_cached(match.length)
         if host_pages > 0:
             pf = self.pools.host.prefetch(host_pages)
             if pf is not None:  # no room: the request just runs without host pages
@@ -547,9 +619,12 @@ class DisaggPrefill:
         chunk = Chunk(self.chunks_machine, (rid, k), parent=req, index=k,
                       last=k == req.n_chunks - 1)
         self.ledger.acquire(chunk, "kv", kv)
-        row = self.ledger.owned(req, "req_slot")[0].value
+        row = int(self.ledger.owned(req, "req_slot")[0].value[0])
         try:
-            pools.table.write(int(row[0]), k * req.chunk_size, kv)
+            if k == 0:
+                for h in self.ledger.owned(req, PREFIX_LOCK):
+                    pools.table.write(row, 0, h.value.indices)
+            pools.table.write(row, req.cached + k * req.chunk_size, kv)
         except BaseException:
             chunk.fire(Abandon())  # never launched: its pages go to the request
             raise
@@ -599,7 +674,8 @@ class DisaggPrefill:
             chunk.fire(Abandon())
         report = req.fire(ChunkResult(k, chunk.last))
         if req.state == "transferring":
-            kv = [h.value for h in self.ledger.owned(req, "kv")]
+            kv = [h.value.indices for h in self.ledger.owned(req, PREFIX_LOCK)]
+            kv += [h.value for h in self.ledger.owned(req, "kv")]
             try:
                 self.transport.send(rid, torch.cat(kv))
             except TransportError as e:
@@ -666,6 +742,16 @@ class DisaggPrefill:
             raise AssertionError(
                 "ledger and pools disagree (owned, handed out): "
                 + ", ".join(f"{k}={v}" for k, v in bad.items()))
+
+    def audit(self) -> dict[str, int]:
+        """Who holds every KV page now: the pool (free), the prefix cache (locked or
+        evictable) or a live request or chunk (its ledger KV handles); KV token slots by
+        holder. Raises AssertionError when a page has two holders or none (see
+        `terminus.effects.prefix_cache.audit_pages`); the leak sanitizer calls it after
+        every driver call."""
+        live = [h.value for hs in self.ledger.outstanding().values() for h in hs
+                if h.kind == "kv"]
+        return dict(audit_pages(self.pools.kv, self.cache, live))
 
     def finish(self) -> list[str]:
         """End of a run: evict the prefix cache into the KV pool, check every pool is

@@ -390,15 +390,26 @@ def _audit_running(rb: Any) -> list[Finding]:
     ps = int(getattr(pools, "page_size", 1) or 1)
     lengths = table.lengths.index_select(0, live).to(torch.int64)
     mslots = table.mamba_slots.index_select(0, live)
-    # A row owns whole pages of its own: ceil(length / page_size) of them.
-    kv_ids = [_pages(table.req_to_token[int(r), :int(n)], ps) for r, n in
-              zip(live.tolist(), lengths.tolist(), strict=True) if n]
-    owned_kv = int((-(-lengths // ps)).sum()) * ps
+    # A row owns whole pages of its own past the prefix it matched in the prefix cache
+    # (whole pages too): ceil((length - matched) / page_size) of them. The cache holds
+    # the rest, outside the ledger.
+    cache = getattr(rb, "cache", None)
+    starts = [rb.matched(int(r)) if cache is not None else 0 for r in live.tolist()]
+    kv_ids = [_pages(table.req_to_token[int(r), m:int(n)], ps) for r, n, m in
+              zip(live.tolist(), lengths.tolist(), starts, strict=True) if n > m]
+    own = lengths - torch.tensor(starts, dtype=torch.int64)
+    owned_kv = int((-(-own.clamp(min=0) // ps)).sum()) * ps
+    cached = int(cache.held_tokens) if cache is not None else 0
     out: list[Finding] = []
     for name in ("kv", "mamba", "table"):
         out += _pool_check(name, getattr(pools, name))
     if hasattr(_real(pools.kv), "capacity"):
-        out += _compare("kv", owned_kv, _in_use(pools.kv), pools.kv, kv_ids)
+        out += _compare("kv", owned_kv, _in_use(pools.kv), pools.kv, kv_ids, cached)
+    if cache is not None:
+        try:
+            rb.audit()  # every page: one holder (pool, cache, or a live row)
+        except AssertionError as e:
+            out.append(Finding("kv", owned_kv, _in_use(pools.kv), f"page audit: {e}"))
     if hasattr(_real(pools.mamba), "capacity"):
         out += _compare("mamba", int((mslots != 0).sum()), _in_use(pools.mamba),
                         pools.mamba, [mslots[mslots != 0]])

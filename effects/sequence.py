@@ -5,6 +5,14 @@
              mamba_slots[r]                 (a Mamba state, 0 = none)
              the slot r itself
 
+With a prefix cache (`RunningBatch(cache=)`), admission matches each new row's prompt
+and locks what it matched: ``req_to_token[r, :matched[r]]`` are the cache's pages, the
+row owns only the columns after them (``kv_start``). Retirement inserts a finished
+row's KV into the cache (duplicates and the unaligned tail are freed with the row's
+other pages), frees an aborted or failed row's own KV without inserting it, and drops
+every row's lock exactly once, in the same batched plan. Growth that finds the KV pool
+short evicts unlocked cached pages first.
+
 A row's resources are written into the table in the same call that allocates them, so
 they have an owner from their first instant; they are released only by the batch's
 terminal plans, which run `kernels.release_batch` once per plan per step for every row
@@ -14,7 +22,7 @@ caller which rows retired and how (to stream their terminal output).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +38,7 @@ from terminus.kernels.protocols import (
 )
 from terminus.states.sequence import SEQUENCE, Admit
 
+from .prefix_cache import PageAudit, PrefixCache, PrefixLock, audit_pages
 from .sanitize import sanitized
 
 __all__ = ["RunningBatch", "SchedulerPools"]
@@ -111,8 +120,24 @@ _TERMINAL_OF_PLAN = {"release_finished": "finished", "release_aborted": "aborted
 class RunningBatch:
     """SEQUENCE instances, one per request slot, stepped and released in batches."""
 
-    def __init__(self, pools: SchedulerPools, on_retired: Retired | None = None) -> None:
+    def __init__(self, pools: SchedulerPools, on_retired: Retired | None = None, *,
+                 cache: PrefixCache | None = None) -> None:
+        if cache is not None and (cache.kv is not pools.kv
+                                  or cache.page_size != pools.page_size):
+            raise ValueError("RunningBatch: the prefix cache must be built over the "
+                             "batch's own KV pool (PrefixCache(pools.kv)) with its page size")
         self.pools = pools
+        self.cache = cache
+        n = pools.table.capacity
+        self.locks: list[PrefixLock | None] = [None] * n
+        """Per row: its lock on the cached prefix it matched (None: no match)."""
+        self.tokens: list[list[int] | None] = [None] * n
+        """Per row: its token ids (the prompt given at admission; the caller appends
+        the tokens it generates), the cache's key when it finishes."""
+        self.kv_start = torch.zeros(n, dtype=torch.int64, device=pools.table.device)
+        cap = getattr(pools.kv, "capacity", 0)
+        self.evict_batch = max(pools.page_size, cap // 32)
+        """Tokens evicted at least when growth finds the KV pool short."""
         self.on_retired = on_retired
         self.retired = {name: 0 for name in _TERMINAL_OF_PLAN.values()}
         self.released_tokens = 0
@@ -128,8 +153,15 @@ class RunningBatch:
         def release_rows(ctx: ReleaseContext, rows: torch.Tensor) -> None:
             state = _TERMINAL_OF_PLAN[ctx.plan]
             try:
-                out = release_batch(rows, pools.table, pools.kv, pools.mamba)
+                starts: torch.Tensor | None = None
+                errors: list[Exception] = []
+                if self.cache is not None:
+                    starts, errors = self._retire_cached(rows, state)
+                out = release_batch(rows, pools.table, pools.kv, pools.mamba,
+                                    kv_start=starts)
                 self.released_tokens += out.kv_tokens
+                if errors:  # the rows' pages went back all the same
+                    raise errors[0]
             finally:
                 # The rows are terminal whatever a pool said (release_batch frees every
                 # pool before raising): their owners hear of it either way.
@@ -139,15 +171,69 @@ class RunningBatch:
 
         return release_rows
 
+    def _retire_cached(self, rows: torch.Tensor, state: str,
+                       ) -> tuple[torch.Tensor, list[Exception]]:
+        """Before `release_batch` frees the rows' own KV: insert each finished row's KV
+        into the cache (the first column the row still owns moves past what the tree
+        took, so `release_batch` frees the duplicates and the tail with the rest), and
+        drop every row's lock. Returns the per-row first owned column."""
+        cache = self.cache
+        assert cache is not None
+        table = self.pools.table
+        errors: list[Exception] = []
+        ids = rows.tolist()
+        for r in ids:
+            lock, toks = self.locks[r], self.tokens[r]
+            start = lock.length if lock is not None else 0
+            try:
+                if state == "finished" and toks is not None:
+                    n = min(len(toks), int(table.lengths[r]))
+                    kv = table.req_to_token[r, :n].to(torch.int64)
+                    res = cache.insert(r, toks[:n], kv, owned_from=min(start, n))
+                    taken = int(res.taken.numel())
+                    if taken:
+                        # The tree took kv[prefix_len:end]; the row still owns the
+                        # duplicates kv[start:prefix_len] and the tail kv[end:]: move the
+                        # taken run first, so the row owns the columns after it.
+                        p, end = res.prefix_len, res.prefix_len + taken
+                        row = torch.cat((kv[:start], kv[p:end], kv[start:p], kv[end:]))
+                        table.req_to_token[r, :n] = row.to(table.req_to_token.dtype)
+                        start += taken
+            except Exception as e:  # the cache took nothing: the row frees it all
+                errors.append(e)
+            finally:
+                self.kv_start[r] = start
+                self.tokens[r] = None
+                self.locks[r] = None
+                if lock is not None:
+                    try:
+                        lock.release()
+                    except Exception as e:
+                        errors.append(e)
+        starts = self.kv_start.index_select(0, rows.to(torch.int64))
+        self.kv_start.index_fill_(0, rows.to(torch.int64), 0)
+        return starts, errors
+
     # -- admission and growth --------------------------------------------------------
 
     @sanitized
-    def admit(self, n: int, mamba: bool) -> torch.Tensor | None:
+    def admit(self, n: int, mamba: bool,
+              prompts: Sequence[list[int]] | None = None) -> torch.Tensor | None:
         """Rows for `n` new sequences (with a Mamba state each when `mamba`), admitted
         (state `prefill`), or None.
 
-        All or nothing: when any pool is short, nothing is taken.
+        `prompts` (with a prefix cache): each row's prompt token ids; the longest
+        cached prefix of all but its last token is matched, locked and written into
+        the row (its length is the row's `lengths` and `matched(rows)`), so only the
+        rest is allocated. The list is kept as the row's tokens (append generated
+        tokens to it). All or nothing: when any pool is short, nothing is taken.
         """
+        if prompts is not None and len(prompts) != n:
+            raise ValueError(f"admit: {len(prompts)} prompts for {n} rows; pass one "
+                             "prompt per row")
+        if prompts is not None and self.cache is None:
+            raise ValueError("admit: prompts given but the batch has no prefix cache; "
+                             "build it with RunningBatch(pools, cache=PrefixCache(pools.kv))")
         pools = self.pools
         if pools.table.available < n or (mamba and pools.mamba.available_size() < n):
             return None
@@ -165,7 +251,35 @@ class RunningBatch:
         # where an abort would be refused and nothing could release them.
         self.batch.recycle(rows)
         self.fire(rows, Admit)
+        if prompts is not None:
+            assert self.cache is not None
+            table = pools.table
+            for r, toks in zip(rows.tolist(), prompts, strict=True):
+                self.tokens[r] = toks
+                m = self.cache.match(toks, limit=len(toks) - 1)
+                if m.length:
+                    self.locks[r] = self.cache.lock(m)
+                    table.req_to_token[r, :m.length] = m.indices.to(
+                        device=table.device, dtype=table.req_to_token.dtype)
+                    table.lengths[r] = m.length
         return rows
+
+    def matched(self, row: int) -> int:
+        """Tokens of `row` that came from the prefix cache (0 without a match)."""
+        lock = self.locks[row]
+        return lock.length if lock is not None else 0
+
+    def audit(self) -> PageAudit:
+        """Who holds every KV page now: the pool (free), the prefix cache (locked or
+        evictable) or a live row (its own columns, past its matched prefix); token
+        slots by holder. Raises AssertionError when a page has two holders or none;
+        the leak sanitizer calls it after every driver call."""
+        table = self.pools.table
+        own = []
+        # A retired row's length is 0 (release_batch resets it), as is a vacant one's.
+        for r in (table.lengths > 0).nonzero().flatten().tolist():
+            own.append(table.req_to_token[r, self.matched(r):int(table.lengths[r])])
+        return audit_pages(self.pools.kv, self.cache, own)
 
     @sanitized
     def append_kv(self, rows: torch.Tensor, counts: torch.Tensor) -> bool:
@@ -182,7 +296,7 @@ class RunningBatch:
         count below zero or a length past the table's `max_context_len`. False
         (nothing taken) when the KV pool is short.
         """
-        table, kv, ps = self.pools.table, self.pools.kv, self.pools.page_size
+        table, ps = self.pools.table, self.pools.page_size
         rows, counts, total = self._check_append(rows, counts)
         if total == 0:
             return True
@@ -193,7 +307,7 @@ class RunningBatch:
         starts = torch.cumsum(counts, 0) - counts
         j = torch.arange(total, device=rows.device) - starts.index_select(0, which)
         if ps == 1:
-            idx = kv.alloc(total)
+            idx = self._alloc(total)
             if idx is None:
                 return False
             idx = idx.to(rows.device)
@@ -201,7 +315,7 @@ class RunningBatch:
             fill = torch.minimum((-lengths) % ps, counts)  # room on each row's last page
             pages = -(-(counts - fill) // ps)
             n_pages = int(pages.sum())
-            got = kv.alloc(n_pages * ps) if n_pages else None
+            got = self._alloc(n_pages * ps) if n_pages else None
             if n_pages and got is None:
                 return False
             last = table.req_to_token[rows, (lengths - 1).clamp(min=0)].to(torch.int64)
@@ -215,6 +329,20 @@ class RunningBatch:
         table.req_to_token[rows.index_select(0, which), cols] = idx.to(torch.int32)
         table.lengths.index_add_(0, rows, counts.to(table.lengths.dtype))
         return True
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        """`n` KV token slots; when the pool is short, unlocked cached pages are evicted
+        (least recently used first) to make room, then the allocation is tried again."""
+        kv = self.pools.kv
+        got = kv.alloc(n)
+        if got is None and self.cache is not None:
+            short = n - kv.available_size()
+            if 0 < short <= self.cache.evictable_tokens:
+                # Evict a batch at once (1/32 of the pool at least): one scan of the
+                # tree's leaves then serves many allocations.
+                self.cache.evict(max(short, self.evict_batch))
+                got = kv.alloc(n)
+        return got
 
     def _check_append(self, rows: torch.Tensor, counts: torch.Tensor,
                       ) -> tuple[torch.Tensor, torch.Tensor, int]:

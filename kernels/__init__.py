@@ -22,6 +22,7 @@ from terminus.kernels.kv import KVSnapshot, TokenKVAllocator
 from terminus.kernels.lora import LoRAAdapter, LoRARegistry
 from terminus.kernels.mamba import MambaStatePool
 from terminus.kernels.metadata import MetadataSlot, MetadataSlots
+from terminus.kernels.radix import RadixTree
 from terminus.kernels.req_table import ReqToTokenTable
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "MetadataSlots",
     "PageLocked",
     "Prefetch",
+    "RadixTree",
     "RegistryFull",
     "ReleaseUnderflow",
     "ReqToTokenTable",

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from terminus.kernels import bench_radix
 from terminus.kernels.batched import release_batch, repeat_rows
 from terminus.kernels.kv import TokenKVAllocator
 from terminus.kernels.lora import LoRARegistry
@@ -347,7 +348,9 @@ def run(quick: bool = False, device: str = "cpu") -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run(quick, dev, threads)
+        out = _run(quick, dev, threads)
+        out["radix"] = bench_radix.run(quick)  # the prefix tree: Python on the host
+        return out
     finally:
         torch.set_num_threads(threads)
 
@@ -670,4 +673,4 @@ def table(result: dict) -> list[tuple[str, str]]:
             f"{result['lora_roundtrip_cpu_us']:.2f} / "
             f"{result['sglang_lora_roundtrip_cpu_us']:.2f} us",
         ),
-    ]
+    ] + (bench_radix.rows(result["radix"]) if "radix" in result else [])

@@ -15,7 +15,7 @@ from terminus.effects.disagg import (
     make_ledger,
 )
 from terminus.effects.output import OutputLog
-from terminus.effects.prefix_cache import CountingPrefixCache
+from terminus.effects.prefix_cache import PrefixCache
 from terminus.effects.sim.transport import FakeTransport
 from terminus.fsm import TransitionNotAllowed
 from terminus.fsm.oracle import Differential
@@ -48,7 +48,7 @@ CHUNK_EVENTS = (Launch(), NextLaunched(), Result(), Commit(), Abandon())
 
 def chunk_world():
     pools = DisaggPools.make()
-    res = DisaggResources(pools, FakeTransport(), CountingPrefixCache(pools.kv),
+    res = DisaggResources(pools, FakeTransport(), PrefixCache(pools.kv),
                           OutputLog())
     ledger = make_ledger(res)
     return pools, ledger, CHUNK.bind(CHUNK_PLANS, ledger)

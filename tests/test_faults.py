@@ -28,7 +28,7 @@ from terminus.effects.callsites import (
 )
 from terminus.effects.disagg import DisaggPools, DisaggPrefill
 from terminus.effects.output import OutputLog
-from terminus.effects.prefix_cache import CountingPrefixCache
+from terminus.effects.prefix_cache import PrefixCache
 from terminus.effects.sanitize import LeakSanitizerError, sanitizing
 from terminus.effects.sim.transport import FakeTransport
 from terminus.effects.tokenizer import TokenizerSide
@@ -88,7 +88,7 @@ def disagg_run(plan: FaultPlan) -> tuple[list[BaseException], DisaggPools, Any, 
         host=proxy(real.host, "host", plan, returns={"prefetch": "host_prefetch"}),
         table=proxy(real.table, "table", plan))
     transport = FakeTransport()
-    cache = CountingPrefixCache(real.kv)
+    cache = PrefixCache(real.kv)
     sink = OutputLog()
     clock = Clock()
     e = DisaggPrefill(pools, transport=proxy(transport, "transport", plan),

@@ -27,6 +27,10 @@ def test_quick_run_reports_every_figure_as_json():
     rows = bench.table(result)
     assert rows and all(isinstance(k, str) and isinstance(v, str) for k, v in rows)
     assert any(" ms" in v for _, v in rows)
+    radix = result["radix"]
+    assert radix["match_us"] > 0 and radix["insert_us"] > 0 and radix["evict_ms"] > 0
+    assert radix["baseline_match_us"] > 0 and radix["matched_tokens"] > 0
+    assert any(k.startswith("radix") for k, _ in rows)
 
 
 def test_a_device_torch_cannot_use_here_is_named():

@@ -58,6 +58,22 @@ def test_the_naive_baseline_shows_each_seeds_leak_on_the_same_workload(small_run
     assert leaks["lora_refs"] > 0  # ...and an abort that overtakes an acquire orphans it
     assert leaks["collective_deadlocks"] > 0  # prefetch seed: ranks skip the barrier
     assert naive["requests"] == machines["requests"]
+    # The classic prefix-cache leak: an aborted sequence dropped without its release
+    # keeps its lock, so the prefix it matched can never be evicted.
+    assert naive["prefix_cache"]["locked_at_end"] > 0
+    assert naive["prefix_cache"]["pages_by_holder"]["requests"] > 0
+
+
+def test_the_prefix_cache_hits_evicts_under_pressure_and_ends_unlocked(small_runs):
+    machines, _ = small_runs
+    pc = machines["prefix_cache"]
+    assert 0 < pc["hit_rate"] < 1 and pc["hit_tokens"] > 0
+    assert pc["peak_cached_tokens"] >= pc["inserted_tokens"] - pc["evicted_tokens"] > 0
+    assert pc["duplicate_tokens"] > 0  # shared system prompts were inserted again
+    assert pc["locked_at_end"] == 0
+    pages = pc["pages_by_holder"]
+    assert pages["cache_locked"] == 0 and pages["requests"] == 0
+    assert pages["free"] + pages["cache_evictable"] == pages["capacity"]
 
 
 def test_the_workload_is_the_same_for_the_same_options():
@@ -195,3 +211,18 @@ def test_a_page_size_that_is_not_a_power_of_two_up_to_1024_is_one_line(capsys, b
     err = capsys.readouterr().err
     assert err == ("terminus simulate: --page-size must be a power of two from 1 to 1024, "
                    f"got {bad}\n")
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_the_prefix_lock_leak_scenario_exhausts_the_naive_pool_only(tmp_path, page_size):
+    out = tmp_path / "lock.json"
+    assert main(["--scenario", "prefix-lock-leak", "--page-size", str(page_size),
+                 "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    naive, machines = r["naive"], r["machines"]
+    assert naive["exhausted"] and naive["refused"] > 0
+    assert naive["locked_at_end"] == naive["kv_tokens_leaked"] == naive["kv_tokens"]
+    assert not machines["exhausted"] and machines["refused"] == 0
+    assert machines["aborted"] == machines["conversations"]
+    assert machines["evicted_tokens"] > 0
+    assert machines["locked_at_end"] == machines["kv_tokens_leaked"] == 0

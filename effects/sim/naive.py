@@ -25,7 +25,7 @@ from typing import Any
 
 from terminus.effects.disagg import DisaggPools
 from terminus.effects.output import OutputSink, TerminalOutput
-from terminus.effects.prefix_cache import CountingPrefixCache
+from terminus.effects.prefix_cache import PrefixCache
 from terminus.effects.tokenizer import InvalidRequest
 from terminus.effects.transport import TransportError
 from terminus.kernels import ReleaseUnderflow
@@ -235,7 +235,7 @@ class NaiveDisagg:
                                       max_context_len=cfg.max_context_len,
                                       device=cfg.device, strict=False)
         self.transport = FakeTransport(auto_complete=True)
-        self.cache = CountingPrefixCache(self.pools.kv)
+        self.cache = PrefixCache(self.pools.kv)
         self.sink = sink
         self.loop = _Naive(self.pools, self.transport, self.cache, sink, c, 1)
         self.live: dict[str, list[int]] = {}

@@ -28,12 +28,12 @@ import torch
 
 from terminus.effects.disagg import DisaggPools, DisaggPrefill
 from terminus.effects.output import OutputLog, OutputSink, TerminalOutput
-from terminus.effects.prefix_cache import CountingPrefixCache
+from terminus.effects.prefix_cache import PrefixCache
 from terminus.effects.transport import Poll, TransportError
 
 from .transport import FakeTransport
 
-__all__ = ["DisaggLeak", "disagg_seed"]
+__all__ = ["DisaggLeak", "PrefixLockLeak", "disagg_seed", "prefix_lock_leak"]
 
 
 class DisaggLeak(msgspec.Struct, frozen=True):
@@ -119,12 +119,13 @@ class _NaiveReq:
 class _Naive:
     """The pre-fix result loop, kept deliberately as it was (see the module docstring)."""
 
-    def __init__(self, pools: DisaggPools, transport: FakeTransport, cache: CountingPrefixCache,
+    def __init__(self, pools: DisaggPools, transport: FakeTransport, cache: PrefixCache,
                  sink: OutputSink, chunk_size: int, mamba_per_request: int) -> None:
         self.pools, self.transport, self.cache, self.sink = pools, transport, cache, sink
         self.chunk_size = chunk_size
         self.mamba_per_request = mamba_per_request
         self.reqs: dict[str, _NaiveReq] = {}
+        self._anon = 1 << 40  # token ids no two prompts share
 
     def add(self, p: _Plan) -> None:
         r = self.reqs[p.rid] = _NaiveReq(p)
@@ -203,7 +204,9 @@ class _Naive:
             return
         # The final chunk is not checked for an abort.
         r.kv.append(kv)
-        self.cache.insert(rid, torch.cat(r.kv))
+        kv_all = torch.cat(r.kv)
+        self.cache.insert(rid, tuple(range(self._anon, self._anon + kv_all.numel())), kv_all)
+        self._anon += int(kv_all.numel())
         r.kv = []
         r.state = "transferring"
         self.transport.send(rid, torch.cat([kv]))
@@ -271,7 +274,7 @@ def disagg_seed(naive: bool, seed: int = 0, *, requests: int = 64, chunk_size: i
     failing = [p.rid for p in plans if p.sender_fails]
     if failing:
         transport.fail("abort", failing)
-    cache = CountingPrefixCache(pools.kv)
+    cache = PrefixCache(pools.kv)
     sink = OutputLog()
     loop: Any
     if naive:
@@ -338,3 +341,106 @@ def disagg_seed(naive: bool, seed: int = 0, *, requests: int = 64, chunk_size: i
         wrong_status=sum(1 for r in aborted if r in outs and outs[r][0].outcome != "aborted"),
         ledger_handles=0 if naive else engine.ledger.count(),
     )
+
+
+# -- the prefix-cache lock leak -------------------------------------------------------------
+
+
+class PrefixLockLeak(msgspec.Struct, frozen=True):
+    """What one `prefix_lock_leak` run shows. `refused`: turns that could not get KV
+    even after evicting every unlocked cached page (the pool exhausted);
+    `locked_at_end`: cached tokens still locked after every request ended (a lock
+    leak); `kv_tokens_leaked`: token slots missing from the pool once the cache is
+    evicted (the locked pages)."""
+
+    loop: str
+    conversations: int
+    kv_tokens: int
+    page_size: int
+    aborted: int
+    refused: int
+    evicted_tokens: int
+    locked_at_end: int
+    kv_tokens_leaked: int
+
+    @property
+    def exhausted(self) -> bool:
+        """True when some request was refused for want of KV."""
+        return self.refused > 0
+
+
+def prefix_lock_leak(naive: bool, *, conversations: int = 96, kv_tokens: int = 4096,
+                     turn_tokens: int = 64, page_size: int = 16) -> PrefixLockLeak:
+    """Conversations whose second turn matches the first (cached) turn, locks it, and
+    is aborted during its prefill. The machines release the lock in the abort's plan,
+    so eviction keeps making room; the naive loop (the pre-fix abort path: free the
+    request's own KV, forget its `dec_lock_ref`) pins each conversation's prefix until
+    the pool is exhausted and new turns are refused.
+    """
+    import torch
+
+    from terminus.effects.sequence import RunningBatch, SchedulerPools
+    from terminus.states.sequence import (
+        ChunkLaunched,
+        Finish,
+        LastChunkDone,
+        SequenceAbort,
+    )
+
+    if conversations < 1 or kv_tokens < 2 * turn_tokens or turn_tokens < 2:
+        raise ValueError("prefix_lock_leak: need conversations >= 1, turn_tokens >= 2 and "
+                         "kv_tokens >= 2 * turn_tokens")
+    pools = SchedulerPools(rows=4, max_context_len=4 * turn_tokens, kv_tokens=kv_tokens,
+                           mamba_slots=4, page_size=page_size, strict=True)
+    cache = PrefixCache(pools.kv)
+    rb = RunningBatch(pools, cache=cache)
+    refused = aborted = 0
+
+    def toks(c: int, turn: int) -> list[int]:
+        return [10_000 * (c + 1) + 100 * turn + i for i in range(turn_tokens)]
+
+    for c in range(conversations):
+        first = toks(c, 0)
+        # Turn 1 runs to the end: its prompt is cached.
+        rows = rb.admit(1, mamba=False, prompts=[list(first)])
+        assert rows is not None
+        if not rb.append_kv(rows, torch.tensor([turn_tokens])):
+            refused += 1
+            rb.fire(rows, SequenceAbort)
+            continue
+        rb.fire(rows, ChunkLaunched)
+        rb.fire(rows, LastChunkDone)
+        rb.fire(rows, Finish)
+        # Turn 2 extends turn 1: it matches and locks the cached turn, then is aborted.
+        second = first + toks(c, 1)
+        if naive:
+            m = cache.match(second, limit=len(second) - 1)
+            cache.tree.inc_lock_ref(m.node)  # the lock the pre-fix abort path forgets
+            own = pools.kv.alloc(len(second) - m.length)
+            if own is None:
+                cache.evict(len(second) - m.length - pools.kv.available_size())
+                own = pools.kv.alloc(len(second) - m.length)
+            if own is None:
+                refused += 1
+                continue
+            aborted += 1
+            pools.kv.free(own)  # the abort frees the request's own KV; no dec_lock_ref
+            continue
+        rows = rb.admit(1, mamba=False, prompts=[second])
+        assert rows is not None
+        if not rb.append_kv(rows, torch.tensor([len(second) - rb.matched(int(rows[0]))])):
+            refused += 1
+            rb.fire(rows, SequenceAbort)
+            continue
+        rb.fire(rows, ChunkLaunched)
+        rb.fire(rows, SequenceAbort)  # drains its chunk first
+        rb.fire(rows, LastChunkDone)
+        aborted += 1
+    locked = cache.locked_tokens
+    evicted = cache.evicted_tokens
+    cache.evict_all()
+    used = pools.in_use()
+    return PrefixLockLeak(
+        loop="naive" if naive else "machines", conversations=conversations,
+        kv_tokens=kv_tokens, page_size=page_size, aborted=aborted, refused=refused,
+        evicted_tokens=evicted, locked_at_end=locked, kv_tokens_leaked=used["kv"])

@@ -27,7 +27,7 @@ import asyncio
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -45,13 +45,14 @@ from terminus.effects.prefetch import (
     PrefetchCollectiveFailed,
     PrefetchSite,
 )
-from terminus.effects.prefix_cache import CountingPrefixCache
+from terminus.effects.prefix_cache import PrefixCache
 from terminus.effects.request import RequestResources, lora_ledger
 from terminus.effects.sequence import RunningBatch, SchedulerPools
 from terminus.effects.tokenizer import InvalidRequest, TokenizerSide
 from terminus.fsm import ReleaseFailed, TransitionRecord
 from terminus.kernels import HostPagePool, LoRARegistry
 from terminus.kernels.collective import grid_partitions
+from terminus.kernels.radix import RadixInsert
 from terminus.states.request import RequestKey
 from terminus.states.sequence import (
     ChunkDone,
@@ -65,7 +66,7 @@ from terminus.states.sequence import (
 
 from .ranks import SimulatedRanks
 from .transport import FakeTransport
-from .workload import RequestSpec
+from .workload import RequestSpec, prompt_tokens, reply_tokens
 
 __all__ = [
     "LEAK_KEYS",
@@ -100,7 +101,7 @@ class SimConfig(msgspec.Struct, frozen=True):
     """Sizes of the simulated engine (not of the workload)."""
 
     rows: int = 512
-    kv_tokens: int = 1 << 18
+    kv_tokens: int = 1 << 17
     mamba_slots: int = 512
     max_context_len: int = 512
     chunk_size: int = 64
@@ -141,11 +142,14 @@ class _Seq:
     """The scheduler's view of one sequence: its spec, progress and row."""
 
     __slots__ = ("aborted", "chunks_left", "fail", "generated", "in_flight", "max_new",
-                 "prompt", "rid", "row", "status")
+                 "prompt", "reply", "rid", "row", "status", "tokens")
 
-    def __init__(self, rid: Any, prompt: int, max_new: int, fail: str | None) -> None:
+    def __init__(self, rid: Any, prompt: int, max_new: int, fail: str | None,
+                 tokens: list[int] | None = None, reply: list[int] | None = None) -> None:
         self.rid = rid
-        self.prompt = prompt
+        self.prompt = prompt  # prompt tokens still to prefill (past the cached prefix)
+        self.tokens = tokens  # prompt and generated token ids (the prefix cache's key)
+        self.reply = reply or []
         self.max_new = max_new
         self.fail = fail
         self.row = -1
@@ -180,8 +184,12 @@ class SimScheduler:
         if spec.rid in self.dispatch_failures:
             raise ConnectionError("scheduler socket closed")
         warmup = rid.role == "warmup"
-        seq = _Seq(rid, int(tokens), 1 if warmup else spec.max_new_tokens,
-                   None if warmup else spec.fault)
+        max_new = 1 if warmup else spec.max_new_tokens
+        ids = None
+        if self.running.cache is not None:
+            ids = prompt_tokens(spec)[:int(tokens)]
+        seq = _Seq(rid, int(tokens), max_new, None if warmup else spec.fault, ids,
+                   reply_tokens(spec, max_new) if ids is not None else None)
         self.queue.append(seq)
         self.by_rid[rid] = seq
 
@@ -236,6 +244,9 @@ class SimScheduler:
                 finished = []
                 for r in rows:
                     seq = self.by_row[r]
+                    if seq.tokens is not None:
+                        seq.tokens.append(seq.reply[seq.generated] if seq.generated
+                                          < len(seq.reply) else 1)
                     seq.generated += 1
                     if seq.generated == 1 and self.tokenizer is not None:
                         self.tokenizer.on_output(seq.rid)
@@ -270,12 +281,16 @@ class SimScheduler:
             while self.queue and len(batch) < k and self.spec_of(
                     self.queue[0].rid).mamba == mamba:
                 batch.append(self.queue.popleft())
-            rows = rb.admit(len(batch), mamba)
+            prompts = None
+            if rb.cache is not None:
+                prompts = [seq.tokens if seq.tokens is not None else [] for seq in batch]
+            rows = rb.admit(len(batch), mamba, prompts)
             if rows is None:
                 self.queue.extendleft(reversed(batch))
                 return
             for seq, r in zip(batch, rows.tolist(), strict=True):
                 seq.row = r
+                seq.prompt -= rb.matched(r)  # the cached prefix is not prefilled again
                 seq.chunks_left = max(1, -(-seq.prompt // self.cfg.chunk_size))
                 self.by_row[r] = seq
 
@@ -329,7 +344,7 @@ _KV_ALLOC = next(s for s in call_sites("allocator") if (s.resource, s.method) ==
                                                                                 "alloc"))
 
 
-class _RefusingCache(CountingPrefixCache):
+class _RefusingCache(PrefixCache):
     """The prefix cache, refusing the inserts of the request ids in `refusing`."""
 
     def __init__(self, kv: Any) -> None:
@@ -337,11 +352,12 @@ class _RefusingCache(CountingPrefixCache):
         self.refusing: set[str] = set()
         self.refused = 0
 
-    def insert(self, rid: str, kv_indices: torch.Tensor) -> None:
+    def insert(self, rid: Any, tokens: Sequence[int], kv_indices: torch.Tensor, *,
+               owned_from: int = 0) -> RadixInsert:
         if rid in self.refusing:
             self.refused += 1
             raise RuntimeError(f"prefix cache refused the KV of {rid!r} (injected)")
-        super().insert(rid, kv_indices)
+        return super().insert(rid, tokens, kv_indices, owned_from=owned_from)
 
 
 class SimDisagg:
@@ -379,7 +395,8 @@ class SimDisagg:
         elif spec.fault == "allocator":
             self.faults.arm(_KV_ALLOC)
         self.engine.add(rid, spec.prompt_len, chunk_size=self.cfg.chunk_size,
-                        host_pages=min(spec.prefetch_pages, 4))
+                        host_pages=min(spec.prefetch_pages, 4),
+                        tokens=tuple(prompt_tokens(spec)))
         self.live[rid] = deque()
 
     @property
@@ -396,8 +413,8 @@ class SimDisagg:
         """Bootstrap, results of last step's chunks, new chunks, transfers."""
         e = self.engine
         kv: Any = e.pools.kv  # our TokenKVAllocator; the protocol has no capacity
-        if kv.available < kv.capacity // 4:
-            e.cache.evict_all()  # type: ignore[attr-defined]
+        if kv.available < kv.capacity // 4:  # memory pressure: evict unlocked pages
+            e.cache.evict(kv.capacity // 4 - kv.available)
         done = []
         for rid, in_flight in self.live.items():
             req = e.req(rid)
@@ -438,7 +455,7 @@ class SimDisagg:
 
     def leaks(self) -> dict[str, int]:
         """Units missing from each pool once the cache is evicted."""
-        self.engine.cache.evict_all()  # type: ignore[attr-defined]
+        self.engine.cache.evict_all()
         p = self.engine.pools
         used = p.in_use()  # our pools: every one is audited
         return {
@@ -687,7 +704,8 @@ class ServingLoop:
                                     mamba_slots=self.cfg.mamba_slots,
                                     device=self.cfg.device, strict=self.cfg.strict,
                                     page_size=self.cfg.page_size)
-        self.running = RunningBatch(self.pools)
+        self.cache = PrefixCache(self.pools.kv, self.cfg.page_size, self.cfg.device)
+        self.running = RunningBatch(self.pools, cache=self.cache)
         self.registry = _RegistryWithLatency()
         self.sink = OutputLog()
         self.tokenizer_fake = FakeTokenizer()
@@ -795,6 +813,7 @@ class ServingLoop:
             "host_pages": sum(s.host.occupied for s in self.prefetch.sites)
             + d.host.occupied,
             "live_requests": len(self.tokenizer.live),
+            "cached_tokens": sum(c.held_tokens for c in self._caches()),
         }
         peak = self._peak
         for k, v in now.items():
@@ -846,8 +865,43 @@ class ServingLoop:
             "transport": len(self.scheduler.dispatch_failures),
         }
 
+    def _caches(self) -> list[PrefixCache]:
+        """The scheduler's prefix cache and the disaggregated-prefill server's."""
+        caches = [self.cache]
+        other = getattr(self.disagg, "cache", None) or getattr(
+            getattr(self.disagg, "engine", None), "cache", None)
+        if isinstance(other, PrefixCache):
+            caches.append(other)
+        return caches
+
+    def prefix_cache(self) -> dict[str, Any]:
+        """The summary's `prefix_cache`: hit rate (cached prompt tokens over prompt
+        tokens looked up), tokens evicted, the most tokens cached at once, cached tokens
+        still locked after the run (0 unless a lock leaked), and the page audit: KV
+        token slots by holder (free, cache locked, cache evictable, live requests) of
+        the scheduler's pool, or the error naming a page with two holders or none.
+        Call it after `run()` and before `leaks()` (which evicts the caches)."""
+        caches = self._caches()
+        looked = sum(c.lookup_tokens for c in caches)
+        out: dict[str, Any] = {
+            "hit_rate": sum(c.hit_tokens for c in caches) / looked if looked else 0.0,
+            "lookups": sum(c.lookups for c in caches),
+            "hit_tokens": sum(c.hit_tokens for c in caches),
+            "inserted_tokens": sum(c.inserted_tokens for c in caches),
+            "duplicate_tokens": sum(c.duplicate_tokens for c in caches),
+            "evicted_tokens": sum(c.evicted_tokens for c in caches),
+            "peak_cached_tokens": int(self._peak["cached_tokens"]),
+            "locked_at_end": sum(c.locked_tokens for c in caches),
+        }
+        try:
+            out["pages_by_holder"] = dict(self.running.audit())
+        except AssertionError as e:
+            out["pages_by_holder"] = {"error": str(e)}
+        return out
+
     def leaks(self) -> dict[str, int]:
         """What is missing after the run: one number per resource, 0 when nothing leaked."""
+        self.cache.evict_all()  # what stays cached is locked: a leak
         out: Counter[str] = Counter(self.pools.leaks())
         for k, v in self.disagg.leaks().items():
             out[k] += v

@@ -149,6 +149,7 @@ def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu",
     finally:
         observe.set_recorder(prev)
         torch.set_num_threads(threads)
+    prefix_cache = loop.prefix_cache()
     leaks = loop.leaks()
     effects = sum(sum(m.stats.plans_run.values()) for m in loop.machines())
     return {
@@ -165,6 +166,7 @@ def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu",
         "transitions_by_machine": dict(sorted(counter.transitions.items())),
         "effects": effects,
         "peak": loop.peaks(),
+        "prefix_cache": prefix_cache,
         "leaks": leaks,
         "pool_violations": list(loop.violations),
         "faults_by_kind": dict(sorted(Counter(
@@ -206,6 +208,11 @@ def _table(result: dict[str, Any], baseline: dict[str, Any] | None) -> None:
         f"{r['effects']:,}")
     for k in result["peak"]:
         row(f"peak {k.replace('_', ' ')}", lambda r, k=k: f"{r['peak'].get(k, 0):,}")
+    row("prefix cache hit rate", lambda r: f"{r['prefix_cache']['hit_rate']:.1%}")
+    row("prefix cache tokens evicted", lambda r: f"{r['prefix_cache']['evicted_tokens']:,}")
+    row("prefix cache peak cached tokens",
+        lambda r: f"{r['prefix_cache']['peak_cached_tokens']:,}")
+    row("prefix cache locked at end", lambda r: f"{r['prefix_cache']['locked_at_end']:,}")
     row("max terminal streams per request", lambda r: r["max_streams_per_request"])
     for k in result["leaks"]:
         row(f"leak: {k.replace('_', ' ')}", lambda r, k=k: f"{r['leaks'][k]:,}",
@@ -264,12 +271,18 @@ def main(argv: list[str]) -> int:
                    help="serve Prometheus metrics of the machines' run on "
                         "http://127.0.0.1:PORT/metrics while it runs (0: a free port; "
                         "needs the extra terminus-fsm[metrics])")
-    p.add_argument("--scenario", choices=["disagg-seed"],
+    p.add_argument("--scenario", choices=["disagg-seed", "prefix-lock-leak"],
                    help="instead of the workload, replay one seed's production case "
-                        "through the naive loop and the machines")
+                        "(disagg-seed), or aborted turns that matched a cached prefix "
+                        "(prefix-lock-leak), through the naive loop and the machines")
     a = p.parse_args(argv)
     if a.scenario == "disagg-seed":
         return _disagg_seed(a.seed, a.json)
+    if a.scenario == "prefix-lock-leak":
+        if not 1 <= a.page_size <= 64 or a.page_size & (a.page_size - 1):
+            raise CliError(f"--page-size with --scenario prefix-lock-leak must be a power "
+                           f"of two from 1 to 64, got {a.page_size}")
+        return _prefix_lock_leak(a.page_size, a.json)
     wcfg = WorkloadConfig(requests=a.requests, seed=a.seed, abort_rate=a.abort_rate,
                           fault_rate=a.fault_rate, n=a.n,
                           disagg_fraction=a.disagg_fraction,
@@ -329,6 +342,30 @@ def _disagg_seed(seed: int, json_path: str | None) -> int:
     Console().print(t)
     if json_path:
         write_json(json_path, {r.loop: msgspec.to_builtins(r) for r in runs})
+    return 0
+
+
+def _prefix_lock_leak(page_size: int, json_path: str | None) -> int:
+    """Aborted second turns that matched their first, cached turn: the naive abort path
+    forgets the lock and the pool runs dry; the machines release it and keep evicting."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .scenarios import prefix_lock_leak
+
+    _check_writable(json_path, "the summary")
+    runs = [prefix_lock_leak(naive, page_size=page_size) for naive in (True, False)]
+    t = Table(title="prefix cache: a lock not released on abort", header_style="bold")
+    t.add_column("")
+    for r in runs:
+        t.add_column(r.loop, justify="right")
+    for f in runs[0].__struct_fields__[1:]:
+        t.add_row(f.replace("_", " "), *(str(getattr(r, f)) for r in runs))
+    t.add_row("pool exhausted", *(str(r.exhausted) for r in runs))
+    Console().print(t)
+    if json_path:
+        write_json(json_path, {r.loop: {**msgspec.to_builtins(r), "exhausted": r.exhausted}
+                               for r in runs})
     return 0
 
 

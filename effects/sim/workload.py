@@ -10,15 +10,25 @@ same ones). It knows no pools and no tensors: `terminus.effects.sim.serving` exe
                              storage into host pages across the attention ranks)
     abort_at    step offset (after arrival) at which the client aborts, or None
     fault       what fails for this request, or None (see FAULTS)
+    system      the system prompt its prompt starts with (one of `system_prompts`), or -1
+    conv, history  a multi-turn conversation's id and the lengths of its segments so
+                far (user turn, reply, user turn, ...): the prompt is the system prompt,
+                then every earlier turn and reply of the conversation, then the new turn
+
+Token ids are not stored: `prompt_tokens(spec)` and `reply_tokens(spec, n)` rebuild
+them from seeded segments, so a later turn extends exactly the prompt and the reply of
+its earlier turns (what a prefix cache can hit), and requests share system prompts.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 
 import msgspec
 
-__all__ = ["FAULTS", "FAULT_KINDS", "KINDS", "RequestSpec", "WorkloadConfig", "generate"]
+__all__ = ["FAULTS", "FAULT_KINDS", "KINDS", "RequestSpec", "WorkloadConfig", "generate",
+           "prompt_tokens", "reply_tokens"]
 
 KINDS = ("colocated", "disagg", "prefetch")
 
@@ -56,6 +66,10 @@ class RequestSpec(msgspec.Struct, frozen=True, gc=False):
     fault: str | None
     prefetch_pages: int = 0
     mamba: bool = True
+    system: int = -1
+    system_len: int = 0
+    conv: int = -1
+    history: tuple[int, ...] = ()
 
 
 class WorkloadConfig(msgspec.Struct, frozen=True):
@@ -76,13 +90,23 @@ class WorkloadConfig(msgspec.Struct, frozen=True):
     min_prompt: int = 16
     max_prompt: int = 320
     max_new_tokens: int = 24
+    system_prompts: int = 4
+    """Distinct system prompts; a request starts with one with `system_fraction`."""
+    system_prompt_len: int = 96
+    system_fraction: float = 0.6
+    conversation_fraction: float = 0.3
+    """Requests that continue a multi-turn conversation (its earlier turns and replies
+    are their prompt's prefix)."""
+    conversations: int = 32
+    """Conversations open at once; a new one replaces a full one."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad option and its allowed range."""
         if self.requests < 0:
             raise ValueError(f"--requests must be >= 0, got {self.requests}")
         for name in ("abort_rate", "fault_rate", "disagg_fraction", "prefetch_fraction",
-                     "sampling_fraction", "lora_fraction"):
+                     "sampling_fraction", "lora_fraction", "system_fraction",
+                     "conversation_fraction"):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 flag = "--" + name.replace("_", "-")
@@ -95,10 +119,70 @@ class WorkloadConfig(msgspec.Struct, frozen=True):
             raise ValueError(f"arrivals_per_step must be >= 1, got {self.arrivals_per_step}")
 
 
+@functools.lru_cache(maxsize=4096)
+def _segment(key: str, n: int) -> tuple[int, ...]:
+    """`n` token ids (1..32000) seeded by `key` (the same key always gives the same ids;
+    system prompts and conversation turns recur, so recent segments are kept)."""
+    raw = memoryview(random.Random(key).randbytes(2 * n)).cast("H")
+    return tuple(t % 32000 + 1 for t in raw)
+
+
+def prompt_tokens(spec: RequestSpec, seed: int = 0) -> list[int]:
+    """The prompt's token ids (`spec.prompt_len` of them); see the module docstring."""
+    out: list[int] = []
+    if spec.system >= 0:
+        out += _segment(f"{seed}/system/{spec.system}", spec.system_len)
+    if spec.conv >= 0:
+        for j, n in enumerate(spec.history):
+            out += _segment(f"{seed}/conv/{spec.conv}/{j}", n)
+    out += _segment(f"{seed}/{spec.rid}", spec.prompt_len - len(out))
+    return out[:spec.prompt_len]
+
+
+def reply_tokens(spec: RequestSpec, n: int, seed: int = 0) -> list[int]:
+    """The first `n` tokens the model replies to `spec` (a conversation's next turn
+    has them in its prompt)."""
+    if spec.conv >= 0:
+        return list(_segment(f"{seed}/conv/{spec.conv}/{len(spec.history)}", n))
+    return list(_segment(f"{seed}/{spec.rid}/reply", n))
+
+
+def _shape(cfg: WorkloadConfig, rng: random.Random, convs: dict[int, list[int]],
+           next_conv: list[int], prompt: int, max_new: int,
+           ) -> tuple[int, int, tuple[int, ...], int]:
+    """(system, conv, history, prompt_len) of the next request, drawn from `rng` (apart
+    from the main generator, so the rest of the workload is unchanged)."""
+    system = rng.randrange(cfg.system_prompts) if (
+        cfg.system_prompts and rng.random() < cfg.system_fraction) else -1
+    base = cfg.system_prompt_len if system >= 0 else 0
+    if rng.random() < cfg.conversation_fraction:
+        system = max(system, 0) if cfg.system_prompts else -1
+        base = cfg.system_prompt_len if system >= 0 else 0
+        cid = rng.choice(sorted(convs)) if convs and rng.random() < 0.8 else -1
+        user = rng.randint(8, 48)
+        if cid >= 0:
+            hist = convs[cid]
+            total = base + sum(hist) + user
+            if total <= cfg.max_prompt:
+                convs[cid] = [*hist, user, max_new]
+                return system, cid, (*hist, user), total
+            del convs[cid]
+        cid = next_conv[0]
+        next_conv[0] += 1
+        if len(convs) >= cfg.conversations:
+            del convs[min(convs)]
+        convs[cid] = [user, max_new]
+        return system, cid, (user,), base + user
+    return system, -1, (), max(prompt, base + 1)
+
+
 def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
     """The workload `cfg` describes; the same config always gives the same list."""
     cfg.validate()
     rng = random.Random(cfg.seed)
+    shape_rng = random.Random(f"{cfg.seed}/prefixes")
+    convs: dict[int, list[int]] = {}
+    next_conv = [0]
     out = []
     for i in range(cfg.requests):
         r = rng.random()
@@ -117,18 +201,24 @@ def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
             lora = "no-such-lora"
         if fault == "collective" and abort_at is None:
             abort_at = 2  # the collective that fails is the abort's
-
+        max_new = rng.randint(1, cfg.max_new_tokens)
+        system, conv, history, prompt = _shape(cfg, shape_rng, convs, next_conv, prompt,
+                                               max_new)
         out.append(RequestSpec(
             rid=f"r{i}",
             kind=kind,
             arrival=i // cfg.arrivals_per_step,
             prompt_len=prompt,
-            max_new_tokens=rng.randint(1, cfg.max_new_tokens),
+            max_new_tokens=max_new,
             lora=lora,
             n=n,
             abort_at=abort_at,
             fault=fault,
             prefetch_pages=rng.randint(1, 8) if kind == "prefetch" else 0,
             mamba=rng.random() < 0.5,
+            system=system,
+            system_len=cfg.system_prompt_len if system >= 0 else 0,
+            conv=conv,
+            history=history,
         ))
     return out
