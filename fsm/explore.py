@@ -16,9 +16,10 @@ scenario's view of it::
 `explore(scenario)` runs a depth-first search over the enabled steps from
 `scenario.build()`. A world that cannot be copied (coroutines, generators, torch pools)
 is *rebuilt by replay*: the search keeps the path of steps and, to try a sibling, builds
-a fresh world and fires the path again; a world with a `fork()` method is copied
-instead. Worlds are deduplicated by `key()`; a world that breaks an invariant is a leaf
-and its path a counterexample. After the search, every violated invariant's
+a fresh world and fires the path again. Worlds are deduplicated by `key()`; the first
+path found to a world that breaks an invariant is kept as its counterexample, and the
+search goes on past that world (cutting there would lose worlds the reduction counts on
+reaching through it). After the search, every violated invariant's
 counterexample is shortened by a breadth-first search from the initial world (bounded
 by the length of the one found, deduplicated, without reduction), so the reported one is
 a shortest sequence of steps that breaks it.
@@ -34,7 +35,7 @@ either order leads to the same world: they commute.
 The search keeps with each world a *sleep set*: steps already explored from an earlier
 sibling whose every continuation the current branch would only repeat in another order.
 At a world with sleep set S, the steps in enabled - S are explored in order; the child
-reached by step t inherits {u in S ∪ {steps explored before t} : u independent of t}.
+reached by step t inherits {u in S + (steps explored before t) : u independent of t}.
 A step in the sleep set is skipped: any world it leads to is reached by the sibling
 branch that explored it first, with the commuting steps in the other order.
 
@@ -46,8 +47,8 @@ transition, a release twice) is recorded in the world as a sticky count that `ke
 includes, so it is a world property too. With worlds deduplicated by key, the sleep
 set of the first visit is stored; a later visit with sleep set S' explores again only
 the steps that were asleep the first time and are awake now (stored - S'), and the
-stored set becomes stored ∩ S'. That is the standard repair that keeps sleep sets sound
-under state caching (no world is lost because its first visit happened to sleep the
+stored set becomes the intersection of the two. That is the standard repair that keeps
+sleep sets sound under state caching (no world is lost because its first visit happened to sleep the
 step that reaches it). A quiescent world (nothing enabled) is reached either way, so
 the quiescence invariants are checked on every quiescent world too.
 
@@ -74,6 +75,7 @@ __all__ = [
     "Scenario",
     "Step",
     "World",
+    "check_independence",
     "explore",
     "mermaid",
     "parse_steps",
@@ -133,8 +135,11 @@ class World(Protocol):
 class Scenario(Protocol):
     """A named, bounded scenario: its actors (lifelines, in order) and a world builder."""
 
-    name: str
-    actors: Sequence[str]
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def actors(self) -> Sequence[str]: ...
 
     def build(self) -> World: ...
 
@@ -219,7 +224,7 @@ class ReplayError(ValueError):
 
 
 class _Rebuilder:
-    """Gives the world at the end of a path: the current one, a fork, or a replay."""
+    """Gives the world at the end of a path: the current one, or a fresh one replayed."""
 
     def __init__(self, scenario: Scenario, report: ExploreReport) -> None:
         self.scenario = scenario
@@ -250,13 +255,12 @@ class _Rebuilder:
         self.world, self.path = None, None
 
 
-def _world_checks(w: Any, enabled: Sequence[Step]) -> tuple[list[Violation], bool]:
-    bad = list(w.check())
-    final = False
-    if not bad and not enabled:
-        bad = list(w.check_final())
-        final = bool(bad)
-    return bad, final
+def _world_checks(w: Any, enabled: Sequence[Step]) -> list[tuple[str, str, bool]]:
+    """(invariant, detail, checked at quiescence) for every invariant `w` breaks."""
+    bad = [(n, d, False) for n, d in w.check()]
+    if not enabled:
+        bad += [(n, d, True) for n, d in w.check_final()]
+    return bad
 
 
 def explore(
@@ -288,13 +292,10 @@ def explore(
     enabled0 = list(w0.enabled())
     visited[w0.key()] = frozenset()
     report.states = 1
-    bad, final = _world_checks(w0, enabled0)
     stack: list[tuple[list[Step], list[Step], dict[str, Step]]] = []
-    if bad:
-        for name, detail in bad:
-            found.setdefault(name, Counterexample(name, detail, [], final))
-        report.interleavings = 1
-    elif not enabled0:
+    for name, detail, final in _world_checks(w0, enabled0):
+        found.setdefault(name, Counterexample(name, detail, [], final))
+    if not enabled0:
         report.quiescent = 1
         report.interleavings = 1
     else:
@@ -325,17 +326,9 @@ def explore(
                 report.seconds = time.perf_counter() - t0
                 progress(report)
             enabled = list(w.enabled())
-            bad, final = _world_checks(w, enabled)
-            if bad:
-                report.interleavings += 1
-                for name, detail in bad:
-                    if name not in found or len(found[name].steps) > len(child):
-                        found[name] = Counterexample(name, detail, child, final)
-                k = w.key()
-                if k not in visited:
-                    visited[k] = frozenset()
-                    report.states += 1
-                continue
+            for name, detail, final in _world_checks(w, enabled):
+                if name not in found or len(found[name].steps) > len(child):
+                    found[name] = Counterexample(name, detail, child, final)
             k = w.key()
             slept = frozenset(child_sleep)
             if k in visited:
@@ -403,12 +396,11 @@ def shortest(scenario: Scenario, cex: Counterexample, *,
                     child = [*path, step]
                     worlds.fired(child)
                     en = list(w.enabled())
-                    bad, final = _world_checks(w, en)
-                    for name, detail in bad:
+                    for name, detail, final in _world_checks(w, en):
                         if name == cex.invariant:
                             return Counterexample(name, detail, child, final)
                     k = w.key()
-                    if bad or k in seen:
+                    if k in seen:
                         continue
                     seen.add(k)
                     if en:
@@ -470,8 +462,8 @@ def replay(scenario: Scenario, labels: Iterable[str]) -> list[tuple[Step, list[V
             w.fire(match[0])
             en = list(w.enabled())
             bad = list(w.check())
-            if i == len(labels) and not en and not bad:
-                bad = list(w.check_final())
+            if i == len(labels) and not en:
+                bad += list(w.check_final())
             out.append((match[0], bad))
     finally:
         close = getattr(w, "close", None)
@@ -508,3 +500,57 @@ def mermaid(actors: Sequence[str], steps: Sequence[Step], *, title: str = "",
         over = first if first == last else f"{first},{last}"
         lines.append(f"    Note over {over}: {broke.replace(';', ',').replace('#', '')}")
     return "\n".join(lines) + "\n"
+
+
+def check_independence(scenario: Scenario, *, max_worlds: int = 200,
+                       bound: int | None = None) -> list[str]:
+    """Test the footprints a scenario declares: in up to `max_worlds` worlds (breadth
+    first), every pair of enabled steps declared independent must commute -- each stays
+    enabled after the other, and both orders reach worlds with equal keys. Returns one
+    line per pair that does not (empty: no counterexample to the declared independence).
+    """
+    problems: list[str] = []
+    rep = ExploreReport(scenario.name)
+    worlds = _Rebuilder(scenario, rep)
+    try:
+        w = worlds.at([])
+        seen = {w.key()}
+        frontier: list[list[Step]] = [[]]
+        visited = 0
+        while frontier and visited < max_worlds:
+            path = frontier.pop(0)
+            visited += 1
+            enabled = list(worlds.at(path).enabled())
+            for i, a in enumerate(enabled):
+                for b in enabled[i + 1:]:
+                    if not a.independent(b):
+                        continue
+                    ends: list[Hashable | None] = []
+                    for x, y in ((a, b), (b, a)):
+                        w = worlds.at(path)
+                        w.fire(x)
+                        worlds.fired([*path, x])
+                        if y.label not in {s.label for s in w.enabled()}:
+                            problems.append(f"after {[s.label for s in path]}: {x.label!r} "
+                                            f"disables {y.label!r}")
+                            ends.append(None)
+                            break
+                        w.fire(y)
+                        worlds.fired([*path, x, y])
+                        ends.append(w.key())
+                    if len(ends) == 2 and ends[0] != ends[1]:
+                        problems.append(f"after {[s.label for s in path]}: {a.label!r} and "
+                                        f"{b.label!r} do not commute")
+            if bound is not None and len(path) >= bound:
+                continue
+            for s in enabled:
+                w = worlds.at(path)
+                w.fire(s)
+                worlds.fired([*path, s])
+                k = w.key()
+                if k not in seen:
+                    seen.add(k)
+                    frontier.append([*path, s])
+    finally:
+        worlds.discard()
+    return problems

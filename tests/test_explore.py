@@ -166,3 +166,25 @@ def test_independence_is_by_actor_and_footprint() -> None:
     assert not a.independent(Step("y", "t", frozenset({"p"})))
     assert not a.independent(Step("x", "t", frozenset({"q"})))
     assert not a.independent(Step("y", "t", None))
+
+
+def test_check_independence_catches_a_footprint_that_lies() -> None:
+    class Liar(Counters):
+        """a0's increments secretly double a1's counter too: declared independent."""
+
+        def build(self) -> World:
+            w = super().build()
+            fire = w.fire
+
+            def fire2(step: Step) -> None:
+                fire(step)
+                if step.actor == "a0" and step.name.startswith("inc"):
+                    w.c[1] = min(self.k, w.c[1] * 2)
+            w.fire = fire2  # type: ignore[method-assign]
+            return w
+
+    from terminus.fsm.explore import check_independence
+
+    assert check_independence(Counters(n=2, k=2)) == []
+    problems = check_independence(Liar(n=2, k=2))
+    assert problems and "do not commute" in problems[0]

@@ -266,13 +266,17 @@ class LoRAWorld:
     def enabled(self) -> list[Step]:
         out: list[Step] = []
         reg = frozenset({"registry"})
+        # Footprints: the actor ("r" or "g": its requests, calls, scheduler entries and
+        # link), "registry" for any step that may acquire or release a reference, and
+        # "faults" for the steps that spend the shared fault budget.
+        faults = frozenset({"faults"})
         for (actor, what) in sorted(self.calls.pending):
             fp = frozenset({actor}) | reg
             out.append(Step("registry" if what == "acquire" else "tokenizer",
                             f"{what} of {actor} returns", fp, to=actor))
             if self.s.fault_ok(f"fail {what} {actor}"):
                 out.append(Step("registry" if what == "acquire" else "tokenizer",
-                                f"{what} of {actor} fails", fp, to=actor))
+                                f"{what} of {actor} fails", fp | faults, to=actor))
         for actor in (self.RID, self.GROUP):
             fp = frozenset({actor, "registry"})
             if self.s.once(f"abort {actor}"):
@@ -287,11 +291,12 @@ class LoRAWorld:
             else:
                 out.append(Step("scheduler", f"finish {rid}", fp, to=self._owner(rid)))
                 if self.s.fault_ok(f"error {rid}"):
-                    out.append(Step("scheduler", f"error {rid}", fp, to=self._owner(rid)))
+                    out.append(Step("scheduler", f"error {rid}", fp | faults,
+                                    to=self._owner(rid)))
         for rid in (self.RID, self.GROUP):
-            if self.s.fault_ok(f"break send {rid}") and self.scheduler.sent == 0:
+            if self.s.fault_ok(f"break send {rid}"):
                 out.append(Step("scheduler", f"link breaks for {rid}",
-                                frozenset({rid, "link"}), to=rid))
+                                frozenset({rid}) | faults, to=rid))
         if self.s.once("upsert"):
             out.append(Step("admin", "upsert a", reg, to="registry"))
         return out
@@ -301,11 +306,16 @@ class LoRAWorld:
         before = self._held()
         late0 = 0 if self.naive else self.side.ledger.late_released
         term0 = self.terminal[0]
+        under0 = self.side.underflows if self.naive else 0
         try:
             self._do(name)
         except Exception as e:
             self.s.caught(e, step.label)
         self._settle()
+        if self.naive and self.side.underflows > under0:
+            # The naive logic swallows the underflow (in production: a negative counter).
+            self.s.note("double-release", f"{step.label} released a reference twice "
+                                          "(the registry counter would go below zero)")
         if not self.naive and self._held() < before and self.terminal[0] == term0 \
                 and self.side.ledger.late_released == late0:
             self.s.note("release-outside-terminal",
@@ -393,7 +403,7 @@ class LoRAWorld:
             inst = tuple(sorted(seen.items()))
         return (inst, tuple(sorted(self.registry.counts().items())),
                 tuple(sorted(self.calls.pending)), tuple(sorted(self.scheduler.running.items())),
-                tuple(sorted(self.scheduler.fail)), self.scheduler.sent > 0,
+                tuple(sorted(self.scheduler.fail)),
                 tuple(sorted(self.sink.counts.items())),
                 tuple((a, t.done()) for a, t in sorted(self.tasks.items())),
                 self.s.sticky_key())
@@ -490,7 +500,6 @@ class DisaggWorld:
         if freed and self.terminal[0] == term0 and not self.naive:
             self.s.note("release-outside-terminal", f"{step.label} freed pool units with no "
                                                     "terminal transition")
-        self._readers(step)
 
     def _do(self, name: str) -> None:
         e, rid = self.eng, self.RID
@@ -572,7 +581,7 @@ class DisaggWorld:
                 "host": int(r.prefetch.pages.numel()) if r.prefetch is not None else 0,
                 "req_slot": int(r.req_slot is not None)}
 
-    def _readers(self, step: Step) -> None:
+    def _read_while_freed(self) -> str:
         # While a chunk runs it reads every earlier chunk's KV, the Mamba state and the
         # request's row; while the transfer is live the sender reads the KV.
         use = self._in_use()
@@ -581,14 +590,16 @@ class DisaggWorld:
             short = [k for k, v in (("kv", need), ("mamba", 1), ("req_slot", 1))
                      if use[k] < v]
             if short:
-                self.s.note("freed-while-read", f"{step.label}: {short} freed while chunk "
-                                                f"{max(self.in_flight)} still runs")
+                return f"{short} freed while chunk {max(self.in_flight)} still runs"
         if self.transfer_live and use["kv"] < self.CHUNK * self.CHUNKS:
-            self.s.note("freed-while-read", f"{step.label}: KV freed while the sender "
-                                            "still reads it")
+            return "KV freed while the sender still reads it"
+        return ""
 
     def check(self) -> list[Violation]:
         bad = self.s.sticky_violations()
+        read = self._read_while_freed()
+        if read:
+            bad.append(("freed-while-read", read))
         use, held = self._in_use(), self._held()
         diff = {k: (use[k], held[k]) for k in use if use[k] != held[k]}
         if diff:
@@ -651,8 +662,10 @@ class PrefetchWorld:
         self.n = ranks
         self.naive = naive
         self.s = _Sticky(faults)
-        # Pages a rank's I/O may have written when the abort comes: 0 or 1 up to 3 ranks;
-        # with 4 only 0 (the amounts change no decision, and each doubles the worlds).
+        # Pages a rank's I/O may have written when the abort comes: 0 or 1 up to 3 ranks.
+        # With 4 ranks only the three abort classes (none, pending, active with nothing
+        # written): a written page or a completed prefetch changes no decision (completed
+        # is the missing class), and each multiplies the worlds.
         self.written = 1 if ranks <= 3 else 0
         self.groups = grid_partitions(ranks, 2 if ranks == 4 else ranks)
         self.names = tuple(g for g, _ in self.groups)
@@ -697,9 +710,14 @@ class PrefetchWorld:
 
     def enabled(self) -> list[Step]:
         out: list[Step] = []
+        # Footprints: before the abort each rank's local steps touch only that rank (they
+        # commute across ranks); the abort touches everything; after it every step
+        # touches "collective" too, since whether a rank is stuck depends on every rank.
+        proto = frozenset({"collective"})
         for r in range(self.n):
             a = f"rank {r}"
             fp = frozenset({a})
+            pfp = fp | proto
             if not self.aborted:
                 # The local state each rank is in when the abort comes (its I/O moving on
                 # until the rank handles the abort commutes with every other rank's steps).
@@ -712,21 +730,21 @@ class PrefetchWorld:
                     p = self.sites[r].prefetch_of(self.RID)
                     if p is not None and p.completed < self.written:
                         out.append(Step(a, "write a page", fp))
-                    out.append(Step(a, "I/O completes", fp))
+                    if self.n <= 3:
+                        out.append(Step(a, "I/O completes", fp))
             elif r not in self.gens:
-                out.append(Step(a, "handle abort", fp, to="collective"))
+                out.append(Step(a, "handle abort", pfp, to="collective"))
             if r in self.waiting:
                 if self.s.fault_ok("collective fails"):
-                    out.append(Step(a, "its collective fails", fp | {"collective"},
+                    out.append(Step(a, "its collective fails", pfp | {"faults"},
                                     to="collective"))
                 if self._stuck(r) and self._faulted(r):
-                    out.append(Step(a, "collective times out", fp | {"collective"},
-                                    to="collective"))
+                    out.append(Step(a, "collective times out", pfp, to="collective"))
             inst = self.sites[r].requests.get(self.RID)
             if inst is not None and inst.state in ("stalled", "abort_requested") \
                     and r not in self.waiting and not any(p in self.waiting
                                                           for p in self._peers(r)):
-                out.append(Step(a, "close group", fp))
+                out.append(Step(a, "close group", pfp))
         if not self.aborted:
             out.append(Step("client", "abort", None, to="collective"))
         for gi, (name, parts) in enumerate(self.groups):
@@ -739,12 +757,28 @@ class PrefetchWorld:
         return out
 
     def _stuck(self, r: int) -> bool:
-        """Rank r waits at a collective a member of its group will never enter."""
-        op = self.waiting[r]
-        members = self.groups[op.group][1][self._part(op.group, r)]
-        return any(m in self.done or (m in self.waiting and (
-            self.waiting[m].group != op.group or type(self.waiting[m]) is not type(op)))
-            for m in members)
+        """Rank r waits at a collective that can never complete: a member of its group
+        finished its protocol, waits at another kind of collective of the same group, or
+        is itself stuck (a fixed point over the waiting ranks)."""
+        return r in self._stuck_set()
+
+    def _stuck_set(self) -> set[int]:
+        stuck: set[int] = set()
+        changed = True
+        while changed:
+            changed = False
+            for r, op in self.waiting.items():
+                if r in stuck:
+                    continue
+                members = self.groups[op.group][1][self._part(op.group, r)]
+                for m in members:
+                    w = self.waiting.get(m)
+                    if m in self.done or m in stuck or (
+                            w is not None and w.group == op.group and type(w) is not type(op)):
+                        stuck.add(r)
+                        changed = True
+                        break
+        return stuck
 
     def _faulted(self, r: int) -> bool:
         return any((g, self._part(g, r)) in self.failed_groups for g in range(len(self.groups)))
@@ -754,7 +788,6 @@ class PrefetchWorld:
             self._do(step)
         except Exception as e:
             self.s.caught(e, step.label)
-        self._readers(step)
 
     def _advance(self, r: int, reply: Any = None, error: BaseException | None = None) -> None:
         g = self.gens[r]
@@ -827,16 +860,15 @@ class PrefetchWorld:
         return any(t[0] in ("free_tail", "free_prefix", "unlock")
                    for t in self.sites[r].trace)
 
-    def _readers(self, step: Step) -> None:
+    def _read_while_freed(self) -> str:
         # A rank releases only once no peer of its groups is still in the barrier: the
         # peer may still be writing pages the abort's barrier protects (I7, I10).
         for r in range(self.n):
             if self._released(r) and self.sites[r].requests[self.RID].state == "released":
                 inside = sorted(p for p in self._peers(r) if p in self.in_barrier)
                 if inside:
-                    self.s.note("freed-while-read", f"{step.label}: rank {r} released while "
-                                                    f"rank(s) {inside} are still in the barrier")
-                    return
+                    return f"rank {r} released while rank(s) {inside} are still in the barrier"
+        return ""
 
     # -- accounting ---------------------------------------------------------------------
 
@@ -856,6 +888,9 @@ class PrefetchWorld:
 
     def check(self) -> list[Violation]:
         bad = self.s.sticky_violations()
+        read = self._read_while_freed()
+        if read:
+            bad.append(("freed-while-read", read))
         for r in range(self.n):
             (use, held), (lk, lh) = self._accounts(r)
             if use != held or lk != lh:
