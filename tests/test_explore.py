@@ -188,3 +188,15 @@ def test_check_independence_catches_a_footprint_that_lies() -> None:
     assert check_independence(Counters(n=2, k=2)) == []
     problems = check_independence(Liar(n=2, k=2))
     assert problems and "do not commute" in problems[0]
+
+
+def test_readme_scenario_example_runs(capsys) -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text[text.index("### Writing a scenario"):]
+    code = section[section.index("```python") + len("```python"):]
+    code = code[:code.index("```")]
+    exec(compile(code, "README.md (Writing a scenario)", "exec"), {})
+    out = capsys.readouterr().out
+    assert out.startswith("sequenceDiagram") and "b->>b: give back" in out
