@@ -145,3 +145,16 @@ def test_declared_footprints_commute(name: str, naive: bool) -> None:
     from terminus.fsm.explore import check_independence
 
     assert check_independence(scenario(name, naive), max_worlds=60) == []
+
+
+def test_cli_replay_of_a_step_not_enabled_is_one_line_exit_2(tmp_path, capsys) -> None:
+    from terminus.fsm.cli import main as terminus
+
+    f = tmp_path / "cex.txt"
+    f.write_text("1. client: abort\n2. rank 7: handle abort\n")
+    assert terminus(["explore", "--scenario", "prefetch-2", "--replay", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "step 2 'rank 7: handle abort' is not enabled" in err
+    assert terminus(["explore", "--replay", str(f)]) == 2
+    assert "--replay needs exactly one --scenario" in capsys.readouterr().err
+    assert terminus(["explore", "--bound", "0"]) == 2

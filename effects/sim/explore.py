@@ -14,8 +14,9 @@ The generic search is `terminus.fsm.explore`.
     disagg       seed 2: one request of 3 chunks, at most 2 in flight; abort, bootstrap
                  failure, transfer failure at every point, a sender whose abort raises;
                  two faults per run
-    prefetch-N   seed 3 (N = 2, 3, 4 ranks): every local state (none, pending, active
-                 with 0..1 pages written, completed) on every rank when the abort comes;
+    prefetch-N   seed 3 (N = 2, 3, 4 ranks): every local class (none, pending, active;
+                 on 2 ranks also with a page written; up to 3 also completed) on every
+                 rank when the abort comes;
                  one rank's collective failing at each collective, the peers' timeouts
                  and the group teardown that follows
 
@@ -662,11 +663,11 @@ class PrefetchWorld:
         self.n = ranks
         self.naive = naive
         self.s = _Sticky(faults)
-        # Pages a rank's I/O may have written when the abort comes: 0 or 1 up to 3 ranks.
-        # With 4 ranks only the three abort classes (none, pending, active with nothing
-        # written): a written page or a completed prefetch changes no decision (completed
-        # is the missing class), and each multiplies the worlds.
-        self.written = 1 if ranks <= 3 else 0
+        # Pages a rank's I/O may have written when the abort comes: 0 or 1 on 2 ranks, 0
+        # beyond; a completed prefetch up to 3 ranks; with 4 only the three abort classes
+        # (none, pending, active). A written page or a completed prefetch changes no
+        # decision (completed is the missing class), and each multiplies the worlds.
+        self.written = 1 if ranks <= 2 else 0
         self.groups = grid_partitions(ranks, 2 if ranks == 4 else ranks)
         self.names = tuple(g for g, _ in self.groups)
         self.cached: list[int] = [0] * ranks
