@@ -191,6 +191,9 @@ class ExploreReport:
     quiescent: int = 0
     max_depth: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    """CPU time of this process during the search (wall `seconds` include waiting for
+    a busy machine's cores)."""
     exhaustive: bool = True
     reduction: bool = True
     violations: list[Counterexample] = field(default_factory=list)
@@ -206,6 +209,7 @@ class ExploreReport:
             "states": self.states,
             "interleavings": self.interleavings,
             "seconds": round(self.seconds, 3),
+            "cpu_seconds": round(self.cpu_seconds, 3),
             "exhaustive": self.exhaustive,
             "violations": [v.to_json() for v in self.violations],
             "transitions": self.transitions,
@@ -280,6 +284,7 @@ def explore(
     """
     report = ExploreReport(scenario.name, reduction=reduction)
     t0 = time.perf_counter()
+    c0 = time.process_time()
     found: dict[str, Counterexample] = {}
     visited: dict[Hashable, frozenset[str]] = {}
     worlds = _Rebuilder(scenario, report)
@@ -365,6 +370,7 @@ def explore(
         remaining = None if time_limit is None else max(1.0, time_limit - report.seconds)
         cexs = [shortest(scenario, c, time_limit=remaining) for c in cexs]
         report.seconds = time.perf_counter() - t0
+    report.cpu_seconds = time.process_time() - c0
     report.violations = cexs
     if progress is not None:
         progress(report)

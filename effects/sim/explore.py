@@ -683,10 +683,18 @@ class PrefetchWorld:
         self.waiting: dict[int, Any] = {}
         self.done: dict[int, str] = {}  # rank -> "ok" | "failed"
         self.failed_groups: set[tuple[int, int]] = set()  # (group kind, part index)
-        self.in_barrier: set[int] = set()
+        self.in_barrier: dict[int, list[int]] = {}  # rank -> members of that barrier
         self.terminal = [0]
         for site in self.sites:
             site.machine.add_sink(_terminal_sink(self.terminal))
+
+    def _locals(self) -> list[str]:
+        out = ["pending", "active"]
+        if self.written:
+            out.append("active, 1 page written")
+        if self.n <= 3:
+            out.append("completed")
+        return out
 
     def _inserter(self, r: int) -> Callable[[Any, torch.Tensor], None]:
         def insert(rid: Any, pages: torch.Tensor) -> None:
@@ -711,35 +719,28 @@ class PrefetchWorld:
 
     def enabled(self) -> list[Step]:
         out: list[Step] = []
-        # Footprints: before the abort each rank's local steps touch only that rank (they
-        # commute across ranks); the abort touches everything; after it every step
-        # touches "collective" too, since whether a rank is stuck depends on every rank.
-        proto = frozenset({"collective"})
+        # Footprints: a rank's own steps touch that rank, a collective's completion its
+        # members; the abort and a collective's failure touch everything. Once a
+        # collective failed, every step touches "collective" too: which ranks are stuck
+        # (and may time out, or close their group) then depends on every rank.
+        proto = frozenset({"collective"}) if self.failed_groups else frozenset()
         for r in range(self.n):
             a = f"rank {r}"
             fp = frozenset({a})
             pfp = fp | proto
             if not self.aborted:
-                # The local state each rank is in when the abort comes (its I/O moving on
-                # until the rank handles the abort commutes with every other rank's steps).
-                st = self._local(r)
-                if st == "none" and self.s.once(f"queue {r}"):
-                    out.append(Step(a, "queue prefetch", fp))
-                elif st == "pending":
-                    out.append(Step(a, "start I/O", fp))
-                elif st == "active":
-                    p = self.sites[r].prefetch_of(self.RID)
-                    if p is not None and p.completed < self.written:
-                        out.append(Step(a, "write a page", fp))
-                    if self.n <= 3:
-                        out.append(Step(a, "I/O completes", fp))
+                # The local state each rank is in when the abort comes, chosen in one step
+                # (its I/O moving on until the rank handles the abort commutes with every
+                # other rank's steps; "none" is choosing nothing).
+                if self.s.once(f"local {r}"):
+                    for local in self._locals():
+                        out.append(Step(a, f"prefetch {local}", fp))
             elif r not in self.gens:
                 out.append(Step(a, "handle abort", pfp, to="collective"))
             if r in self.waiting:
                 if self.s.fault_ok("collective fails"):
-                    out.append(Step(a, "its collective fails", pfp | {"faults"},
-                                    to="collective"))
-                if self._stuck(r) and self._faulted(r):
+                    out.append(Step(a, "its collective fails", None, to="collective"))
+                if r in self._stuck_set(("failed",)):
                     out.append(Step(a, "collective times out", pfp, to="collective"))
             inst = self.sites[r].requests.get(self.RID)
             if inst is not None and inst.state in ("stalled", "abort_requested") \
@@ -754,16 +755,14 @@ class PrefetchWorld:
                 if all(o is not None and o.group == gi for o in ops):
                     kind = "reduce" if isinstance(ops[0], ReduceOp) else "barrier"
                     out.append(Step("collective", f"{kind} {name}{pi} completes",
-                                    frozenset({"collective"} | {f"rank {m}" for m in members})))
+                                    proto | {f"rank {m}" for m in members}))
         return out
 
-    def _stuck(self, r: int) -> bool:
-        """Rank r waits at a collective that can never complete: a member of its group
-        finished its protocol, waits at another kind of collective of the same group, or
-        is itself stuck (a fixed point over the waiting ranks)."""
-        return r in self._stuck_set()
-
-    def _stuck_set(self) -> set[int]:
+    def _stuck_set(self, causes: tuple[str, ...] = ("ok", "failed")) -> set[int]:
+        """Ranks waiting at a collective that can never complete because a member of its
+        group finished its protocol with one of `causes` ("ok": it left normally;
+        "failed": its collective failed), waits at another kind of collective of the
+        same group, or is itself stuck (a fixed point over the waiting ranks)."""
         stuck: set[int] = set()
         changed = True
         while changed:
@@ -774,15 +773,12 @@ class PrefetchWorld:
                 members = self.groups[op.group][1][self._part(op.group, r)]
                 for m in members:
                     w = self.waiting.get(m)
-                    if m in self.done or m in stuck or (
+                    if self.done.get(m) in causes or m in stuck or (
                             w is not None and w.group == op.group and type(w) is not type(op)):
                         stuck.add(r)
                         changed = True
                         break
         return stuck
-
-    def _faulted(self, r: int) -> bool:
-        return any((g, self._part(g, r)) in self.failed_groups for g in range(len(self.groups)))
 
     def fire(self, step: Step) -> None:
         try:
@@ -797,16 +793,16 @@ class PrefetchWorld:
         except StopIteration:
             self.done[r] = "ok"
             self.waiting.pop(r, None)
-            self.in_barrier.discard(r)
+            self.in_barrier.pop(r, None)
             return
         except Exception:
             self.done[r] = "failed"
             self.waiting.pop(r, None)
-            self.in_barrier.discard(r)
+            self.in_barrier.pop(r, None)
             return
         self.waiting[r] = op
         if isinstance(op, BarrierOp):
-            self.in_barrier.add(r)
+            self.in_barrier[r] = self.groups[op.group][1][self._part(op.group, r)]
 
     def _do(self, step: Step) -> None:
         name = step.name
@@ -824,20 +820,21 @@ class PrefetchWorld:
                     self._advance(m, reply=v)
             else:
                 for m in members:
-                    self.in_barrier.discard(m)
+                    self.in_barrier.pop(m, None)
                     self._advance(m)
             return
         r = int(step.actor.split()[1])
         site = self.sites[r]
-        if name == "queue prefetch":
-            self.s.spend(f"queue {r}")
+        if name.startswith("prefetch "):
+            self.s.spend(f"local {r}")
+            local = name[len("prefetch "):]
             site.queue(self.RID, self.anchors[r])
-        elif name == "start I/O":
-            site.start(self.RID, self.PAGES)
-        elif name == "write a page":
-            site.transfer(self.RID, 1)
-        elif name == "I/O completes":
-            site.complete(self.RID)
+            if local != "pending":
+                site.start(self.RID, self.PAGES)
+            if local in ("active, 1 page written", "completed"):
+                site.transfer(self.RID, 1)
+            if local == "completed":
+                site.complete(self.RID)
         elif name == "handle abort":
             self.gens[r] = site.abort_steps(self.RID, self.names, naive=self.naive)
             self._advance(r)
@@ -846,7 +843,7 @@ class PrefetchWorld:
             if name == "its collective fails":
                 self.s.spend("collective fails", fault=True)
                 self.failed_groups.add((op.group, self._part(op.group, r)))
-            self.in_barrier.discard(r)
+            self.in_barrier.pop(r, None)
             kind = "reduce_max" if isinstance(op, ReduceOp) else "barrier"
             gname, parts = self.groups[op.group]
             self._advance(r, error=CollectiveTimeout(
@@ -866,7 +863,9 @@ class PrefetchWorld:
         # peer may still be writing pages the abort's barrier protects (I7, I10).
         for r in range(self.n):
             if self._released(r) and self.sites[r].requests[self.RID].state == "released":
-                inside = sorted(p for p in self._peers(r) if p in self.in_barrier)
+                # Only a barrier of a group r belongs to protects r's pages.
+                inside = sorted(p for p, members in self.in_barrier.items()
+                                if p != r and r in members)
                 if inside:
                     return f"rank {r} released while rank(s) {inside} are still in the barrier"
         return ""
@@ -898,13 +897,16 @@ class PrefetchWorld:
                 bad.append(("pool-ledger", f"rank {r}: host pages in use {use}, held {held}; "
                                            f"locked {lk}, lock references {lh}"))
                 break
-        for r in sorted(self.waiting):
-            if self._stuck(r) and not self._faulted(r):
-                bad.append(("rank-waiting-forever",
-                            f"rank {r} waits in {type(self.waiting[r]).__name__} on group "
-                            f"{self.names[self.waiting[r].group]!r}, which a peer left "
-                            "without any collective failing"))
-                break
+        # Stuck with no failed collective behind it: a rank left a collective its peers
+        # are in (after a failure, the peers' timeouts are the documented recovery).
+        by_fault = self._stuck_set(("failed",))
+        forever = sorted(self._stuck_set() - by_fault)
+        if forever:
+            r = forever[0]
+            bad.append(("rank-waiting-forever",
+                        f"rank {r} waits in {type(self.waiting[r]).__name__} on group "
+                        f"{self.names[self.waiting[r].group]!r}, which a peer left "
+                        "without any collective failing"))
         return bad
 
     def check_final(self) -> list[Violation]:
@@ -1076,7 +1078,8 @@ def main(argv: list[str]) -> int:
         status = "exhaustive" if r.exhaustive else "CUT by the bound or time"
         print(f"{name}{' (naive)' if naive else ''}: {r.states} worlds, {r.transitions} "
               f"steps, {r.interleavings} interleavings, {r.quiescent} quiescent, depth "
-              f"{r.max_depth}, {dt:.2f}s ({r.worlds_per_second:.0f} worlds/s), {status}; "
+              f"{r.max_depth}, {dt:.2f}s ({r.worlds_per_second:.0f} worlds/s; "
+              f"{r.cpu_seconds:.2f}s of CPU), {status}; "
               f"{len(r.violations)} violation(s)")
         for v in r.violations:
             found += 1
