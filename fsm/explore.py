@@ -52,12 +52,16 @@ sleep sets sound under state caching (no world is lost because its first visit h
 step that reaches it). A quiescent world (nothing enabled) is reached either way, so
 the quiescence invariants are checked on every quiescent world too.
 
-`tests/test_explore.py` checks this on a toy model with a known bug (same violations
-and same worlds with and without the reduction, fewer transitions with it), and the
-serving scenarios' tests compare the violations the naive baselines yield both ways.
+The argument rests on the footprints being true. `check_independence(scenario)` tests
+them: in the first worlds it reaches, every enabled pair declared independent must stay
+enabled after the other and reach equal keys in both orders. `tests/test_explore.py`
+checks the reduction on a toy model with a known bug (same violations and same worlds
+with and without it, fewer transitions with it) and that `check_independence` catches a
+footprint that lies; the serving scenarios' tests compare the violations the naive
+baselines yield both ways and run `check_independence` on each scenario.
 
 `replay(scenario, labels)` fires a recorded counterexample again and reports what each
-step broke; `mermaid(scenario, steps, ...)` renders one as a sequence diagram, one
+step broke; `mermaid(actors, steps, ...)` renders one as a sequence diagram, one
 lifeline per actor.
 """
 

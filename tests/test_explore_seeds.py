@@ -158,3 +158,15 @@ def test_cli_replay_of_a_step_not_enabled_is_one_line_exit_2(tmp_path, capsys) -
     assert terminus(["explore", "--replay", str(f)]) == 2
     assert "--replay needs exactly one --scenario" in capsys.readouterr().err
     assert terminus(["explore", "--bound", "0"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["prefetch-3", "prefetch-4"])
+def test_larger_prefetch_scenarios_machines_exhaustive_naive_deadlocks(name: str) -> None:
+    # The CI run of the larger shipped scenarios (`terminus explore --scenario NAME`).
+    r = explore(scenario(name))
+    assert r.exhaustive
+    assert r.violations == [], "\n".join(v.numbered() for v in r.violations)
+    naive = explore(scenario(name, naive=True))
+    assert {"rank-waiting-forever", "freed-while-read"} <= {v.invariant
+                                                            for v in naive.violations}
