@@ -15,7 +15,7 @@ from terminus.effects.sim.explore import SCENARIOS, main, scenario
 from terminus.fsm.explore import explore, mermaid, replay
 
 
-@pytest.mark.parametrize("name", ["lora", "prefetch-2"])
+@pytest.mark.parametrize("name", ["lora", "disagg", "prefetch-2"])
 def test_machines_break_no_invariant_in_any_ordering(name: str) -> None:
     r = explore(scenario(name))
     assert r.exhaustive
@@ -23,21 +23,59 @@ def test_machines_break_no_invariant_in_any_ordering(name: str) -> None:
     assert r.states > 100 and r.quiescent > 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "main frees an abandoned middle chunk's KV while the next overlapped chunk still "
-    "reads it (abort with chunks 0 and 1 in flight, then chunk 0's result); branch "
-    "`escapes` returns abandoned pages when the drain ends"))
-def test_disagg_machines_break_no_invariant_in_any_ordering() -> None:
-    r = explore(scenario("disagg"))
-    assert r.exhaustive
-    assert r.violations == [], "\n".join(v.numbered() for v in r.violations)
+def _old_abandon_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The plan main had before abandoned chunks handed their pages to the request:
+    # an abandoned chunk frees its own pages at once.
+    from terminus.effects import disagg
+    from terminus.fsm import Plan, Release
+
+    monkeypatch.setitem(disagg.CHUNK_PLANS, "release_abandoned", Plan(Release("kv")))
 
 
-def test_disagg_machines_only_hole_is_the_abandoned_chunk() -> None:
+def test_disagg_explorer_finds_the_abandoned_chunk_hole_on_the_old_plan(monkeypatch) -> None:
+    # The hole the explorer found before the fix: abort with chunks 0 and 1 in flight,
+    # then chunk 0's result frees the pages chunk 1 still attends over.
+    _old_abandon_plan(monkeypatch)
     r = explore(scenario("disagg"))
-    assert r.exhaustive
     assert [v.invariant for v in r.violations] == ["freed-while-read"]
     assert r.violations[0].labels[-2:] == ["client: abort", "scheduler: result of chunk 0"]
+    # The same steps on today's plan break nothing.
+    monkeypatch.undo()
+    assert all(not bad for _, bad in replay(scenario("disagg"), r.violations[0].labels))
+
+
+_TO_TRANSFER = ["sender: bootstrap succeeds", "scheduler: launch chunk 0",
+                "scheduler: launch chunk 1", "scheduler: result of chunk 0",
+                "scheduler: launch chunk 2", "scheduler: result of chunk 1",
+                "scheduler: result of chunk 2"]
+
+
+@pytest.mark.parametrize(("before", "end"), [
+    ([], "sender: confirms it stopped"),
+    ([], "clock: sender deadline passes"),
+    (["sender: its abort will raise"], "sender: transfer done"),
+    (["sender: its abort will raise"], "sender: transfer fails"),
+    (["sender: its abort will raise"], "clock: sender deadline passes"),
+])
+def test_disagg_abort_during_the_transfer_waits_for_the_sender(before: list[str],
+                                                               end: str) -> None:
+    sc = scenario("disagg")
+    rows = replay(sc, [*before, *_TO_TRANSFER, "client: abort", end])
+    assert all(not bad for _, bad in rows), rows
+    w = sc.build()
+    for label in before + _TO_TRANSFER:
+        w.fire(next(s for s in w.enabled() if s.label == label))
+    w.fire(next(s for s in w.enabled() if s.label == "client: abort"))
+    # Aborted mid-transfer: the KV stays while the sender may still read it.
+    assert w.eng.req(w.RID).state == "awaiting_sender"
+    assert w.pools.kv.capacity - w.pools.kv.available == w.CHUNK * w.CHUNKS
+    labels = {s.label for s in w.enabled()}
+    assert end in labels and "scheduler: launch chunk 0" not in labels
+    w.fire(next(s for s in w.enabled() if s.label == end))
+    assert w.eng.req(w.RID).state == "aborted"
+    assert w.check() == [] and w.check_final() == []
+    assert [o.outcome for o in w.sink.outputs] == ["aborted"]
+    w.eng.finish()  # pools full, ledger empty
 
 
 @pytest.mark.parametrize(("name", "expect"), [
@@ -118,7 +156,8 @@ def test_cli_writes_the_report_and_exits_by_what_it_found(tmp_path, capsys) -> N
     assert "no invariant broken" in capsys.readouterr().out
 
 
-def test_cli_exits_1_when_the_machines_break_an_invariant(tmp_path) -> None:
+def test_cli_exits_1_when_the_machines_break_an_invariant(tmp_path, monkeypatch) -> None:
+    _old_abandon_plan(monkeypatch)
     out = tmp_path / "r.json"
     assert main(["--scenario", "disagg", "--json", str(out)]) == 1
     rep = json.loads(out.read_text())["scenarios"]["disagg"]
@@ -139,7 +178,7 @@ def test_every_shipped_scenario_is_listed_with_its_actors() -> None:
         scenario("nope")
 
 
-@pytest.mark.parametrize("name", ["lora", "prefetch-3"])
+@pytest.mark.parametrize("name", ["lora", "disagg", "prefetch-2", "prefetch-3"])
 @pytest.mark.parametrize("naive", [False, True])
 def test_declared_footprints_commute(name: str, naive: bool) -> None:
     from terminus.fsm.explore import check_independence

@@ -13,7 +13,9 @@ The generic search is `terminus.fsm.explore`.
                  (acquire, tokenize, send or a scheduler error)
     disagg       seed 2: one request of 3 chunks, at most 2 in flight; abort, bootstrap
                  failure, transfer failure at every point, a sender whose abort raises;
-                 two faults per run
+                 an abort during the transfer waits (`awaiting_sender`) for the sender:
+                 it confirms it stopped, or (never told) finishes or fails the transfer,
+                 or the clock passes its deadline; two faults per run
     prefetch-N   seed 3 (N = 2, 3, 4 ranks): every local class (none, pending, active;
                  on 2 ranks also with a page written; up to 3 also completed) on every
                  rank when the abort comes;
@@ -52,7 +54,7 @@ from terminus.effects.output import OutputLog, TerminalOutput
 from terminus.effects.prefetch import BarrierOp, PrefetchSite, ReduceOp
 from terminus.effects.prefix_cache import CountingPrefixCache
 from terminus.effects.tokenizer import InvalidRequest, TokenizerSide
-from terminus.effects.transport import TransportError
+from terminus.effects.transport import Poll, TransportError
 from terminus.fsm import DoubleRelease, TransitionRecord
 from terminus.fsm.explore import ExploreReport, Step, Violation, explore, mermaid, parse_steps
 from terminus.fsm.explore import replay as replay_steps
@@ -61,6 +63,7 @@ from terminus.kernels.collective import CollectiveTimeout, grid_partitions
 from terminus.kernels.errors import DoubleFree, UnknownAdapter
 from terminus.kernels.host import HostPagePool
 from terminus.kernels.lora import LoRARegistry
+from terminus.states.request import client_rid
 
 from .naive import NaiveTokenizer
 from .scenarios import _Naive, _Plan
@@ -183,22 +186,29 @@ class _GateTokenizer:
 
 
 class _Scheduler:
-    """The scheduler link: records what was sent; a send armed to fail raises."""
+    """The scheduler link: records what was sent, by the `RequestKey` it was given (the
+    results go back by that key); a send armed to fail (by client id) raises."""
 
     def __init__(self) -> None:
-        self.running: dict[Any, bool] = {}  # rid -> aborted by the tokenizer
+        self.running: dict[Any, bool] = {}  # key -> aborted by the tokenizer
         self.fail: set[Any] = set()
         self.sent = 0
 
-    def send(self, rid: Any, tokens: Any, lora_id: int | None) -> None:
-        if rid in self.fail:
-            raise ConnectionError(f"scheduler link closed while sending {rid!r}")
-        self.running[rid] = False
+    def send(self, key: Any, tokens: Any, lora_id: int | None) -> None:
+        if client_rid(key) in self.fail:
+            raise ConnectionError(f"scheduler link closed while sending {key}")
+        self.running[key] = False
         self.sent += 1
 
-    def abort(self, rid: Any) -> None:
-        if rid in self.running:
-            self.running[rid] = True
+    def abort(self, key: Any) -> None:
+        if key in self.running:
+            self.running[key] = True
+
+    def take(self, rid: str) -> Any:
+        """Forget the request whose client id is `rid`; returns its key."""
+        key = next(k for k in self.running if client_rid(k) == rid)
+        del self.running[key]
+        return key
 
 
 class LoRAWorld:
@@ -285,9 +295,10 @@ class LoRAWorld:
             t = self.tasks[actor]
             if not t.done() and self.s.once(f"disconnect {actor}"):
                 out.append(Step("client", f"disconnect {actor}", fp, to=actor))
-        for rid in sorted(self.scheduler.running):
+        for key in sorted(self.scheduler.running, key=str):
+            rid = str(client_rid(key))
             fp = frozenset({self._owner(rid), "registry"})
-            if self.scheduler.running[rid]:
+            if self.scheduler.running[key]:
                 out.append(Step("scheduler", f"abort echo of {rid}", fp, to=self._owner(rid)))
             else:
                 out.append(Step("scheduler", f"finish {rid}", fp, to=self._owner(rid)))
@@ -336,16 +347,12 @@ class LoRAWorld:
             self.s.spend(name)
             self.tasks[words[1]].cancel()
         elif name.startswith("abort echo of "):
-            rid = words[-1]
-            del self.scheduler.running[rid]
-            self.side.on_finish(rid, "abort")
+            self.side.on_finish(self.scheduler.take(words[-1]), "abort")
         elif words[0] == "finish":
-            del self.scheduler.running[words[1]]
-            self.side.on_finish(words[1])
+            self.side.on_finish(self.scheduler.take(words[1]))
         elif words[0] == "error":
             self.s.spend(name, fault=True)
-            del self.scheduler.running[words[1]]
-            self.side.on_error(words[1], 500, "scheduler failed")
+            self.side.on_error(self.scheduler.take(words[1]), 500, "scheduler failed")
         elif words[0] == "link":
             self.s.spend(f"break send {words[-1]}", fault=True)
             rid = words[-1]
@@ -383,7 +390,8 @@ class LoRAWorld:
         bad: list[Violation] = []
         if self._held():
             bad.append(("lora-counters-zero", f"counters {self.registry.counts()} at quiescence"))
-        live = sorted(self.side.live) if not self.naive else sorted(self.side.rid_to_state)
+        live = sorted(str(k) for k in (self.side.rid_to_state if self.naive
+                                       else self.side.live))
         pending = sorted(a for a, t in self.tasks.items() if not t.done())
         if live or pending:
             bad.append(("every-request-terminal",
@@ -403,7 +411,8 @@ class LoRAWorld:
                     seen[r] = (i.state, len(self.side.ledger.owned(i)))
             inst = tuple(sorted(seen.items()))
         return (inst, tuple(sorted(self.registry.counts().items())),
-                tuple(sorted(self.calls.pending)), tuple(sorted(self.scheduler.running.items())),
+                tuple(sorted(self.calls.pending)),
+                tuple(sorted((str(k), v) for k, v in self.scheduler.running.items())),
                 tuple(sorted(self.scheduler.fail)),
                 tuple(sorted(self.sink.counts.items())),
                 tuple((a, t.done()) for a, t in sorted(self.tasks.items())),
@@ -416,7 +425,13 @@ class LoRAWorld:
 
 
 class DisaggWorld:
-    """Seed 2's world: one request of 3 chunks (2 tokens each), at most 2 in flight."""
+    """Seed 2's world: one request of 3 chunks (2 tokens each), at most 2 in flight.
+
+    `transfer_live`: the sender may still read the KV. It stays set after an abort
+    during the transfer until the sender says it stopped (a poll: ABORTED once told,
+    else done or failed) or the clock passes the sender's deadline (the sender's own
+    reads are bounded by it: its transport times out too).
+    """
 
     RID = "d"
     CHUNK = 2
@@ -435,7 +450,8 @@ class DisaggWorld:
         self.in_flight: list[int] = []
         self.scheduled = 0
         self.sender_armed = False
-        self.transfer_live = False
+        self.transfer_live = False  # the sender may still be reading the KV
+        self.late = False  # the clock passed the sender's deadline
         self.terminal = [0]
         plen = self.CHUNK * self.CHUNKS
         self.eng: Any
@@ -444,7 +460,8 @@ class DisaggWorld:
             self.eng.add(_Plan(self.RID, plen, self.CHUNKS, None, False, self.HOST))
         else:
             self.eng = DisaggPrefill(self.pools, transport=self.transport, cache=self.cache,
-                                     sink=self.sink)
+                                     sink=self.sink, sender_deadline_s=1.0,
+                                     clock=lambda: 2.0 if self.late else 0.0)
             for m in (self.eng.requests_machine, self.eng.chunks_machine):
                 m.add_sink(_terminal_sink(self.terminal))
             self.eng.add(self.RID, plen, chunk_size=self.CHUNK, host_pages=self.HOST)
@@ -475,13 +492,22 @@ class DisaggWorld:
         if self.in_flight:
             out.append(Step("scheduler", f"result of chunk {self.in_flight[0]}", fp,
                             to="prefill"))
-        if st == "transferring" and self.transfer_live:
-            out.append(Step("sender", "transfer done", fp, to="prefill"))
-            if self.s.fault_ok("transfer fails"):
-                out.append(Step("sender", "transfer fails", fp, to="prefill"))
+        if st in ("transferring", "awaiting_sender") and self.transfer_live:
+            if self.transport.poll_state(self.RID) is Poll.ABORTED:
+                # The abort reached the sender: it stops, and says so at the next poll.
+                out.append(Step("sender", "confirms it stopped", fp, to="prefill"))
+            else:
+                # Still sending (never told, or its abort raised): it may finish or fail.
+                out.append(Step("sender", "transfer done", fp, to="prefill"))
+                if self.s.fault_ok("transfer fails"):
+                    out.append(Step("sender", "transfer fails", fp, to="prefill"))
+        if st == "awaiting_sender":
+            # The confirmation may never come: the deadline ends the wait.
+            out.append(Step("clock", "sender deadline passes", fp, to="prefill"))
         if self.s.once("abort"):
             out.append(Step("client", "abort", fp, to="prefill"))
-        if self.s.fault_ok("bootstrap fails") and st != "transferring":
+        if self.s.fault_ok("bootstrap fails") and st not in ("transferring",
+                                                             "awaiting_sender"):
             # The handshake can fail until the KV transfer starts (or be reported late).
             out.append(Step("sender", "bootstrap fails", fp, to="prefill"))
         if not self.sender_armed and self.s.fault_ok("sender abort raises") \
@@ -526,16 +552,23 @@ class DisaggWorld:
                 self.transport.break_transfer(rid)
             self.transfer_live = False
             e.poll(rid) if self.naive else e.poll_transfer(rid)
+        elif name == "confirms it stopped":
+            self.transfer_live = False
+            e.poll_transfer(rid)
+        elif name == "sender deadline passes":
+            # The sender's reads are bounded by the same deadline (its transport times
+            # out): past it, nothing reads the KV any more.
+            self.late = True
+            self.transfer_live = False
+            e.poll_transfer(rid)
         elif name == "abort":
             self.s.spend("abort")
-            aborts = self.transport.aborts[rid]
             try:
                 e.abort(rid)
             except TransportError:
                 if not self.naive:
                     raise
-            if self.transport.aborts[rid] > aborts:
-                self.transfer_live = False  # the sender was told (best effort, I5)
+            # A sender told of the abort keeps reading until it confirms it stopped.
         elif name == "bootstrap fails":
             self.s.spend(name, fault=True)
             if self.naive:
@@ -633,7 +666,8 @@ class DisaggWorld:
             inst = (req.state, tuple(c.state for c in req.chunks),
                     tuple(sorted(Counter(h.kind for h in self.eng.ledger._iter()).items())))
         return (inst, tuple(self.in_flight), self.scheduled, self.transfer_live,
-                self.sender_armed, tuple(sorted(self._in_use().items())),
+                self.transport.poll_state(self.RID), self.late, self.sender_armed,
+                tuple(sorted(self._in_use().items())),
                 self.cache.held_tokens, tuple(sorted(self.sink.counts.items())),
                 self.s.sticky_key())
 
@@ -743,7 +777,7 @@ class PrefetchWorld:
                 if r in self._stuck_set(("failed",)):
                     out.append(Step(a, "collective times out", pfp, to="collective"))
             inst = self.sites[r].requests.get(self.RID)
-            if inst is not None and inst.state in ("stalled", "abort_requested") \
+            if inst is not None and inst.state in ("stalled", "abort_requested", "broken") \
                     and r not in self.waiting and not any(p in self.waiting
                                                           for p in self._peers(r)):
                 out.append(Step(a, "close group", pfp))
@@ -846,9 +880,15 @@ class PrefetchWorld:
             self.in_barrier.pop(r, None)
             kind = "reduce_max" if isinstance(op, ReduceOp) else "barrier"
             gname, parts = self.groups[op.group]
-            self._advance(r, error=CollectiveTimeout(
-                f"explored rank {r}", kind, gname, parts[self._part(op.group, r)], 0.0,
-                ticket=None))
+            if name == "its collective fails":
+                # The backend raises on this rank (a peer process died): the abort ends
+                # in PrefetchCollectiveFailed, `broken` after a barrier.
+                self._advance(r, error=RuntimeError(
+                    f"explored rank {r}: {kind} on {gname!r}: connection closed by peer"))
+            else:
+                self._advance(r, error=CollectiveTimeout(
+                    f"explored rank {r}", kind, gname, parts[self._part(op.group, r)], 0.0,
+                    ticket=None))
         elif name == "close group":
             site.close_group(self.RID)
         else:  # pragma: no cover
@@ -978,7 +1018,7 @@ SCENARIOS: dict[str, SimScenario] = {
                              "admin"),
                     lambda naive: LoRAWorld(naive),
                     "seed 1: a request and a sampling group (n=2) on one adapter"),
-        SimScenario("disagg", ("client", "scheduler", "prefill", "sender"),
+        SimScenario("disagg", ("client", "scheduler", "prefill", "sender", "clock"),
                     lambda naive: DisaggWorld(naive),
                     "seed 2: 3 chunks, 2 in flight, abort and faults at every point"),
         _prefetch(2), _prefetch(3), _prefetch(4),
