@@ -88,6 +88,11 @@ class FakeTransport:
             return Poll.FAILED
         return self._transfers.get(rid, Poll.FAILED)
 
+    def poll_state(self, rid: str) -> Poll | None:
+        """What the transfer of `rid` is now (None: never sent), without polling: no
+        call is recorded and no armed poll fault fires."""
+        return self._transfers.get(rid)
+
     def complete(self, rid: str) -> None:
         """Make the transfer of `rid` succeed at its next poll."""
         self._transfers[rid] = Poll.SUCCESS
