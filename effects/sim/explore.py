@@ -52,7 +52,7 @@ import torch
 from terminus.effects.disagg import DisaggPools, DisaggPrefill
 from terminus.effects.output import OutputLog, TerminalOutput
 from terminus.effects.prefetch import BarrierOp, PrefetchSite, ReduceOp
-from terminus.effects.prefix_cache import CountingPrefixCache
+from terminus.effects.prefix_cache import PrefixCache
 from terminus.effects.tokenizer import InvalidRequest, TokenizerSide
 from terminus.effects.transport import Poll, TransportError
 from terminus.fsm import DoubleRelease, TransitionRecord
@@ -445,7 +445,7 @@ class DisaggWorld:
                                       mamba_slots=1, metadata_slots=1, host_pages=4,
                                       max_context_len=self.CHUNK * self.CHUNKS)
         self.transport = FakeTransport()
-        self.cache = CountingPrefixCache(self.pools.kv)
+        self.cache = PrefixCache(self.pools.kv)
         self.sink = OutputLog()
         self.in_flight: list[int] = []
         self.scheduled = 0
