@@ -118,6 +118,7 @@ class RunningBatch:
         self.batch = SEQUENCE.batch(pools.table.capacity, pools.table.device,
                                     plans=dict.fromkeys(_TERMINAL_OF_PLAN, effect))
         self.event = {cls: SEQUENCE.event_id(cls) for cls in SEQUENCE.events}
+        self._pending: dict[int, list[int]] = {}  # row -> event ids queued for `flush`
 
     def _make_effect(self) -> Any:
         pools = self.pools
@@ -245,12 +246,44 @@ class RunningBatch:
     def fire(self, rows: torch.Tensor, event: type) -> BatchStep:
         """Deliver one event class to `rows` (no event to the others) in one step."""
         ev = torch.full((self.batch.n,), -1, dtype=torch.int64, device=self.batch.device)
-        ev[rows] = self.event[event]
+        ev.index_fill_(0, rows, self.event[event])
         return self.batch.step(ev)
 
     def step(self, events: torch.Tensor) -> BatchStep:
-        """Deliver `events[r]` (an event id or -1) to every row at once."""
+        """Deliver `events[r]` (an event id or -1) to every row at once; a (rounds, n)
+        tensor gives rows several events in order (see `Batch.step`)."""
         return self.batch.step(events)
+
+    def queue(self, rows: list[int], event: type) -> None:
+        """Queue `event` for each of `rows`, after the events already queued for it;
+        `flush` delivers them all in one step."""
+        if not rows:
+            return
+        eid = self.event[event]
+        pending = self._pending
+        for r in rows:
+            got = pending.get(r)
+            if got is None:
+                pending[r] = [eid]
+            else:
+                got.append(eid)
+
+    def flush(self) -> BatchStep | None:
+        """Deliver every queued event in one `Batch.step` (row r's k-th queued event in
+        round k, rows without one take none): a scheduler step's aborts, chunk results,
+        launches, tokens, finishes and failures for all rows at once. None when nothing
+        was queued. The queue is emptied whether or not the step is refused."""
+        pending, self._pending = self._pending, {}
+        if not pending:
+            return None
+        n = self.batch.n
+        k = max(map(len, pending.values()))
+        flat = [-1] * (k * n)
+        for r, ids in pending.items():
+            for j, e in enumerate(ids):
+                flat[j * n + r] = e
+        ev = torch.tensor(flat, dtype=torch.int64).view(k, n)
+        return self.batch.step(ev.to(self.batch.device))
 
     def rows_in(self, *states: str) -> torch.Tensor:
         """Rows whose sequence is in one of `states`."""
