@@ -74,8 +74,7 @@ class SchedulerPools:
     def in_use(self) -> dict[str, int]:
         """Units each `AuditedPool` has handed out now, by pool name (the others cannot
         say: see `unchecked()`)."""
-        return {n: p.capacity - p.available for n, p in self.pools().items()
-                if isinstance(p, AuditedPool)}
+        return {n: p.capacity - p.available for n, p in audited(self, self.pools())}
 
     def leaks(self) -> dict[str, int]:
         """Units each pool is missing (0 everywhere when nothing leaked); a pool that
@@ -97,6 +96,18 @@ class SchedulerPools:
             if isinstance(p, AuditedPool):
                 p.assert_full()
         return self.unchecked()
+
+
+def audited(owner: Any, pools: dict[str, Any]) -> list[tuple[str, Any]]:
+    """`pools`' `AuditedPool`s as (name, pool), remembered on `owner` until a pool is
+    replaced: a runtime protocol check costs microseconds, and a serving loop samples
+    its pools every step."""
+    key = tuple(map(id, pools.values()))
+    cached = getattr(owner, "_audited", None)
+    if cached is None or cached[0] != key:
+        cached = (key, [(n, p) for n, p in pools.items() if isinstance(p, AuditedPool)])
+        owner._audited = cached
+    return cached[1]
 
 
 Retired = Callable[[torch.Tensor, str], None]

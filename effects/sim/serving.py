@@ -24,6 +24,7 @@ logic). The loop itself has no branch on which it drives.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
 import time
 from collections import Counter, deque
@@ -265,6 +266,21 @@ class SimScheduler:
 
     def _admit(self) -> None:
         rb = self.running
+        k = min(len(self.queue), rb.pools.table.available)
+        head = list(itertools.islice(self.queue, k))
+        flags = [self.spec_of(seq.rid).mamba for seq in head]
+        if k and sum(flags) <= rb.pools.mamba.available_size():
+            # Everything at the head fits: the runs admit exactly as one by one would
+            # (each run all or nothing, none refused), in one admission per kind.
+            for mamba in (False, True):
+                group = [seq for seq, f in zip(head, flags, strict=True) if f == mamba]
+                if group:
+                    rows = rb.admit(len(group), mamba)
+                    assert rows is not None
+                    self._seat(group, rows)
+            for _ in range(k):
+                self.queue.popleft()
+            return
         while self.queue:
             k = min(len(self.queue), rb.pools.table.available)
             if k == 0:
@@ -279,10 +295,13 @@ class SimScheduler:
             if rows is None:
                 self.queue.extendleft(reversed(batch))
                 return
-            for seq, r in zip(batch, rows.tolist(), strict=True):
-                seq.row = r
-                seq.chunks_left = max(1, -(-seq.prompt // self.cfg.chunk_size))
-                self.by_row[r] = seq
+            self._seat(batch, rows)
+
+    def _seat(self, batch: list[_Seq], rows: torch.Tensor) -> None:
+        for seq, r in zip(batch, rows.tolist(), strict=True):
+            seq.row = r
+            seq.chunks_left = max(1, -(-seq.prompt // self.cfg.chunk_size))
+            self.by_row[r] = seq
 
     def _apply_aborts(self) -> None:
         rows = []
