@@ -110,6 +110,21 @@ def audited(owner: Any, pools: dict[str, Any]) -> list[tuple[str, Any]]:
     return cached[1]
 
 
+def _owner_of_each(starts: torch.Tensor, total: int) -> torch.Tensor:
+    """`repeat_interleave(counts)` given `starts = cumsum(counts) - counts`: for each of
+    the `total` items, the position of the count it belongs to::
+
+        counts [2 0 3]   starts [0 2 2]   marks [0 0 2 0 0 | 0]   cumsum [0 0 2 2 2]
+
+    One scatter and one scan, neither of which goes parallel on a few hundred items:
+    `repeat_interleave` does, and under torch's default thread count on a busy 2-core
+    machine it took 1.9 ms where this takes 0.1 ms (0.02 and 0.05 ms on one thread).
+    """
+    marks = torch.zeros(total + 1, dtype=torch.int64, device=starts.device)
+    marks.index_add_(0, starts[1:], torch.ones_like(starts[1:]))
+    return marks[:total].cumsum(0)
+
+
 Retired = Callable[[torch.Tensor, str], None]
 """`on_retired(rows, terminal_state)` after the rows' resources went back to the pools."""
 
@@ -191,10 +206,10 @@ class RunningBatch:
         if total == 0:
             return True
         lengths = table.lengths.index_select(0, rows).to(torch.int64)
-        # which[i] = the position in `rows` of the i-th new token (the index form of
-        # repeat_interleave is the fast one on CPU); j[i] its place among its row's.
-        which = torch.repeat_interleave(counts)
+        # which[i] = the position in `rows` of the i-th new token; j[i] its place among
+        # its row's.
         starts = torch.cumsum(counts, 0) - counts
+        which = _owner_of_each(starts, total)
         j = torch.arange(total, device=rows.device) - starts.index_select(0, which)
         if ps == 1:
             idx = kv.alloc(total)
