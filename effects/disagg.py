@@ -80,6 +80,7 @@ from terminus.states.disagg import (
 
 from .output import OutputLog, OutputSink, TerminalOutput
 from .prefix_cache import CountingPrefixCache, PrefixCache
+from .sanitize import sanitized
 from .sequence import audited
 from .transport import Poll, Transport, TransportError
 
@@ -409,6 +410,7 @@ class DisaggPrefill:
 
     # -- happenings --------------------------------------------------------------------
 
+    @sanitized
     def add(self, rid: str, prompt_len: int, *, chunk_size: int,
             host_pages: int = 0) -> PrefillRequest:
         """A new request in `bootstrapping`; `host_pages` > 0 starts its host prefetch."""
@@ -430,12 +432,14 @@ class DisaggPrefill:
                 self.ledger.acquire(req, "hicache", pf)
         return req
 
+    @sanitized
     def advance_prefetch(self, rid: str, pages: int) -> None:
         """The host prefetch of `rid` completed `pages` more pages."""
         for h in self.ledger.owned(self.req(rid), "hicache"):
             if not h.value.terminated:
                 h.value.advance(pages)
 
+    @sanitized
     def bootstrap(self, rid: str) -> PlanReport | None:
         """Poll the handshake; on success take a metadata slot and init the sender.
 
@@ -461,6 +465,7 @@ class DisaggPrefill:
             return self._fail_bootstrap(req, str(e))
         return None
 
+    @sanitized
     def retry_bootstrap(self, rid: str) -> bool:
         """Re-queue the handshake of `rid` after a transient failure (optimistic retry);
         the next `bootstrap()` polls it. False once the request is past bootstrapping;
@@ -471,6 +476,7 @@ class DisaggPrefill:
             req.fire(BootstrapRetry())
         return req.state == "bootstrapping"
 
+    @sanitized
     def bootstrap_failed(self, rid: str, reason: str = "bootstrap failed") -> PlanReport | None:
         """The sender reports the handshake failed."""
         return self._fail_bootstrap(self.req(rid), reason)
@@ -486,6 +492,7 @@ class DisaggPrefill:
         if req.state in ("draining", "awaiting_sender") and not req.reason:
             req.reason = reason
 
+    @sanitized
     def abort(self, rid: str, reason: str = "aborted") -> PlanReport | None:
         """The client or scheduler aborts `rid`.
 
@@ -504,6 +511,7 @@ class DisaggPrefill:
                 self.errors.append(e)
         return report
 
+    @sanitized
     def schedule(self, rid: str) -> Chunk | None:
         """Schedule and launch the next chunk of `rid`; None when it cannot run now.
 
@@ -524,11 +532,15 @@ class DisaggPrefill:
                 pools.table.available < 1
                 or pools.mamba.available_size() < self.mamba_per_request)):
             return None
-        if k == 0:
+        if k == 0 and not self.ledger.owned(req, "req_slot"):
+            # Each unit is recorded the moment it is taken: a pool that raises on the
+            # next alloc leaves this one owned by the request (its release frees it).
             slot = pools.table.alloc(1)
-            mamba = pools.mamba.alloc(self.mamba_per_request)
-            assert slot is not None and mamba is not None  # checked just above
+            assert slot is not None  # checked just above
             self.ledger.acquire(req, "req_slot", slot)
+        if k == 0 and not self.ledger.owned(req, "mamba"):
+            mamba = pools.mamba.alloc(self.mamba_per_request)
+            assert mamba is not None  # checked just above
             self.ledger.acquire(req, "mamba", mamba)
         kv = pools.kv_alloc(req.chunk_len(k))
         assert kv is not None  # checked just above
@@ -536,7 +548,11 @@ class DisaggPrefill:
                       last=k == req.n_chunks - 1)
         self.ledger.acquire(chunk, "kv", kv)
         row = self.ledger.owned(req, "req_slot")[0].value
-        pools.table.write(int(row[0]), k * req.chunk_size, kv)
+        try:
+            pools.table.write(int(row[0]), k * req.chunk_size, kv)
+        except BaseException:
+            chunk.fire(Abandon())  # never launched: its pages go to the request
+            raise
         for prev in req.chunks:
             if prev.state == "running":
                 prev.fire(NextLaunched())
@@ -545,6 +561,7 @@ class DisaggPrefill:
         chunk.fire(Launch())
         return chunk
 
+    @sanitized
     def result(self, rid: str, k: int) -> PlanReport | None:
         """The result of chunk `k` of `rid` reached the scheduler.
 
@@ -589,6 +606,7 @@ class DisaggPrefill:
                 return req.fire(TransferFailed(str(e)))
         return report
 
+    @sanitized
     def poll_transfer(self, rid: str) -> PlanReport | None:
         """Poll the KV transfer of `rid`; success or failure ends the request.
 

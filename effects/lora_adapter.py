@@ -34,6 +34,8 @@ from terminus.states.lora_adapter import (
     UsersDrained,
 )
 
+from .sanitize import sanitized
+
 __all__ = ["AdapterManager", "AdapterRef"]
 
 
@@ -80,6 +82,7 @@ class AdapterManager:
                            f"{', '.join(sorted(self.adapters)) or 'none'}")
         return self.adapters[name].state
 
+    @sanitized
     async def load(self, name: str, path: str | None = None) -> int:
         """Register `name`; returns its stable id. Raises what the registry raised."""
         old = self.adapters.get(name)
@@ -99,6 +102,7 @@ class AdapterManager:
         inst.fire(Loaded(lora_id))
         return lora_id
 
+    @sanitized
     async def upsert(self, name: str, path: str | None = None) -> Any:
         """Load new weights for a ready adapter in place; its id and counter stay.
 
@@ -119,6 +123,7 @@ class AdapterManager:
         inst.fire(Upserted())
         return lora_id
 
+    @sanitized
     async def unload(self, name: str, timeout: float | None = None) -> Any:
         """Stop new acquires of `name` and wait until its counter is exactly zero.
 
@@ -130,10 +135,13 @@ class AdapterManager:
             raise ValueError(f"adapter {name!r} cannot be unloaded: it is "
                              f"{'unknown here' if inst is None else inst.state}")
         if inst.state == "ready":
-            inst.fire(UnloadRequested())
+            # The registry first: a refused unregister leaves the adapter ready (and
+            # acquirable), not unloading while still registered, which no wait ends.
             await self.registry.unregister(name)
+            inst.fire(UnloadRequested())
         return await self.wait_unloaded(name, timeout)
 
+    @sanitized
     async def wait_unloaded(self, name: str, timeout: float | None = None) -> Any:
         """Wait for an unloading adapter's users to drain; returns its id.
 

@@ -69,6 +69,8 @@ from terminus.states.prefetch import (
     Start,
 )
 
+from .sanitize import sanitized
+
 __all__ = [
     "PREFETCH_PLANS",
     "AbortOutcome",
@@ -277,6 +279,7 @@ class PrefetchSite:
                              f"(it is {now!r}); nothing was changed")
         return inst
 
+    @sanitized
     def queue(self, rid: Any, anchor: torch.Tensor | None = None) -> PrefetchReq:
         """Queue a prefetch for ``rid``; it locks ``anchor`` (cached pages it extends)."""
         old = self.requests.get(rid)
@@ -291,6 +294,7 @@ class PrefetchSite:
             self.ledger.acquire(inst, "host_lock", anchor)
         return inst
 
+    @sanitized
     def start(self, rid: Any, n_pages: int) -> Prefetch | None:
         """Reserve ``n_pages`` host pages and start the I/O; None (still pending) when short."""
         inst = self._live(rid, "pending")
@@ -309,6 +313,7 @@ class PrefetchSite:
         held = self.ledger.owned(inst, "host_pages")
         return held[0].value if held else None
 
+    @sanitized
     def transfer(self, rid: Any, pages: int) -> int:
         """The I/O wrote ``pages`` more pages of ``rid``; returns the completed count."""
         p = self.prefetch_of(rid)
@@ -316,6 +321,7 @@ class PrefetchSite:
             raise ValueError(f"rank {self.rank}: request {rid!r} has no running transfer")
         return p.advance(pages)
 
+    @sanitized
     def complete(self, rid: Any) -> PlanReport | None:
         """The I/O finished: the host cache (``insert``) takes the completed prefix.
 
@@ -337,6 +343,7 @@ class PrefetchSite:
 
     # -- the abort protocol ----------------------------------------------------------------
 
+    @sanitized
     def abort_steps(self, rid: Any, groups: Sequence[str], *,
                     naive: bool = False) -> Generator[Op, Any, AbortOutcome]:
         """The abort of ``rid`` on this rank, yielding the collectives a driver performs.
@@ -433,6 +440,7 @@ class PrefetchSite:
         return ("its " + " and ".join(held) if held else "nothing") + (
             f" ({self.occupancy_tokens} prefetch tokens on this rank)")
 
+    @sanitized
     def retry_steps(self, rid: Any, groups: Sequence[str]) -> Generator[Op, Any, AbortOutcome]:
         """Wait again on the barrier that timed out for ``rid`` (same collective), then release."""
         inst = self._live(rid, "stalled")
@@ -442,17 +450,20 @@ class PrefetchSite:
         return AbortOutcome(str(rid), self.rank, int(inst.local), inst.decision, True,
                             inst.state)
 
+    @sanitized
     def abort(self, rid: Any, collectives: RankCollectives, *,
               naive: bool = False) -> AbortOutcome:
         """Run the abort of ``rid`` on ``collectives`` (torch.distributed); see the module doc."""
         return drive(self.abort_steps(rid, collectives.names, naive=naive), collectives,
                      f"prefetch abort of request {rid!r} on rank {self.rank}")
 
+    @sanitized
     def retry(self, rid: Any, collectives: RankCollectives) -> AbortOutcome:
         """Retry the barrier of a stalled abort (after the late peer arrived)."""
         return drive(self.retry_steps(rid, collectives.names), collectives,
                      f"prefetch abort of request {rid!r} on rank {self.rank} (retry)")
 
+    @sanitized
     def close_group(self, rid: Any) -> PlanReport | None:
         """Release an abort whose collective timed out or raised, once its group was
         torn down.

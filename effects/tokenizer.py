@@ -67,6 +67,7 @@ from .request import (
     bind_sampling,
     lora_ledger,
 )
+from .sanitize import sanitized, track_lora_side
 
 __all__ = ["InvalidRequest", "NotCreatedYet", "RequestKey", "Tokenizer", "TokenizerSide"]
 
@@ -171,6 +172,7 @@ class TokenizerSide:
         self.unknown_events = 0
         """Events for ids no live family has (dropped: nothing they could reach owns
         anything)."""
+        track_lora_side(self)
 
     # -- lookup ---------------------------------------------------------------------------
 
@@ -238,6 +240,7 @@ class TokenizerSide:
 
     # -- submission -----------------------------------------------------------------------
 
+    @sanitized
     async def submit(self, prompt: Any, lora: str | None = None, *, rid: Any = None) -> Request:
         """Run one request up to its dispatch; returns its instance (maybe terminal).
 
@@ -285,6 +288,7 @@ class TokenizerSide:
             self._end(req, "submission was interrupted")
             raise
 
+    @sanitized
     async def submit_batch(
         self,
         prompts: Sequence[Any],
@@ -513,6 +517,7 @@ class TokenizerSide:
 
     # -- events from the client and the scheduler ----------------------------------------
 
+    @sanitized
     def abort(self, rid: Any, message: str = "aborted by client") -> bool:
         """Abort `rid`: a request, or a group (its warm-ups, or its children after fan-out).
 
@@ -531,18 +536,22 @@ class TokenizerSide:
                 self._fire(c, RequestAbort(message))
         return True
 
+    @sanitized
     def on_output(self, rid: Any) -> bool:
         """The scheduler streamed a non-final output for `rid`."""
         return self._deliver(rid, Output())
 
+    @sanitized
     def on_finish(self, rid: Any, reason: str = "stop") -> bool:
         """The scheduler finished `rid` (an abort echo arrives as one for a dead rid)."""
         return self._deliver(rid, Finished(reason))
 
+    @sanitized
     def on_error(self, rid: Any, status: int = 500, message: str = "") -> bool:
         """The scheduler failed `rid` with an HTTP-like `status` (400, 500, 503, ...)."""
         return self._deliver(rid, SchedulerError(status, message))
 
+    @sanitized
     def on_dispatch_failed(self, rid: Any, message: str = "") -> bool:
         """The transport reports that `rid` never reached the scheduler."""
         return self._deliver(rid, DispatchFailed(message))

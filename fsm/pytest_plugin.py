@@ -24,10 +24,21 @@ Definitions (declared, covered, gated, percent) are in `fsm.coverage`. Under
 pytest-xdist each worker records on its own and sends its records to the controller
 (`config.workeroutput`), which merges them in `pytest_testnodedown` and reports.
 This module imports fsm (and so torch) only when coverage is on.
+
+It also carries the leak sanitizer's switch (`terminus.effects.sanitize`: pools and
+ledger audited after every driver call), off by default:
+
+    --terminus-sanitize                audit after every driver call (sets
+                                       TERMINUS_SANITIZE=1 for the session)
+    ini: terminus_sanitize = true      the same, for a project's whole suite
+    @pytest.mark.terminus_no_sanitize  one test without it (say why in the reason)
+
+fsm knows nothing of pools: the switch is the environment variable the effects read.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +48,7 @@ if TYPE_CHECKING:
     from .coverage import CoverageRecorder, CoverageReport
 
 _KEY = "terminus_fsm_coverage"
+SANITIZE_ENV = "TERMINUS_SANITIZE"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -57,6 +69,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--fsm-coverage-fail-under", metavar="N", type=float, default=None,
                 help="fail when any gated machine's transition or (state, event) pair "
                      "coverage is below N percent (implies --fsm-coverage)")
+    s = parser.getgroup("terminus-sanitize", "terminus: the leak sanitizer")
+    s.addoption("--terminus-sanitize", action="store_true", default=False,
+                help="audit pools against the ownership ledger after every driver call "
+                     "(sets TERMINUS_SANITIZE=1; see terminus.effects.sanitize)")
+    parser.addini("terminus_sanitize", "turn the leak sanitizer on for the whole suite",
+                  type="bool", default=False)
     g.addoption("--fsm-coverage-machines", metavar="MODULE:ATTR", action="append",
                 default=None,
                 help="machines to declare and gate, repeatable (default: the "
@@ -75,9 +93,30 @@ def _enabled(config: pytest.Config) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Attach the recorder when coverage is on (and only then)."""
+    """Attach the recorder when coverage is on (and only then); turn the sanitizer on."""
+    config.addinivalue_line("markers", "terminus_no_sanitize(reason): run this test "
+                                       "without the leak sanitizer")
+    if config.option.terminus_sanitize or config.getini("terminus_sanitize"):
+        os.environ[SANITIZE_ENV] = "1"
     if _enabled(config):
         config.pluginmanager.register(FsmCoverage(config), f"{_KEY}_session")
+
+
+@pytest.fixture(autouse=True)
+def _terminus_no_sanitize(request: pytest.FixtureRequest) -> Any:
+    """Tests marked `terminus_no_sanitize` run with the sanitizer off."""
+    if request.node.get_closest_marker("terminus_no_sanitize") is None:
+        yield
+        return
+    old = os.environ.get(SANITIZE_ENV)
+    os.environ[SANITIZE_ENV] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[SANITIZE_ENV]
+        else:
+            os.environ[SANITIZE_ENV] = old
 
 
 class FsmCoverage:

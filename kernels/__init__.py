@@ -4,7 +4,7 @@ The bottom layer: imports nothing from ``fsm``, ``states`` or ``effects``.
 """
 
 from terminus.kernels import protocols
-from terminus.kernels.batched import BatchRelease, gather_kv, release_batch
+from terminus.kernels.batched import BatchRelease, gather_kv, release_batch, repeat_rows
 from terminus.kernels.errors import (
     DoubleFree,
     ForeignIndex,
@@ -49,4 +49,5 @@ __all__ = [
     "gather_kv",
     "protocols",
     "release_batch",
+    "repeat_rows",
 ]

@@ -49,9 +49,28 @@ _COUNT = torch.uint8
 _SENTINEL_BASE = 2
 
 
-def as_ids(ids: IdsLike, device: torch.device) -> torch.Tensor:
-    """A 1-D integer tensor on ``device``; int32 input is kept (the stack write widens it)."""
+# Tensor dtypes accepted as ids. A float or bool tensor is refused, never truncated.
+_INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+
+
+def not_ids(pool: str, values: object, dtype: object) -> TypeError:
+    """The error for ids that are not integers: names the pool, the values and the type."""
+    shown = values.reshape(-1)[:8].tolist() if isinstance(values, torch.Tensor) else values
+    return TypeError(
+        f"{pool}: indices must be integers, got {dtype} {shown}; pass the integer ids "
+        "alloc() returned (an int64 or int32 tensor, an int, or a list of ints)"
+    )
+
+
+def as_ids(ids: IdsLike, device: torch.device, pool: str = "indices") -> torch.Tensor:
+    """A 1-D integer tensor on ``device``; int32 input is kept (the stack write widens it).
+
+    Float, bool or complex input is refused (``TypeError`` naming ``pool`` and the
+    values), never truncated.
+    """
     if isinstance(ids, torch.Tensor):
+        if ids.dtype not in _INT_DTYPES:
+            raise not_ids(pool, ids, ids.dtype)
         if ids.device != device:
             ids = ids.to(device)
         if ids.dim() != 1:
@@ -61,7 +80,13 @@ def as_ids(ids: IdsLike, device: torch.device) -> torch.Tensor:
         return ids
     if isinstance(ids, int):
         return torch.tensor([ids], dtype=torch.int64, device=device)
-    return torch.tensor(list(ids), dtype=torch.int64, device=device)
+    values = list(ids)
+    if not values:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    t = torch.tensor(values)  # dtype inferred: a float among the values makes it float
+    if t.dtype not in _INT_DTYPES:
+        raise not_ids(pool, values, "values")
+    return t.to(device=device, dtype=torch.int64).reshape(-1)
 
 
 def _exact(device: torch.device) -> torch.device:
@@ -120,6 +145,9 @@ class FreeStack:
         self._ones = self._plus
         self._stack = torch.empty(capacity, dtype=torch.int64, device=self._device)
         self._count = torch.zeros(capacity + 2, dtype=_COUNT, device=self._device)
+        # The counts as indexed by id directly, where ids start at 0 or 1 (every pool here):
+        # a CPU fold then scatters the ids themselves, with no offset added first.
+        self._by_id = self._count[self._off :] if self._off in (0, 1) else None
         self._sentinels = torch.tensor([0, capacity + 1], device=self._device)
         self._bad = torch.zeros(capacity + 2, dtype=torch.bool, device=self._device)
         # Clamped copies of ids go here: a fresh tensor per sync would be a fresh mmap
@@ -192,10 +220,13 @@ class FreeStack:
         if self._cpu:
             # CPU scatter checks bounds itself and raises (callers recount then), so the
             # clamp (a third of the cost of a large sync) is only needed where a bad index
-            # is a device assert.
-            if self._off:
+            # is a device assert. An id below the range is then a negative index (raises)
+            # or the lower sentinel; one past it lands on the upper sentinel or raises.
+            counts = self._by_id
+            if counts is None:
                 ids = torch.add(ids, self._off, out=self._scratch[:n])
-            self._count.scatter_add_(0, ids, src)
+                counts = self._count
+            counts.scatter_add_(0, ids, src)
         else:
             self._count.scatter_add_(0, self._slots(ids), src)
 
@@ -223,7 +254,9 @@ class FreeStack:
     def pop(self, n: int) -> torch.Tensor | None:
         """``n`` free ids, or None when fewer than ``n`` are free (nothing is taken then)."""
         if n < 0:
-            raise ValueError(f"{self.name}: cannot allocate a negative number ({n})")
+            raise ValueError(
+                f"{self.name}: cannot allocate a negative number ({n}); ask for n >= 0"
+            )
         if n > self._top:
             return None
         self._sync()
@@ -243,8 +276,11 @@ class FreeStack:
     def push(self, ids: torch.Tensor) -> None:
         """Return ``ids`` (an int tensor; any device, int32 or int64) to the free list.
 
-        This is the hot path of per-request frees: one slice write, nothing else.
+        This is the hot path of per-request frees: one slice write, nothing else. A float
+        or bool tensor is refused (``TypeError``), never truncated into ids.
         """
+        if ids.dtype not in _INT_DTYPES:
+            raise not_ids(self.name, ids, ids.dtype)
         if self._group is not None:
             self._group.append(ids)
             return
@@ -451,6 +487,10 @@ class StackPool:
     def check(self) -> None:
         """Raise ``DoubleFree`` / ``ForeignIndex`` naming what was wrongly freed (one sync)."""
         self._free.check()
+
+    def held(self, limit: int = 16) -> list[int]:
+        """Up to ``limit`` ids handed out now (empty when double-free detection is off)."""
+        return self._free.held(limit)
 
     def assert_full(self) -> None:
         """Raise ``LeakError`` naming what is still held."""

@@ -5,7 +5,7 @@ Given the request slots that became terminal in one scheduler step::
     slots        [s0, s1, s2]                 lengths [3, 1, 2]   (from the table)
     req_to_token rows s0..s2, columns [0, max(lengths)):
                  s0: [a b c]
-                 s1: [d . .]      mask = arange(max) < lengths[:, None]
+                 s1: [d . .]
                  s2: [e f .]
     KV free      [a b c d e f]    one free call
     Mamba free   mamba_slots[slots] that are not 0      one free call
@@ -13,6 +13,17 @@ Given the request slots that became terminal in one scheduler step::
 
 Ownership is decided before this runs (by the effect layer); this only returns what the
 given slots own, so a slot must appear here once, and only for a request that owns it.
+
+A pool that refuses its free (a strict pool naming a double free) changes nothing, and
+what it refused stays findable: the rows keep their lengths (KV refused) or their Mamba
+slots (Mamba refused), and the request slots go back only when every other pool took its
+units. So a release that raised can be repaired and called again, and frees each unit
+once.
+
+No op here goes parallel on a small input with torch's default thread count: the
+obvious way to expand per-row counts, ``repeat_interleave``, runs an OpenMP region with a
+grain of one row, which on a busy machine costs milliseconds on a few hundred rows
+(``gather_kv`` builds the same positions with ``index_add_`` and ``cumsum``, both serial).
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from terminus.kernels._stack import IdsLike, as_ids
 from terminus.kernels.protocols import KVAllocator, MambaPool, ReqSlots
 from terminus.kernels.req_table import ReqToTokenTable
 
-__all__ = ["BatchRelease", "gather_kv", "release_batch"]
+__all__ = ["BatchRelease", "gather_kv", "release_batch", "repeat_rows"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,10 @@ class BatchRelease:
     mamba_slots: int
 
 
+def _empty(table: ReqToTokenTable) -> torch.Tensor:
+    return table.req_to_token.new_empty(0)
+
+
 def gather_kv(
     table: ReqToTokenTable, slots: torch.Tensor, start: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -50,43 +65,71 @@ def gather_kv(
     the rows are gathered whole and returned flat: one host sync. Otherwise each owned
     token's flat table position is built and gathered in one ``index_select``::
 
-        counts  [3, 1, 2]            owned tokens per row
-        which   [0 0 0 1 2 2]        repeat_interleave(counts): the row of each token
-        idx     base[which] + arange(total),  base = row * W + start - tokens before it
+        counts  [3, 1, 2]       owned tokens per row; ends = cumsum: [3, 4, 6]
+        pos[j] = j + c[row of j],  c = row * W + start - (tokens before the row)
 
-    (two host syncs on a device; ``masked_select`` over the padded rows costs ~1.6x this
-    on CPU).
+    ``c`` is a step function of ``j``, so it is the cumsum of its jumps: ``c[r]`` added
+    where row ``r`` starts and subtracted where it ends (an empty row adds and subtracts
+    at one place). Both scatters are ``index_add_`` over the rows and the cumsum is one
+    pass, all serial (no OpenMP region however small the batch); a second host sync on a
+    device.
     """
-    if slots.device != table.device:
-        slots = slots.to(table.device)
+    if slots.device != table.req_to_token.device:
+        slots = slots.to(table.req_to_token.device)
     lengths = table.lengths.index_select(0, slots)
+    width = table.max_context_len
     if start is None:
-        lo, hi = _host_ints(torch.aminmax(lengths))
+        lo, hi = _min_max(table, lengths)
         if hi <= 0:
-            return torch.empty(0, dtype=torch.int32, device=table.device)
+            return _empty(table)
         if lo == hi:
-            return table.req_to_token.narrow(1, 0, hi).index_select(0, slots).reshape(-1)
+            rows = table.req_to_token if hi == width else table.req_to_token.narrow(1, 0, hi)
+            return rows.index_select(0, slots).view(-1)
         counts = lengths.long()
-        base = slots.long() * table.max_context_len
+        base = slots * width
     else:
         start = start.to(lengths.device, torch.int64)
         counts = (lengths.long() - start).clamp_(min=0)
-        base = slots.long() * table.max_context_len + start
-    total = int(counts.sum())
+        base = slots * width + start
+    ends = counts.cumsum(0)
+    total = int(ends[-1])
     if total <= 0:
-        return torch.empty(0, dtype=torch.int32, device=table.device)
-    which = torch.repeat_interleave(counts, output_size=total)
-    base -= counts.cumsum(0) - counts
-    idx = base.index_select(0, which)
-    idx += torch.arange(total, device=idx.device)
-    return table.req_to_token.reshape(-1).index_select(0, idx)
+        return _empty(table)
+    first = ends - counts
+    # pos = cumsum(1 + jumps) - 1 + c, so the -1 goes into c and no arange is needed.
+    c = base.sub_(first).sub_(1)
+    steps = torch.ones(total + 1, dtype=torch.int64, device=c.device)
+    steps.index_add_(0, first, c)
+    steps.index_add_(0, ends, c.neg_())
+    pos = steps[:total].cumsum_(0)
+    return table.req_to_token.view(-1).index_select(0, pos)
 
 
-def _host_ints(values: tuple[torch.Tensor, ...]) -> list[int]:
-    """0-d tensors as ints: one ``item`` each on CPU (cheap), one stacked transfer elsewhere."""
-    if values[0].device.type == "cpu":
-        return [int(v) for v in values]
-    return [int(v) for v in torch.stack(values).tolist()]
+def repeat_rows(counts: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """The row of each of ``sum(counts)`` items: ``torch.repeat_interleave(counts)``,
+    without its OpenMP region.
+
+    ``repeat_interleave`` parallelises over rows with a grain of one, so with torch's
+    default thread count it opens a parallel region for any batch of two rows or more;
+    on a busy machine each costs milliseconds. Here: the rows' ends are scattered with
+    ``index_add_`` and summed with ``cumsum``, both serial, one pass over the output.
+    ``total`` (the sum, when the caller knows it) saves a host sync on a device.
+    """
+    counts = counts.to(torch.int64)
+    ends = counts.cumsum(0)
+    if total is None:
+        total = int(ends[-1]) if ends.numel() else 0
+    steps = torch.zeros(total + 1, dtype=torch.int64, device=counts.device)
+    steps.index_add_(0, ends, torch.ones_like(ends))
+    return steps[:total].cumsum_(0)
+
+
+def _min_max(table: ReqToTokenTable, lengths: torch.Tensor) -> list[int]:
+    """``[min, max]`` of ``lengths`` on the host: one reduction written into a two-element
+    buffer kept on the table, and one transfer."""
+    buf = table._min_max
+    torch.aminmax(lengths, out=(buf[0], buf[1]))
+    return buf.tolist()
 
 
 def release_batch(
@@ -103,41 +146,59 @@ def release_batch(
     Args:
         slots: request slots that became terminal this step.
         table: the request-to-token table they live in (lengths and Mamba slots read
-            from it; their lengths and Mamba slots are reset to 0).
+            from it; their lengths and Mamba slots are reset to 0 once freed).
         kv: KV allocator receiving ``req_to_token[s, kv_start:length]``.
         mamba: Mamba pool receiving ``table.mamba_slots[s]`` where not 0.
         kv_start: per-request first owned column (e.g. after a shared cached prefix);
             default 0.
         req_slots: where the request slots go back; default ``table`` itself.
+
+    A pool that raises leaves what it refused where its owner finds it (see the module
+    docstring); every pool's free is tried, and the error (an ``ExceptionGroup`` when
+    several pools raised) is raised at the end.
     """
-    ids = as_ids(slots, table.device)
-    if ids.dtype != torch.int64:
-        ids = ids.long()  # index_fill_ takes int64 indices only
-    if ids.numel() == 0:
+    dev = table.req_to_token.device
+    if (
+        type(slots) is torch.Tensor
+        and slots.dtype == torch.int64
+        and slots.device == dev
+        and slots.dim() == 1
+    ):
+        ids = slots
+    else:
+        ids = as_ids(slots, dev, "release_batch")
+        if ids.dtype != torch.int64:
+            ids = ids.long()  # index_fill_ takes int64 indices only
+    if not ids.numel():
         return BatchRelease(0, 0, 0)
     tokens = gather_kv(table, ids, kv_start)
-    m = table.mamba_slots.index_select(0, ids) if mamba is not None else None
-    if m is not None:
-        m = m[m > 0]
-    # Each pool's free runs even when an earlier one raised (a strict pool naming a
-    # double free): one refusal must not leak what the other pools hold.
     errors: list[Exception] = []
     try:
         kv.free(tokens)
     except Exception as e:
         errors.append(e)
-    if mamba is not None and m is not None:
-        if m.numel():
-            try:
+    else:
+        table.lengths.index_fill_(0, ids, 0)
+    m = None
+    if mamba is not None:
+        m = table.mamba_slots.index_select(0, ids)
+        m = m[m > 0]
+        try:
+            if m.numel():
                 mamba.free(m)
-            except Exception as e:
-                errors.append(e)
-        table.mamba_slots.index_fill_(0, ids, 0)
-    table.lengths.index_fill_(0, ids, 0)
-    try:
-        (req_slots if req_slots is not None else table).free(ids)
-    except Exception as e:
-        errors.append(e)
+        except Exception as e:
+            errors.append(e)
+        else:
+            table.mamba_slots.index_fill_(0, ids, 0)
+    if not errors:
+        # Only now: a slot that went back with a refused unit in its row would lose it.
+        try:
+            if req_slots is None:
+                table._free.push(ids)  # what table.free does, minus checking ids again
+            else:
+                req_slots.free(ids)
+        except Exception as e:
+            errors.append(e)
     if errors:
         if len(errors) == 1:
             raise errors[0]

@@ -49,6 +49,12 @@ class HostPagePool(StackPool):
         """Pages reserved by prefetches that have not been released or taken yet."""
         return self._prefetching
 
+    @property
+    def deferred(self) -> int:
+        """Pages their owner released while a reader held a lock: the reader's last
+        unlock frees them (one sync)."""
+        return int(self._doomed.sum())
+
     def locked_pages(self) -> int:
         """How many pages hold at least one lock reference (one sync)."""
         return int((self.lock_refs > 0).sum())
@@ -59,7 +65,7 @@ class HostPagePool(StackPool):
 
     def free(self, pages: IdsLike) -> None:
         """Return pages; raises ``PageLocked`` (freeing nothing) if any is locked."""
-        ids = as_ids(pages, self.device).long()
+        ids = as_ids(pages, self.device, "HostPagePool").long()
         if not ids.numel():
             return
         self._validate(ids)
@@ -80,7 +86,7 @@ class HostPagePool(StackPool):
         For an owner's release, which must not fail because a reader still holds a page
         (it would have no later chance to free it). Returns how many were deferred.
         """
-        ids = as_ids(pages, self.device).long()
+        ids = as_ids(pages, self.device, "HostPagePool").long()
         if not ids.numel():
             return 0
         self._validate(ids)
@@ -94,12 +100,16 @@ class HostPagePool(StackPool):
 
     def lock(self, pages: IdsLike) -> None:
         """Add one lock reference to each page (a page listed twice gets two)."""
-        ids = as_ids(pages, self.device).long()
+        ids = as_ids(pages, self.device, "HostPagePool").long()
         self.lock_refs.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
     def unlock(self, pages: IdsLike) -> None:
         """Drop one lock reference per listed page; raises (changing nothing) on underflow."""
-        ids = as_ids(pages, self.device).long()
+        ids = as_ids(pages, self.device, "HostPagePool").long()
+        self._unlock_commit(ids, self._unlocked(ids))
+
+    def _unlocked(self, ids: torch.Tensor) -> torch.Tensor:
+        """``lock_refs`` after unlocking ``ids``; raises on underflow, changing nothing."""
         after = self.lock_refs.clone()
         after.index_add_(0, ids, torch.full_like(ids, -1, dtype=torch.int32))
         under = after.index_select(0, ids) < 0
@@ -108,6 +118,9 @@ class HostPagePool(StackPool):
                 f"HostPagePool: unlock of pages {sorted(set(ids[under].tolist()))} that are "
                 "not locked that many times; each lock() has exactly one unlock()"
             )
+        return after
+
+    def _unlock_commit(self, ids: torch.Tensor, after: torch.Tensor) -> None:
         self.lock_refs.copy_(after)
         ready = ids[self._doomed.index_select(0, ids) & (after.index_select(0, ids) == 0)]
         if ready.numel():
@@ -124,16 +137,29 @@ class HostPagePool(StackPool):
         pages = self._free.pop(n)
         if pages is None:
             return None
-        anchor_ids = None if anchor is None else as_ids(anchor, self.device).long()
+        anchor_ids = (
+            None if anchor is None else as_ids(anchor, self.device, "HostPagePool").long()
+        )
         if anchor_ids is not None:
             self.lock(anchor_ids)
         self._prefetching += n
         return Prefetch(self, pages, anchor_ids)
 
-    def _retire(self, p: Prefetch) -> None:
+    def _retire(self, p: Prefetch, free: torch.Tensor | None) -> None:
+        """Retire ``p``: free ``free`` (its completed prefix, on release), unlock its anchor,
+        drop its occupancy. Every check runs before anything changes, so a refusal (a
+        double free, an anchor unlocked by someone else) leaves ``p`` as it was, to be
+        retried once the cause is gone."""
+        after = None if p.anchor is None else self._unlocked(p.anchor)
+        if free is not None and free.numel():
+            self._validate(free)
+        # Decided: nothing below raises.
+        if free is not None and free.numel():
+            self.free_when_unlocked(free)
+        if after is not None:
+            assert p.anchor is not None
+            self._unlock_commit(p.anchor, after)
         self._prefetching -= p.pages.numel()
-        if p.anchor is not None:
-            self.unlock(p.anchor)
 
     def assert_full(self) -> None:
         """Raise ``LeakError`` unless every page is free and unlocked, no prefetch live."""
@@ -199,23 +225,25 @@ class Prefetch:
             raise DoubleFree("Prefetch", self.pages[: self.completed].tolist())
         return self.pages[: self.completed]
 
-    def _retire(self) -> None:
-        self.retired = True
-        self.pool._retire(self)
-
     def release(self) -> int:
         """Abort path: free only the completed prefix ``pages[:completed]``; returns its size.
 
         A page a reader still has locked goes back at the reader's last unlock, so the
-        release itself never fails on a lock.
+        release itself never fails on a lock. A release that raises (its prefix freed
+        already, or its anchor unlocked by someone else) changes nothing: the prefix is
+        still held, the anchor still locked, and ``release()`` can be called again.
         """
         done = self._retirable("release")
-        self.pool.free_when_unlocked(done)
-        self._retire()
+        self.pool._retire(self, done)
+        self.retired = True
         return done.numel()
 
     def take(self) -> torch.Tensor:
-        """Success path: hand the completed prefix to the caller, who now owns it."""
+        """Success path: hand the completed prefix to the caller, who now owns it.
+
+        Like ``release``, a take that raises changes nothing and can be retried.
+        """
         done = self._retirable("take")
-        self._retire()
+        self.pool._retire(self, None)
+        self.retired = True
         return done

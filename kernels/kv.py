@@ -86,9 +86,17 @@ class TokenKVAllocator(StackPool):
         return self._free.available * self.page_size
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """``n`` token indices (int64), or None when short: never a partial allocation."""
+        """``n`` token indices (int64), or None when short: never a partial allocation.
+
+        ``ValueError`` (naming ``n``) for a negative ``n``.
+        """
         if self.page_size == 1:
             return self._free.pop(n)
+        if n < 0:
+            raise ValueError(
+                f"{self._free.name}: cannot allocate a negative number of tokens ({n}); "
+                "ask for n >= 0"
+            )
         pages = self._free.pop(-(-n // self.page_size))
         if pages is None:
             return None
@@ -96,11 +104,14 @@ class TokenKVAllocator(StackPool):
         return tokens.reshape(-1)[:n]
 
     def free(self, indices: IdsLike) -> None:
-        """Return token indices (any int tensor, e.g. an int32 ``req_to_token`` row)."""
+        """Return token indices (any int tensor, e.g. an int32 ``req_to_token`` row).
+
+        ``TypeError`` naming the values for float or bool input, never truncated.
+        """
         if self.page_size == 1 and type(indices) is torch.Tensor:
             self._free.push(indices)  # the per-request hot path: keep it to one call
             return
-        ids = as_ids(indices, self.device)
+        ids = as_ids(indices, self.device, self._free.name)
         if ids.numel() == 0:
             return
         if self.page_size > 1:

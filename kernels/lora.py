@@ -6,15 +6,19 @@ Lifecycle of an adapter id::
                         acquire +1                 acquire: UnknownAdapter
                         release -1                 release -1 (only down from here)
 
-``acquire`` looks names up and increments their counters in one step under one lock, so
-an unload can never slip between the lookup and the increment. After ``unregister`` a
-counter can only fall, which is why ``unload`` waits on an event set when it reaches
-exactly zero, with no polling. A release that would go below zero raises
-``ReleaseUnderflow`` at that release, not as a hang of some later unload.
+``acquire`` looks names up and increments their counters in one step, so an unload can
+never slip between the lookup and the increment. After ``unregister`` a counter can only
+fall, which is why ``wait_for_unload`` waits on an event set when it reaches exactly
+zero, with no polling. A release that would go below zero raises ``ReleaseUnderflow`` at
+that release, not as a hang of some later unload.
 
-No critical section here awaits, so ``release_nowait`` (for synchronous callers such as
-a terminal transition's effect) is as atomic as ``release`` under one event loop. A
-registry belongs to the event loop that first waits on it.
+No method awaits inside its critical section (the lookup, the check and the update run
+with no ``await`` between them), so under one event loop every method is atomic without
+a lock, and ``release_nowait`` (for synchronous callers such as a terminal transition's
+effect) is as atomic as ``release``. That is also what keeps the round trip cheap: an
+``acquire`` plus a ``release`` of one name is two dictionary lookups and two integer
+updates, with no lock, condition or event touched unless an unload is waiting. Each
+counter lives on its adapter's record, so neither path does a second lookup.
 """
 
 from __future__ import annotations
@@ -35,14 +39,18 @@ from terminus.kernels.errors import (
 __all__ = ["LoRAAdapter", "LoRARegistry"]
 
 
-@dataclass
+@dataclass(eq=False)
 class LoRAAdapter:
-    """A registered adapter: its stable ``id``, ``name`` and where it was loaded from."""
+    """A registered adapter: its stable ``id``, ``name``, where it was loaded from, and
+    ``refs``, its in-flight references."""
 
     id: int
     name: str
     path: str | None = None
-    zero: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    refs: int = 0
+    registered: bool = field(default=True, repr=False)
+    # Set when ``refs`` reaches zero after an unregister; made only when someone waits.
+    zero: asyncio.Event | None = field(default=None, repr=False)
 
 
 class LoRARegistry:
@@ -54,10 +62,9 @@ class LoRARegistry:
 
     def __init__(self, capacity: int = 64) -> None:
         self._capacity = capacity
-        self._lock = asyncio.Lock()
         self._by_name: dict[str, LoRAAdapter] = {}
+        # Every live id: registered, or unregistered with references still out.
         self._by_id: dict[int, LoRAAdapter] = {}
-        self._counts: dict[int, int] = {}
         self._next_id = 1
 
     # -- pool accounting --------------------------------------------------------------
@@ -74,11 +81,12 @@ class LoRARegistry:
 
     def count(self, lora_id: int) -> int:
         """In-flight references of ``lora_id`` (0 for an id unknown or gone)."""
-        return self._counts.get(lora_id, 0)
+        ad = self._by_id.get(lora_id)
+        return 0 if ad is None else ad.refs
 
     def counts(self) -> dict[int, int]:
         """Every live id's counter, unloading ones included (for tests and metrics)."""
-        return dict(self._counts)
+        return {i: ad.refs for i, ad in self._by_id.items()}
 
     def id_of(self, name: str) -> int:
         """The id registered under ``name``; ``UnknownAdapter`` if none."""
@@ -89,7 +97,7 @@ class LoRARegistry:
 
     def assert_full(self) -> None:
         """Raise ``LeakError`` naming every id whose counter is not zero."""
-        held = {i: c for i, c in self._counts.items() if c}
+        held = {i: ad.refs for i, ad in self._by_id.items() if ad.refs}
         if held:
             raise LeakError("LoRARegistry", sum(held.values()), list(held), "references of ids")
 
@@ -104,13 +112,12 @@ class LoRARegistry:
         """
         if not isinstance(name, str):
             name, path = name.lora_name, name.lora_path
-        async with self._lock:
-            if name in self._by_name:
-                raise ValueError(
-                    f"LoRA adapter {name!r} is already registered (id "
-                    f"{self._by_name[name].id}); use upsert() to replace it in place"
-                )
-            return self._add(name, path)
+        if name in self._by_name:
+            raise ValueError(
+                f"LoRA adapter {name!r} is already registered (id "
+                f"{self._by_name[name].id}); use upsert() to replace it in place"
+            )
+        return self._add(name, path)
 
     async def upsert(self, name: str, path: str | None = None) -> int:
         """Register ``name`` or replace its weights in place, keeping its stable id.
@@ -118,12 +125,11 @@ class LoRARegistry:
         In-flight references keep counting against the same id, so their releases stay
         valid across the upsert.
         """
-        async with self._lock:
-            ad = self._by_name.get(name)
-            if ad is None:
-                return self._add(name, path)
-            ad.path = path
-            return ad.id
+        ad = self._by_name.get(name)
+        if ad is None:
+            return self._add(name, path)
+        ad.path = path
+        return ad.id
 
     def _add(self, name: str, path: str | None) -> int:
         if len(self._by_name) >= self._capacity:
@@ -133,20 +139,19 @@ class LoRARegistry:
             )
         ad = LoRAAdapter(self._next_id, name, path)
         self._next_id += 1
-        ad.zero.set()
         self._by_name[name] = ad
         self._by_id[ad.id] = ad
-        self._counts[ad.id] = 0
         return ad.id
 
     async def unregister(self, name: str) -> int:
         """Stop new acquires of ``name``; returns its id, whose counter can now only fall."""
-        async with self._lock:
-            ad = self._by_name.pop(name, None)
-            if ad is None:
-                raise UnknownAdapter([name])
-            self._forget_if_idle(ad.id)
-            return ad.id
+        ad = self._by_name.pop(name, None)
+        if ad is None:
+            raise UnknownAdapter([name])
+        ad.registered = False
+        if not ad.refs:
+            self._gone(ad)
+        return ad.id
 
     async def wait_for_unload(self, lora_id: int, timeout: float | None = None) -> None:
         """Wait until unregistered ``lora_id``'s counter is exactly zero, then forget it.
@@ -156,16 +161,17 @@ class LoRARegistry:
         ad = self._by_id.get(lora_id)
         if ad is None:
             return
-        if ad.name in self._by_name and self._by_name[ad.name] is ad:
+        if ad.registered:
             raise ValueError(
                 f"LoRA id {lora_id} ({ad.name!r}) is still registered; unregister() it "
                 "first, or its counter could keep rising"
             )
+        if ad.zero is None:
+            ad.zero = asyncio.Event()
         try:
             await asyncio.wait_for(ad.zero.wait(), timeout)
         except asyncio.TimeoutError:
-            raise UnloadTimeout(lora_id, ad.name, self.count(lora_id), timeout or 0.0) from None
-        self._forget_if_idle(lora_id)
+            raise UnloadTimeout(lora_id, ad.name, ad.refs, timeout or 0.0) from None
 
     async def unload(self, name: str, timeout: float | None = None) -> int:
         """``unregister(name)`` then ``wait_for_unload(id, timeout)``; returns the id."""
@@ -173,11 +179,11 @@ class LoRARegistry:
         await self.wait_for_unload(lora_id, timeout)
         return lora_id
 
-    def _forget_if_idle(self, lora_id: int) -> None:
-        ad = self._by_id.get(lora_id)
-        if ad is not None and self._counts[lora_id] == 0 and self._by_name.get(ad.name) is not ad:
-            del self._by_id[lora_id]
-            del self._counts[lora_id]
+    def _gone(self, ad: LoRAAdapter) -> None:
+        """An unregistered adapter's last reference went back: forget it, wake waiters."""
+        del self._by_id[ad.id]
+        if ad.zero is not None:
+            ad.zero.set()
 
     # -- references -----------------------------------------------------------------------
 
@@ -188,32 +194,45 @@ class LoRARegistry:
 
     async def acquire(self, names: str | list[str]) -> int | list[int]:
         """Look up and count one reference per name, atomically; all or nothing."""
-        async with self._lock:
-            one = isinstance(names, str)
-            batch = [names] if isinstance(names, str) else list(names)
-            missing = [n for n in batch if n not in self._by_name]
-            if missing:
-                raise UnknownAdapter(missing)
-            ids = [self._by_name[n].id for n in batch]
-            for i in ids:
-                self._counts[i] += 1
-                self._by_id[i].zero.clear()
-            return ids[0] if one else ids
+        if isinstance(names, str):
+            ad = self._by_name.get(names)
+            if ad is None:
+                raise UnknownAdapter([names])
+            ad.refs += 1
+            return ad.id
+        by_name = self._by_name
+        batch = list(names)
+        missing = [n for n in batch if n not in by_name]
+        if missing:
+            raise UnknownAdapter(missing)
+        ids = []
+        for n in batch:
+            ad = by_name[n]
+            ad.refs += 1
+            ids.append(ad.id)
+        return ids
 
     async def release(self, ids: int | list[int]) -> None:
         """Drop one reference per id; ``ReleaseUnderflow`` (releasing nothing) below zero."""
-        async with self._lock:
-            self.release_nowait(ids)
+        self.release_nowait(ids)
 
     def release_nowait(self, ids: int | list[int]) -> None:
         """``release`` for synchronous callers inside the registry's event loop."""
-        batch = Counter([ids] if isinstance(ids, int) else ids)
-        for i, k in batch.items():
-            have = self._counts.get(i, 0)
-            if have < k:
-                raise ReleaseUnderflow(i, have, k)
-        for i, k in batch.items():
-            self._counts[i] -= k
-            if self._counts[i] == 0:
-                self._by_id[i].zero.set()
-                self._forget_if_idle(i)
+        if isinstance(ids, int):
+            ad = self._by_id.get(ids)
+            if ad is None or not ad.refs:
+                raise ReleaseUnderflow(ids, 0, 1)
+            ad.refs -= 1
+            if not ad.refs and not ad.registered:
+                self._gone(ad)
+            return
+        batch: list[tuple[LoRAAdapter, int]] = []
+        for i, k in Counter(ids).items():
+            ad = self._by_id.get(i)
+            if ad is None or ad.refs < k:
+                raise ReleaseUnderflow(i, 0 if ad is None else ad.refs, k)
+            batch.append((ad, k))
+        for ad, k in batch:  # every count checked first: all or nothing
+            ad.refs -= k
+            if not ad.refs and not ad.registered:
+                self._gone(ad)

@@ -82,7 +82,7 @@ class MambaStatePool(StackPool):
 
     def free(self, slots: IdsLike) -> None:
         """Return slots; their states are zeroed when next allocated, not now."""
-        ids = as_ids(slots, self.device)
+        ids = as_ids(slots, self.device, "MambaStatePool")
         if ids.numel():
             self._free.push(ids.long())
 
@@ -92,8 +92,8 @@ class MambaStatePool(StackPool):
 
     def copy_from(self, src: IdsLike, dst: IdsLike) -> None:
         """Copy every state of slots ``src`` into slots ``dst`` (pairwise)."""
-        s = as_ids(src, self.device).long()
-        d = as_ids(dst, self.device).long()
+        s = as_ids(src, self.device, "MambaStatePool").long()
+        d = as_ids(dst, self.device, "MambaStatePool").long()
         if s.numel() != d.numel():
             raise ValueError(
                 f"MambaStatePool.copy_from: {s.numel()} sources for {d.numel()} destinations; "
@@ -104,7 +104,7 @@ class MambaStatePool(StackPool):
 
     def fork(self, src: IdsLike) -> torch.Tensor | None:
         """New slots holding copies of ``src``'s states, or None when short."""
-        s = as_ids(src, self.device).long()
+        s = as_ids(src, self.device, "MambaStatePool").long()
         dst = self._free.pop(s.numel())
         if dst is not None and s.numel():
             self.copy_from(s, dst)

@@ -37,6 +37,8 @@ class ReqToTokenTable(StackPool):
         self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int32, device=dev)
         self.lengths = torch.zeros(size, dtype=torch.int32, device=dev)
         self.mamba_slots = torch.zeros(size, dtype=torch.int64, device=dev)
+        # release_batch's scratch: the min and max of a batch's lengths, read back at once.
+        self._min_max = torch.zeros(2, dtype=torch.int32, device=dev)
 
     def alloc(self, n: int = 1) -> torch.Tensor | None:
         """``n`` request slots with length 0, or None when short (never partial)."""
@@ -48,7 +50,7 @@ class ReqToTokenTable(StackPool):
 
     def free(self, slots: IdsLike) -> None:
         """Return request slots. Their KV and Mamba state are the caller's to release."""
-        ids = as_ids(slots, self.device)
+        ids = as_ids(slots, self.device, "ReqToTokenTable")
         if ids.numel():
             self._free.push(ids.long())
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -14,7 +16,10 @@ from terminus.kernels import (
     TokenKVAllocator,
     release_batch,
 )
-from terminus.kernels.batched import gather_kv
+from terminus.kernels.batched import gather_kv, repeat_rows
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import ExceptionGroup
 
 
 class Counting:
@@ -120,14 +125,15 @@ def test_a_token_shared_by_two_released_rows_is_named_by_check(device):
 
 def test_strict_batch_with_a_shared_token_raises_before_freeing_anything(device):
     kv, table, mamba, slots = setup([4, 2], device)
-    owned = torch.cat([table.tokens(int(s)).clone() for s in slots])
+    real = int(table.req_to_token[slots[1], 1])
     shared = int(table.req_to_token[slots[0], 0])
     table.req_to_token[slots[1], 1] = shared
     before = kv.available
     with pytest.raises(DoubleFree, match=rf"double free of \[{shared}\]"):
         release_batch(slots, table, kv, mamba)
     assert kv.available == before
-    kv.free(owned)  # the tokens the rows really owned, each once
+    table.req_to_token[slots[1], 1] = real  # the owner repairs its row and releases again
+    release_batch(slots, table, kv, mamba)
     for pool in (kv, table, mamba):
         pool.assert_full()
 
@@ -238,16 +244,88 @@ def test_gather_kv_takes_slots_and_starts_from_the_host(device):
     table.assert_full()  # reading rows takes no slot
 
 
-def test_a_pool_refusing_its_free_does_not_keep_the_other_pools_from_theirs(device):
+def test_a_refused_kv_free_keeps_the_rows_so_their_tokens_stay_findable(device):
+    # A strict KV pool refuses the batch's free (one row names a token another row owns).
+    # The Mamba states still go back, but the request slots and lengths stay: the tokens
+    # the rows legitimately own are still listed there, not leaked with a freed slot.
     kv, table, mamba, slots = setup([4, 2], device)
-    owned = torch.cat([table.tokens(int(s)).clone() for s in slots])
+    real = int(table.req_to_token[slots[1], 1])
     shared = int(table.req_to_token[slots[0], 0])
     table.req_to_token[slots[1], 1] = shared  # strict KV will refuse the whole free
     before = kv.available
     with pytest.raises(DoubleFree, match=rf"double free of \[{shared}\]"):
         release_batch(slots, table, kv, mamba)
-    mamba.assert_full()  # the Mamba states and request slots still went back
-    table.assert_full()
     assert kv.available == before  # the refused KV free changed nothing
-    kv.free(owned)
-    kv.assert_full()
+    mamba.assert_full()  # the Mamba states went back, and their table entries with them
+    assert table.mamba_slots.index_select(0, slots).tolist() == [0, 0]
+    assert table.available == table.capacity - 2  # the rows are still held...
+    assert table.lengths.index_select(0, slots).tolist() == [4, 2]  # ...with their tokens
+    table.req_to_token[slots[1], 1] = real  # repaired, the same release frees each unit once
+    out = release_batch(slots, table, kv, mamba)
+    assert (out.requests, out.kv_tokens, out.mamba_slots) == (2, 6, 0)
+    for pool in (kv, table, mamba):
+        pool.assert_full()
+
+
+class Refusing:
+    """A pool whose free raises (changing nothing) until told to accept."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.refuse = True
+
+    def free(self, ids):
+        if self.refuse:
+            raise RuntimeError("refused")
+        self.inner.free(ids)
+
+
+def test_a_refused_mamba_free_keeps_the_rows_so_their_mamba_slots_stay_findable(device):
+    kv, table, mamba, slots = setup([3, 5], device)
+    held = table.mamba_slots.index_select(0, slots).tolist()
+    refusing = Refusing(mamba)
+    with pytest.raises(RuntimeError, match="refused"):
+        release_batch(slots, table, kv, refusing)
+    kv.assert_full()  # the KV tokens went back (and the rows' lengths with them)
+    assert table.lengths.index_select(0, slots).tolist() == [0, 0]
+    assert table.mamba_slots.index_select(0, slots).tolist() == held  # still findable
+    assert table.available == table.capacity - 2
+    refusing.refuse = False
+    out = release_batch(slots, table, kv, refusing)
+    assert (out.requests, out.kv_tokens, out.mamba_slots) == (2, 0, 2)
+    for pool in (kv, table, mamba):
+        pool.assert_full()
+
+
+def test_two_refusing_pools_raise_both_errors_and_free_no_slot(device):
+    kv, table, mamba, slots = setup([2, 2], device)
+    bad_kv, bad_mamba = Refusing(kv), Refusing(mamba)
+    with pytest.raises(ExceptionGroup, match="several pools refused") as info:
+        release_batch(slots, table, bad_kv, bad_mamba)
+    assert len(info.value.exceptions) == 2
+    assert table.available == table.capacity - 2
+    assert table.lengths.index_select(0, slots).tolist() == [2, 2]
+    bad_kv.refuse = bad_mamba.refuse = False
+    release_batch(slots, table, bad_kv, bad_mamba)
+    for pool in (kv, table, mamba):
+        pool.assert_full()
+
+
+def test_a_float_slot_tensor_is_refused_naming_it(device):
+    kv, table, mamba, slots = setup([2], device)
+    with pytest.raises(TypeError, match=r"release_batch: indices must be integers, got torch"):
+        release_batch(slots.double(), table, kv, mamba)
+    release_batch(slots, table, kv, mamba)
+    for pool in (kv, table, mamba):
+        pool.assert_full()
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.lists(st.integers(0, 6), max_size=10), st.booleans())
+def test_repeat_rows_is_repeat_interleave(device, counts, pass_total):
+    c = torch.tensor(counts, dtype=torch.int64, device=device)
+    got = repeat_rows(c, sum(counts) if pass_total else None)
+    assert got.device.type == device and got.dtype == torch.int64
+    assert got.tolist() == torch.repeat_interleave(c).tolist()

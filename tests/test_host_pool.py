@@ -256,3 +256,62 @@ def test_stopping_a_prefetch_frees_nothing_and_ends_its_io(device):
     assert p.terminate() == 2 and pool.available == 6
     assert p.release() == 2
     pool.assert_full()
+
+
+def test_a_release_refused_at_its_anchor_changes_nothing_and_can_be_retried(device):
+    # Someone else dropped the anchor's lock reference, so the prefetch's own unlock would
+    # underflow. The release must refuse before freeing the prefix or dropping occupancy:
+    # once the lock is back, the same release frees everything exactly once.
+    h = HostPagePool(8, device)
+    anchor = h.alloc(2)
+    assert anchor is not None
+    p = h.prefetch(3, anchor=anchor)
+    assert p is not None
+    p.advance(2)
+    p.terminate()
+    h.unlock(anchor)  # a stray unlock (a bug elsewhere)
+    before = (h.available, h.prefetch_occupied)
+    with pytest.raises(KernelError, match="not locked that many times"):
+        p.release()
+    assert (h.available, h.prefetch_occupied) == before and not p.retired
+    h.lock(anchor)  # the owner of the stray unlock puts its reference back
+    assert p.release() == 2
+    h.free(anchor)
+    h.assert_full()
+
+
+def test_a_take_refused_at_its_anchor_changes_nothing_and_can_be_retried(device):
+    h = HostPagePool(8, device)
+    anchor = h.alloc(1)
+    assert anchor is not None
+    p = h.prefetch(2, anchor=anchor)
+    assert p is not None
+    p.advance(2)
+    p.terminate()
+    h.unlock(anchor)
+    with pytest.raises(KernelError, match="not locked that many times"):
+        p.take()
+    assert h.prefetch_occupied == 2 and not p.retired
+    h.lock(anchor)
+    h.free(p.take())
+    h.free(anchor)
+    h.assert_full()
+
+
+def test_a_release_refused_as_a_double_free_changes_nothing(device):
+    h = HostPagePool(6, device)
+    anchor = h.alloc(1)
+    assert anchor is not None
+    p = h.prefetch(2, anchor=anchor)
+    assert p is not None
+    p.advance(2)
+    p.terminate()
+    h.free(p.pages[:1])  # a stray free of a page the prefetch still owns
+    with pytest.raises(DoubleFree):
+        p.release()
+    assert h.prefetch_occupied == 2 and int(h.lock_refs[anchor]) == 1 and not p.retired
+    page = h.alloc(1)  # the stray freer takes its page back (alloc pops the last freed)
+    assert page is not None and int(page) == int(p.pages[0])
+    assert p.release() == 2
+    h.free(anchor)
+    h.assert_full()

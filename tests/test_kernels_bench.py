@@ -16,6 +16,14 @@ def test_quick_run_reports_every_figure_as_json():
     assert all(v > 0 for v in result["release_ms"].values())
     assert isinstance(result["bitmap_overhead_pct"], float)
     assert result["alloc_per_s"] > 0 and result["free_per_s"] > 0
+    assert set(result["release_small_batch_ms"]) == {"threads_1", "threads_default"}
+    assert all(v > 0 for v in result["release_small_batch_ms"].values())
+    assert set(result["expand_rows_us"]) == {
+        f"{op}.threads_{t}" for op in ("repeat_interleave", "repeat_rows") for t in ("1", "default")
+    }
+    for key in ("lora_roundtrip_us", "lora_roundtrip_nowait_us", "sglang_lora_roundtrip_us",
+                "lora_roundtrip_group8_us", "sglang_lora_roundtrip_group8_us"):
+        assert result[key] > 0 and result[key.replace("_us", "_cpu_us")] > 0
     rows = bench.table(result)
     assert rows and all(isinstance(k, str) and isinstance(v, str) for k, v in rows)
     assert any(" ms" in v for _, v in rows)

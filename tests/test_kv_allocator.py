@@ -407,3 +407,43 @@ def test_any_sequence_keeps_accounting_and_never_hands_out_twice(ops, page_size,
     for h in held:
         kv.free(h)
     kv.assert_full()
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_float_free_is_refused_naming_its_values_never_truncated(device, strict, page_size):
+    kv = TokenKVAllocator(16, page_size=page_size, device=device, strict=strict)
+    got = kv.alloc(3)
+    assert got is not None
+    before = kv.available
+    with pytest.raises(TypeError, match=r"indices must be integers, got torch.float32 \[.*\]"):
+        kv.free(got.float() + 0.5)
+    with pytest.raises(TypeError, match=r"indices must be integers, got values \[1.5\]"):
+        kv.free([1.5])
+    with pytest.raises(TypeError, match=r"got torch.bool"):
+        kv.free(torch.ones(2, dtype=torch.bool, device=device))
+    assert kv.available == before  # nothing was freed
+    kv.free(got)
+    kv.assert_full()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("n", [-1, -3, -5])
+def test_a_negative_alloc_is_refused_naming_the_value(device, page_size, n):
+    kv = TokenKVAllocator(16, page_size=page_size, device=device)
+    with pytest.raises(ValueError, match=rf"cannot allocate a negative number .*\({n}\)"):
+        kv.alloc(n)
+    assert kv.available == kv.capacity
+    kv.assert_full()
+
+
+def test_a_float_free_inside_a_free_group_is_refused_at_the_free(device):
+    kv = TokenKVAllocator(16, device=device)
+    got = kv.alloc(2)
+    assert got is not None
+    kv.free_group_begin()
+    with pytest.raises(TypeError, match="indices must be integers"):
+        kv.free(got.double())
+    kv.free(got)
+    kv.free_group_end()
+    kv.assert_full()

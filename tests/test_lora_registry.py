@@ -150,6 +150,39 @@ def test_unload_of_an_idle_adapter_returns_at_once():
     run(main())
 
 
+def test_release_of_an_id_never_registered_names_count_zero_and_releases_nothing():
+    async def main():
+        r = LoRARegistry()
+        a = await r.register("a")
+        await r.acquire("a")
+        with pytest.raises(ReleaseUnderflow, match=r"release of LoRA id 99 x1 .*\(count is 0\)"):
+            await r.release([a, 99])
+        assert r.counts() == {a: 1}
+        await r.release(a)
+        r.assert_full()
+
+    run(main())
+
+
+def test_two_waiters_of_one_unload_both_return_at_the_last_release():
+    async def main():
+        r = LoRARegistry()
+        a = await r.register("a")
+        await r.acquire(["a", "a"])
+        await r.unregister("a")
+        waiters = [asyncio.create_task(r.wait_for_unload(a, timeout=5)) for _ in range(2)]
+        await asyncio.sleep(0)
+        r.release_nowait([a])
+        await asyncio.sleep(0)
+        assert not any(w.done() for w in waiters) and r.count(a) == 1
+        r.release_nowait(a)
+        await asyncio.gather(*waiters)
+        assert r.counts() == {}
+        r.assert_full()
+
+    run(main())
+
+
 def test_wait_for_unload_of_a_registered_id_says_unregister_first():
     async def main():
         r = LoRARegistry()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from terminus.effects.sequence import RunningBatch, SchedulerPools, _owner_of_each
+from terminus.effects.sequence import RunningBatch, SchedulerPools
 from terminus.effects.sim.serving import SimConfig, SimScheduler
 from terminus.effects.sim.workload import RequestSpec
 from terminus.states.request import RequestKey
@@ -119,18 +119,6 @@ def test_rows_taking_several_events_in_a_step_end_as_one_call_per_event_would(po
     assert all(s["event_steps"] == 1 for s in per_step)
     assert tok.ends["long"] == "abort" and tok.ends["short"] == "length"
     assert "long" not in tok.outputs
-
-
-@pytest.mark.parametrize("seed", range(8))
-def test_the_owner_of_each_new_token_is_what_repeat_interleave_gives(seed):
-    g = torch.Generator().manual_seed(seed)
-    counts = torch.randint(0, 4, (int(torch.randint(1, 9, (1,), generator=g)),),
-                           generator=g)
-    counts[0] = 0 if seed % 2 else counts[0]  # leading and trailing empty rows
-    counts[-1] = 0 if seed % 3 == 0 else counts[-1]
-    starts = torch.cumsum(counts, 0) - counts
-    assert torch.equal(_owner_of_each(starts, int(counts.sum())),
-                       torch.repeat_interleave(counts))
 
 
 def test_append_kv_with_empty_rows_between_full_ones_writes_each_rows_own_tokens(pools):

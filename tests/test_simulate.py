@@ -16,7 +16,7 @@ from terminus.fsm import TransitionRecord
 
 @pytest.fixture(scope="module")
 def small_runs():
-    cfg = WorkloadConfig(requests=600, seed=3, abort_rate=0.3, fault_rate=0.1, n=3)
+    cfg = WorkloadConfig(requests=600, seed=6, abort_rate=0.3, fault_rate=0.1, n=3)
     return run_simulation(cfg), run_simulation(cfg, parts=naive_parts)
 
 
@@ -128,6 +128,53 @@ def test_the_disagg_seed_scenario_reproduces_the_production_deficit(tmp_path):
     assert r["machines"]["kv_tokens_leaked"] == 0 and r["machines"]["mamba_states_leaked"] == 0
 
 
+@pytest.mark.parametrize("flag, what", [("--trace", "the trace"), ("--json", "the summary")])
+def test_an_output_path_that_is_a_directory_is_refused_before_the_run(
+        flag, what, tmp_path, capsys, monkeypatch):
+    from terminus.effects.sim import simulate
+    from terminus.fsm.cli import main as terminus
+
+    def never(*a, **k):
+        raise AssertionError("the simulation ran before the output path was checked")
+
+    monkeypatch.setattr(simulate, "run_simulation", never)
+    assert terminus(["simulate", flag, str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {what} to {str(tmp_path)!r}: it is a directory" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_leak_audit_runs_the_pools_own_checks_not_only_the_counts():
+    import asyncio
+
+    from terminus.effects.sim.serving import ServingLoop
+
+    loop = ServingLoop(generate(WorkloadConfig(requests=40, seed=5)))
+    asyncio.run(loop.run())
+    assert loop.leaks() == dict.fromkeys(loop.leaks(), 0)
+    kv = loop.pools.kv  # the simulator's pools are not strict: a double free is recorded
+    a = kv.alloc(2)
+    kv.free(a[:1])
+    kv.free(a[:1])  # a double free of a[0] balances the leak of a[1]: the counts read zero
+    leaks = loop.leaks()
+    assert leaks["kv_tokens"] == 0 and leaks["pool_violations"] == 1
+    assert loop.violations[0].startswith("scheduler kv: ")
+    assert "double free" in loop.violations[0] and str(int(a[0])) in loop.violations[0]
+    kv.clear()  # the deliberate corruption wiped
+    loop.pools.assert_full()
+
+
+def test_fault_rate_injects_faults_at_every_call_site_kind_and_leaks_nothing():
+    from terminus.effects.callsites import KINDS
+
+    cfg = WorkloadConfig(requests=400, seed=2, abort_rate=0.3, fault_rate=0.6, n=3)
+    result = run_simulation(cfg)
+    assert set(result["faults_by_kind"]) >= set(KINDS)
+    fired = result["faults_fired"]
+    for kind in ("allocator", "cache_insert", "collective", "stream", "transport"):
+        assert fired[kind] > 0, (kind, fired)
+    assert result["leaks"] == dict.fromkeys(result["leaks"], 0)
+    assert result["max_streams_per_request"] == 1
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_simulate_leaks_nothing_with_pages_of_1_and_of_16_tokens(tmp_path, page_size):
     out = tmp_path / "sim.json"

@@ -22,7 +22,7 @@ from terminus.effects.prefetch import (
     PrefetchSite,
     ReduceOp,
 )
-from terminus.kernels.collective import CollectiveTimeout, grid_partitions
+from terminus.kernels.collective import CollectiveError, CollectiveTimeout, grid_partitions
 from terminus.kernels.host import HostPagePool
 from terminus.states.prefetch import Local
 
@@ -56,19 +56,22 @@ class SimulatedRanks:
         self.reduces = [[0] * len(self.groups) for _ in sites]
         self.barriers = [[0] * len(self.groups) for _ in sites]
 
-    def abort(self, rid: Any, *, naive: bool | Sequence[bool] = False
-              ) -> list[AbortOutcome | BaseException]:
+    def abort(self, rid: Any, *, naive: bool | Sequence[bool] = False,
+              fail: bool = False) -> list[AbortOutcome | BaseException]:
         """Abort ``rid`` on every rank; per rank its outcome or the error it raised.
 
-        ``naive``: one flag for all ranks, or one per rank.
+        ``naive``: one flag for all ranks, or one per rank. ``fail``: the first
+        collective that every member of a group entered raises a backend error on each
+        of them (a peer process died), as gloo's "Connection closed by peer" does.
         """
         flags = [naive] * len(self.sites) if isinstance(naive, bool) else list(naive)
         return self.run({r: s.abort_steps(rid, self.names, naive=flags[r])
-                         for r, s in enumerate(self.sites)})
+                         for r, s in enumerate(self.sites)}, fail=fail)
 
-    def run(self, gens: dict[int, Generator[Op, Any, AbortOutcome]]
-            ) -> list[AbortOutcome | BaseException]:
-        """Step protocol generators (rank -> generator) until every one has finished."""
+    def run(self, gens: dict[int, Generator[Op, Any, AbortOutcome]], *,
+            fail: bool = False) -> list[AbortOutcome | BaseException]:
+        """Step protocol generators (rank -> generator) until every one has finished;
+        ``fail`` as in `abort`."""
         waiting: dict[int, Op] = {}
         results: dict[int, AbortOutcome | BaseException] = {}
 
@@ -104,7 +107,13 @@ class SimulatedRanks:
                             f"ranks {members} of group {name!r} entered different "
                             f"collectives {ops}; with torch.distributed they would pair "
                             "up and exchange the wrong data")
-                    if isinstance(ops[0], ReduceOp):
+                    if fail:
+                        kind = "reduce_max" if isinstance(ops[0], ReduceOp) else "barrier"
+                        for m in members:
+                            step(m, error=CollectiveError(
+                                f"simulated rank {m}", kind, name, members,
+                                RuntimeError("Connection closed by peer (injected)")))
+                    elif isinstance(ops[0], ReduceOp):
                         v = max(o.value for o in ops if isinstance(o, ReduceOp))
                         for m in members:
                             step(m, reply=v)

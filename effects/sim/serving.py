@@ -38,13 +38,19 @@ import torch
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import ExceptionGroup
 
+from terminus.effects.callsites import FaultPlan, InjectedFault, call_sites, proxy
 from terminus.effects.disagg import DisaggPools, DisaggPrefill
 from terminus.effects.output import OutputLog
-from terminus.effects.prefetch import PrefetchAbortTimeout, PrefetchSite
+from terminus.effects.prefetch import (
+    PrefetchAbortTimeout,
+    PrefetchCollectiveFailed,
+    PrefetchSite,
+)
+from terminus.effects.prefix_cache import CountingPrefixCache
 from terminus.effects.request import RequestResources, lora_ledger
 from terminus.effects.sequence import RunningBatch, SchedulerPools
 from terminus.effects.tokenizer import InvalidRequest, TokenizerSide
-from terminus.fsm import TransitionRecord
+from terminus.fsm import ReleaseFailed, TransitionRecord
 from terminus.kernels import HostPagePool, LoRARegistry
 from terminus.kernels.collective import grid_partitions
 from terminus.states.request import RequestKey
@@ -82,7 +88,8 @@ _STATUS = {"scheduler_400": 400, "scheduler_500": 500, "scheduler_503": 503}
 
 LEAK_KEYS = ("kv_tokens", "mamba_slots", "request_slots", "metadata_slots", "host_pages",
              "prefetch_tokens", "lora_refs", "lora_underflows", "ledger_handles",
-             "missing_streams", "duplicate_streams", "collective_deadlocks")
+             "missing_streams", "duplicate_streams", "collective_deadlocks",
+             "pool_violations")
 """The leak audit's resources, in the order the summary prints them."""
 
 NO_OUTPUT = "no_output"
@@ -349,6 +356,25 @@ class SimScheduler:
         return not self.queue and not self.by_row and not self.aborts
 
 
+_KV_ALLOC = next(s for s in call_sites("allocator") if (s.resource, s.method) == ("kv",
+                                                                                "alloc"))
+
+
+class _RefusingCache(CountingPrefixCache):
+    """The prefix cache, refusing the inserts of the request ids in `refusing`."""
+
+    def __init__(self, kv: Any) -> None:
+        super().__init__(kv)
+        self.refusing: set[str] = set()
+        self.refused = 0
+
+    def insert(self, rid: str, kv_indices: torch.Tensor) -> None:
+        if rid in self.refusing:
+            self.refused += 1
+            raise RuntimeError(f"prefix cache refused the KV of {rid!r} (injected)")
+        super().insert(rid, kv_indices)
+
+
 class SimDisagg:
     """Disaggregated-prefill requests over a fake KV sender that fails on cue."""
 
@@ -360,8 +386,15 @@ class SimDisagg:
                                  host_pages=cfg.host_pages,
                                  max_context_len=cfg.max_context_len, device=cfg.device,
                                  strict=cfg.strict, page_size=cfg.page_size)
-        self.engine = DisaggPrefill(pools, transport=self.transport, sink=sink)
+        self.faults = FaultPlan(strict=False)
+        self._kv = pools.kv
+        pools.kv = proxy(pools.kv, "kv", self.faults)  # an allocator fault raises here
+        self.cache = _RefusingCache(self._kv)
+        self.engine = DisaggPrefill(pools, transport=self.transport, sink=sink,
+                                    cache=self.cache)
         self.live: dict[str, deque[int]] = {}  # rid -> chunks in flight, oldest first
+        self.errors: list[Exception] = []
+        """Injected faults the driver raised (each left the request recoverable)."""
 
     def add(self, spec: RequestSpec) -> None:
         """A new request; its fault (if any) is armed on the transport."""
@@ -372,6 +405,10 @@ class SimDisagg:
             self.transport.fail("send", rid, times=1)
         elif spec.fault == "sender_abort":
             self.transport.fail("abort", rid)
+        elif spec.fault == "cache_insert":
+            self.cache.refusing.add(rid)
+        elif spec.fault == "allocator":
+            self.faults.arm(_KV_ALLOC)
         self.engine.add(rid, spec.prompt_len, chunk_size=self.cfg.chunk_size,
                         host_pages=min(spec.prefetch_pages, 4))
         self.live[rid] = deque()
@@ -400,17 +437,26 @@ class SimDisagg:
                 if req.state == "bootstrapping":
                     continue  # no metadata slot free yet: poll again next step
             if in_flight:
-                e.result(rid, in_flight.popleft())
+                self._call(e.result, rid, in_flight.popleft())
             while len(in_flight) < 2:
-                chunk = e.schedule(rid)
+                chunk = self._call(e.schedule, rid)
                 if chunk is None:
                     break
                 in_flight.append(chunk.index)
-            e.poll_transfer(rid)
+            self._call(e.poll_transfer, rid)
             if req.terminal and not in_flight:
                 done.append(rid)
         for rid in done:
             del self.live[rid]
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        # An injected fault (a refused alloc, a refused cache insert) surfaces as the
+        # driver's error; the request stays recoverable, and the loop carries on.
+        try:
+            return fn(*args)
+        except (InjectedFault, ReleaseFailed) as err:
+            self.errors.append(err)
+            return None
 
     @property
     def idle(self) -> bool:
@@ -452,6 +498,8 @@ class SimPrefetch:
         self.live: dict[Any, tuple[int, int]] = {}  # rid -> (start step, pages)
         self.deadlocks = 0
         self.aborts = 0
+        self.failing: set[Any] = set()  # rids whose abort collective raises
+        self.collective_failures = 0
 
     def _inserter(self, rank: int) -> Callable[[Any, torch.Tensor], None]:
         def insert(rid: Any, pages: torch.Tensor) -> None:
@@ -486,22 +534,31 @@ class SimPrefetch:
             self.evict()
 
     def abort(self, rid: Any) -> None:
-        """Abort `rid` on every rank together (a no-op once every rank completed)."""
+        """Abort `rid` on every rank together (a no-op once every rank completed).
+
+        A collective that raises (a peer died: the `collective` fault) is recovered as
+        documented: the group is torn down, then `close_group` releases on each rank.
+        """
         if rid not in self.live:
             return
         del self.live[rid]
         self.aborts += 1
         outcomes = self.abort_on_ranks(rid)
         errors = [o for o in outcomes if isinstance(o, BaseException)]
+        failed = [e for e in errors if isinstance(e, PrefetchCollectiveFailed)]
         for e in errors:
-            if not isinstance(e, PrefetchAbortTimeout):
+            if not isinstance(e, (PrefetchAbortTimeout, PrefetchCollectiveFailed)):
                 raise e  # a bug, not a peer that never came: fail loudly
-        if errors:
+        if failed:
+            self.collective_failures += 1
+            for e in failed:
+                self.sites[e.rank].close_group(rid)
+        elif errors:
             self.deadlocks += 1
 
     def abort_on_ranks(self, rid: Any) -> list[Any]:
         """Run the rank-collective abort protocol of `rid`; each rank's outcome."""
-        return self.ranks.abort(rid)
+        return self.ranks.abort(rid, fail=rid in self.failing)
 
     def evict(self) -> None:
         """The host cache drops every prefix it holds."""
@@ -675,6 +732,8 @@ class ServingLoop:
         self.seconds = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._peak: Counter[str] = Counter()
+        self.violations: list[str] = []
+        """What the pools' own checks raised at the last audit (`leaks()`)."""
 
     def spec_of(self, key: RequestKey) -> RequestSpec:
         """The workload entry a request (or a child or warm-up of its group) belongs to."""
@@ -699,6 +758,12 @@ class ServingLoop:
                 self.tokenizer_fake.invalid.add(s.rid)
             if s.fault == "dispatch":
                 self.scheduler.dispatch_failures.add(s.rid)
+            if s.fault == "stream" and self.parts.loop == "machines":
+                # The client's stream is closed when it ends (the naive baseline's
+                # loop has no best-effort stream to survive it).
+                self.sink.failing.update((s.rid, *self._children(s)))
+            if s.fault == "collective" and s.abort_at is not None:
+                self.prefetch.failing.add(s.rid)
         aborts: dict[int, list[str]] = {}
         for s in self.workload:
             if s.abort_at is not None:
@@ -800,6 +865,18 @@ class ServingLoop:
 
     # -- the audit --------------------------------------------------------------------
 
+    def faults_fired(self) -> dict[str, int]:
+        """Faults that really fired, by call-site kind, where the loop can count them."""
+        disagg = getattr(self.disagg, "faults", None)
+        cache = getattr(self.disagg, "cache", None)
+        return {
+            "allocator": len(disagg.fired) if disagg is not None else 0,
+            "cache_insert": getattr(cache, "refused", 0),
+            "collective": self.prefetch.collective_failures,
+            "stream": sum(1 for rid in self.sink.failing if self.sink.counts[rid]),
+            "transport": len(self.scheduler.dispatch_failures),
+        }
+
     def leaks(self) -> dict[str, int]:
         """What is missing after the run: one number per resource, 0 when nothing leaked."""
         out: Counter[str] = Counter(self.pools.leaks())
@@ -819,7 +896,30 @@ class ServingLoop:
                                      if not self._streamed(rid, streams))
         out["duplicate_streams"] = sum(max(0, c - 1) for c in streams.values())
         out["collective_deadlocks"] = self.prefetch.deadlocks
+        self.violations = self.pool_violations()
+        out["pool_violations"] = len(self.violations)
         return {k: int(out[k]) for k in LEAK_KEYS}
+
+    def pool_violations(self) -> list[str]:
+        """What the pools' own checks raise (a double free, a foreign index), one line per
+        pool: a non-strict pool records them and its counts can balance a double free
+        against a leak, so the audit asks each pool too."""
+        d = self.disagg.pools
+        pools = {"scheduler kv": self.pools.kv, "scheduler mamba": self.pools.mamba,
+                 "scheduler request slots": self.pools.table, "disagg kv": d.kv,
+                 "disagg mamba": d.mamba, "disagg request slots": d.table,
+                 "disagg host": d.host,
+                 **{f"rank {s.rank} host": s.host for s in self.prefetch.sites}}
+        out = []
+        for name, pool in pools.items():
+            check = getattr(pool, "check", None)
+            if check is None:
+                continue
+            try:
+                check()
+            except Exception as e:
+                out.append(f"{name}: {e}")
+        return out
 
     def stream_counts(self) -> Counter[Any]:
         """Terminal outputs per request id, every path."""

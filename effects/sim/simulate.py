@@ -22,7 +22,7 @@ import msgspec
 
 from terminus.fsm.cli import CliError, parser, write_json
 
-from .workload import WorkloadConfig, generate
+from .workload import FAULT_KINDS, WorkloadConfig, generate
 
 if TYPE_CHECKING:
     from .serving import PartsFactory
@@ -86,6 +86,9 @@ def _check_device(device: str) -> None:
 def _check_writable(path: str | None, what: str) -> None:
     if path is None:
         return
+    if os.path.isdir(path):
+        raise CliError(f"cannot write {what} to {path!r}: it is a directory; give a file "
+                       "path in it")
     d = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(d) or not os.access(d, os.W_OK) or (
             os.path.exists(path) and not os.access(path, os.W_OK)):
@@ -163,6 +166,10 @@ def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu",
         "effects": effects,
         "peak": loop.peaks(),
         "leaks": leaks,
+        "pool_violations": list(loop.violations),
+        "faults_by_kind": dict(sorted(Counter(
+            FAULT_KINDS[s.fault] for s in workload if s.fault).items())),
+        "faults_fired": loop.faults_fired(),
     }
 
 
@@ -209,6 +216,8 @@ def _table(result: dict[str, Any], baseline: dict[str, Any] | None) -> None:
     leaked = {k: v for k, v in result["leaks"].items() if v}
     Console().print("[bold green]machines: no leak[/]" if not leaked else
                     f"[bold red]machines leaked: {leaked}[/]")
+    for line in result.get("pool_violations", []):
+        Console().print(f"[bold red]pool check: {line}[/]")
 
 
 def main(argv: list[str]) -> int:
@@ -226,8 +235,10 @@ def main(argv: list[str]) -> int:
                    help=f"fraction of requests the client aborts, 0..1 (default "
                         f"{d.abort_rate})")
     p.add_argument("--fault-rate", type=float, default=d.fault_rate, metavar="P",
-                   help=f"fraction of requests that hit a transport or scheduler fault, "
-                        f"0..1 (default {d.fault_rate})")
+                   help=f"fraction of requests that hit a fault, at every call-site kind "
+                        f"(transport, collective, registry, tokenizer, allocator, cache "
+                        f"insert, stream) and in the scheduler, 0..1 (default "
+                        f"{d.fault_rate})")
     p.add_argument("--n", type=int, default=3, metavar="N",
                    help="parallel samples of a sampling request (default 3)")
     p.add_argument("--disagg-fraction", type=float, default=d.disagg_fraction, metavar="P",

@@ -18,17 +18,28 @@ import random
 
 import msgspec
 
-__all__ = ["FAULTS", "KINDS", "RequestSpec", "WorkloadConfig", "generate"]
+__all__ = ["FAULTS", "FAULT_KINDS", "KINDS", "RequestSpec", "WorkloadConfig", "generate"]
 
 KINDS = ("colocated", "disagg", "prefetch")
 
 FAULTS = {
     "colocated": ("scheduler_400", "scheduler_500", "scheduler_503", "dispatch",
-                  "invalid_prompt", "unknown_adapter"),
-    "disagg": ("bootstrap", "transport", "sender_abort"),
-    "prefetch": ("scheduler_500",),
+                  "invalid_prompt", "unknown_adapter", "stream"),
+    "disagg": ("bootstrap", "transport", "sender_abort", "cache_insert", "allocator",
+               "stream"),
+    "prefetch": ("scheduler_500", "collective"),
 }
 """Faults a request of each kind can suffer (chosen uniformly when one is drawn)."""
+
+FAULT_KINDS = {
+    "scheduler_400": "scheduler", "scheduler_500": "scheduler",
+    "scheduler_503": "scheduler", "dispatch": "transport", "invalid_prompt": "tokenizer",
+    "unknown_adapter": "registry", "stream": "stream", "bootstrap": "transport",
+    "transport": "transport", "sender_abort": "transport", "cache_insert": "cache_insert",
+    "allocator": "allocator", "collective": "collective",
+}
+"""The call-site kind (`terminus.effects.callsites.KINDS`) each fault hits; "scheduler"
+is the scheduler failing a request it runs (not a call that leaves the engine)."""
 
 
 class RequestSpec(msgspec.Struct, frozen=True, gc=False):
@@ -104,6 +115,9 @@ def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
         fault = rng.choice(FAULTS[kind]) if rng.random() < cfg.fault_rate else None
         if fault == "unknown_adapter":
             lora = "no-such-lora"
+        if fault == "collective" and abort_at is None:
+            abort_at = 2  # the collective that fails is the abort's
+
         out.append(RequestSpec(
             rid=f"r{i}",
             kind=kind,
