@@ -209,8 +209,9 @@ def test_admitted_rows_are_admitted_at_once_so_an_immediate_abort_releases_them(
 
 
 @pytest.mark.terminus_no_sanitize(
-    "a deliberate stray free; the sanitizer reports (at this fire) the 7 tokens the "
-    "refused release_batch leaves with no owner: issue 13's release_batch item")
+    "a deliberate stray free makes the strict pool refuse the batch's KV free; the rows "
+    "keep their slots and lengths (findable, released again below), and the sanitizer "
+    "rightly reports them at this fire as held by retired rows")
 def test_a_refused_batched_release_still_tells_the_owner_which_rows_retired(pools):
     from terminus.fsm import ReleaseFailed
     from terminus.kernels import DoubleFree
