@@ -81,6 +81,7 @@ from terminus.states.disagg import (
 from .output import OutputLog, OutputSink, TerminalOutput
 from .prefix_cache import PREFIX_LOCK, PrefixCache, audit_pages, release_prefix_lock
 from .sanitize import sanitized
+from .sequence import audited
 from .transport import Poll, Transport, TransportError
 
 __all__ = [
@@ -165,8 +166,7 @@ class DisaggPools:
     def in_use(self) -> dict[str, int]:
         """Units each `AuditedPool` has handed out now, by pool name (the others cannot
         say: see `unchecked()`)."""
-        return {n: p.capacity - p.available for n, p in self.pools().items()
-                if isinstance(p, AuditedPool)}
+        return {n: p.capacity - p.available for n, p in audited(self, self.pools())}
 
     def assert_full(self) -> list[str]:
         """`assert_full()` on every `AuditedPool` (raises `LeakError` naming what is

@@ -28,7 +28,13 @@ from typing import Any
 import torch
 
 from terminus.fsm import BatchStep, ReleaseContext, release_effect
-from terminus.kernels import MambaStatePool, ReqToTokenTable, TokenKVAllocator, release_batch
+from terminus.kernels import (
+    MambaStatePool,
+    ReqToTokenTable,
+    TokenKVAllocator,
+    release_batch,
+    repeat_rows,
+)
 from terminus.kernels.protocols import (
     AuditedPool,
     KVAllocator,
@@ -85,8 +91,7 @@ class SchedulerPools:
     def in_use(self) -> dict[str, int]:
         """Units each `AuditedPool` has handed out now, by pool name (the others cannot
         say: see `unchecked()`)."""
-        return {n: p.capacity - p.available for n, p in self.pools().items()
-                if isinstance(p, AuditedPool)}
+        return {n: p.capacity - p.available for n, p in audited(self, self.pools())}
 
     def leaks(self) -> dict[str, int]:
         """Units each pool is missing (0 everywhere when nothing leaked); a pool that
@@ -108,6 +113,18 @@ class SchedulerPools:
             if isinstance(p, AuditedPool):
                 p.assert_full()
         return self.unchecked()
+
+
+def audited(owner: Any, pools: dict[str, Any]) -> list[tuple[str, Any]]:
+    """`pools`' `AuditedPool`s as (name, pool), remembered on `owner` until a pool is
+    replaced: a runtime protocol check costs microseconds, and a serving loop samples
+    its pools every step."""
+    key = tuple(map(id, pools.values()))
+    cached = getattr(owner, "_audited", None)
+    if cached is None or cached[0] != key:
+        cached = (key, [(n, p) for n, p in pools.items() if isinstance(p, AuditedPool)])
+        owner._audited = cached
+    return cached[1]
 
 
 Retired = Callable[[torch.Tensor, str], None]
@@ -145,6 +162,7 @@ class RunningBatch:
         self.batch = SEQUENCE.batch(pools.table.capacity, pools.table.device,
                                     plans=dict.fromkeys(_TERMINAL_OF_PLAN, effect))
         self.event = {cls: SEQUENCE.event_id(cls) for cls in SEQUENCE.events}
+        self._pending: dict[int, list[int]] = {}  # row -> event ids queued for `flush`
 
     def _make_effect(self) -> Any:
         pools = self.pools
@@ -301,9 +319,10 @@ class RunningBatch:
         if total == 0:
             return True
         lengths = table.lengths.index_select(0, rows).to(torch.int64)
-        # which[i] = the position in `rows` of the i-th new token (the index form of
-        # repeat_interleave is the fast one on CPU); j[i] its place among its row's.
-        which = torch.repeat_interleave(counts)
+        # which[i] = the position in `rows` of the i-th new token (repeat_rows: no
+        # OpenMP region on a few hundred rows, whatever torch's thread count); j[i] its
+        # place among its row's.
+        which = repeat_rows(counts, total)
         starts = torch.cumsum(counts, 0) - counts
         j = torch.arange(total, device=rows.device) - starts.index_select(0, which)
         if ps == 1:
@@ -382,13 +401,47 @@ class RunningBatch:
     def fire(self, rows: torch.Tensor, event: type) -> BatchStep:
         """Deliver one event class to `rows` (no event to the others) in one step."""
         ev = torch.full((self.batch.n,), -1, dtype=torch.int64, device=self.batch.device)
-        ev[rows] = self.event[event]
+        ev.index_fill_(0, rows, self.event[event])
         return self.batch.step(ev)
 
     @sanitized
     def step(self, events: torch.Tensor) -> BatchStep:
-        """Deliver `events[r]` (an event id or -1) to every row at once."""
+        """Deliver `events[r]` (an event id or -1) to every row at once; a (rounds, n)
+        tensor gives rows several events in order (see `Batch.step`)."""
         return self.batch.step(events)
+
+    @sanitized
+    def queue(self, rows: list[int], event: type) -> None:
+        """Queue `event` for each of `rows`, after the events already queued for it;
+        `flush` delivers them all in one step (nothing is taken or released here)."""
+        if not rows:
+            return
+        eid = self.event[event]
+        pending = self._pending
+        for r in rows:
+            got = pending.get(r)
+            if got is None:
+                pending[r] = [eid]
+            else:
+                got.append(eid)
+
+    @sanitized
+    def flush(self) -> BatchStep | None:
+        """Deliver every queued event in one `Batch.step` (row r's k-th queued event in
+        round k, rows without one take none): a scheduler step's aborts, chunk results,
+        launches, tokens, finishes and failures for all rows at once. None when nothing
+        was queued. The queue is emptied whether or not the step is refused."""
+        pending, self._pending = self._pending, {}
+        if not pending:
+            return None
+        n = self.batch.n
+        k = max(map(len, pending.values()))
+        flat = [-1] * (k * n)
+        for r, ids in pending.items():
+            for j, e in enumerate(ids):
+                flat[j * n + r] = e
+        ev = torch.tensor(flat, dtype=torch.int64).view(k, n)
+        return self.batch.step(ev.to(self.batch.device))
 
     def rows_in(self, *states: str) -> torch.Tensor:
         """Rows whose sequence is in one of `states`."""

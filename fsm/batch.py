@@ -179,7 +179,7 @@ class Batch:
         dec[:, 1:] = torch.tensor(t.decision, dtype=torch.int64).reshape(S, E)
         self._packed = packed.reshape(-1).to(self.device)
         self._terminal = term.to(self.device)
-        self._decision = dec.reshape(-1)
+        self._decision: list[int] = dec.reshape(-1).tolist()
         self._base = torch.full((n,), machine.initial * W + 1, dtype=torch.int64,
                                 device=self.device)
 
@@ -216,11 +216,13 @@ class Batch:
             raise TypeError(f"machine {m.name!r}: Batch.step takes an int64 tensor of event "
                             f"ids (one per instance, -1 for none), got "
                             f"{type(events).__name__}; build it with batch.event_ids([...])")
-        if events.dtype != torch.int64 or events.shape != (self.n,):
+        if events.dtype != torch.int64 or events.shape[-1:] != (self.n,) or \
+                events.dim() not in (1, 2):
             raise ValueError(f"machine {m.name!r}: Batch.step takes {self.n} int64 event "
-                             f"ids, one per instance; got {events.dtype} of shape "
-                             f"{tuple(events.shape)}; build it with batch.event_ids([...]) "
-                             "or torch.full((n,), -1, dtype=torch.int64)")
+                             f"ids, one per instance (or a (rounds, {self.n}) tensor of "
+                             f"them); got {events.dtype} of shape {tuple(events.shape)}; "
+                             "build it with batch.event_ids([...]) or "
+                             "torch.full((n,), -1, dtype=torch.int64)")
         if events.device != self.device:
             raise ValueError(f"machine {m.name!r}: the event ids are on {events.device}, "
                              f"the batch on {self.device}; move them with "
@@ -228,6 +230,14 @@ class Batch:
 
     def step(self, events: torch.Tensor) -> BatchStep:
         """Deliver `events[i]` (an event id, -1 for none) to instance i, all at once.
+
+        `events` may also be a (rounds, n) tensor: `events[j, i]` is the j-th event
+        instance i takes in this step (-1 for none), so one call delivers a scheduler
+        step in which a row takes several events in order (a chunk result, then the
+        next launch) and different rows take different events. The rounds are gathered
+        one after the other on the device; the step still reads back one set of
+        numbers, runs each plan once for all the rows that turned terminal in any round
+        and is rejected as a whole.
 
         Rejects the whole step, changing nothing, when any instance's event id is out of
         range (IndexError) or its (state, event) pair is an error or guarded
@@ -239,7 +249,11 @@ class Batch:
         """
         self._check_events(events)
         if not self.n:
-            return BatchStep(events, events)
+            return BatchStep(events.reshape(-1), events.reshape(-1))
+        if events.dim() == 2:
+            if not events.shape[0]:
+                return BatchStep(self._base[:0], self._base[:0])
+            return self._step_rounds(events)
         e_max = self._w - 2
         # Clamped so that the gather stays in the table whatever the ids; the ids' own
         # min/max, read with the cells', reject an out-of-range id before anything changes.
@@ -251,12 +265,48 @@ class Batch:
         if ev_lo < -1 or ev_hi > e_max:
             self._refuse_bad_ids(events)
         if _obs.recorder() is not None or m.sinks:
-            self._observe(self._base + events, events, packed, rejected=lo < 0)
+            self._observe([self._base], [events], [packed], rejected=lo < 0)
         if lo < 0:
-            self._reject(events, packed)
+            self._reject(self._base, events, packed)
         self._base = packed & _BASE_MASK
         if not hi >> _NEWLY_SHIFT:
             return BatchStep(events[:0], events[:0])
+        return self._finish(packed)
+
+    def _step_rounds(self, events: torch.Tensor) -> BatchStep:
+        """`step` of a (rounds, n) tensor: see `step`."""
+        e_max = self._w - 2
+        base = self._base
+        bases, packs = [], []
+        for ev in events.clamp(-1, e_max):
+            packed = self._packed.index_select(0, ev + base)
+            bases.append(base)
+            packs.append(packed)
+            # A rejected cell (negative) keeps the row where it was: the step is refused
+            # below, and the gathers of later rounds stay in the table meanwhile.
+            base = torch.where(packed < 0, base, packed & _BASE_MASK)
+        ev_lo, ev_hi, lo, hi = _host(torch.stack((*events.aminmax(),
+                                                  *torch.stack(packs).aminmax())))
+        m = self.machine
+        if ev_lo < -1 or ev_hi > e_max:
+            self._refuse_bad_ids(events.reshape(-1))
+        if _obs.recorder() is not None or m.sinks:
+            self._observe(bases, list(events), packs, rejected=lo < 0)
+        if lo < 0:
+            for b, ev, packed in zip(bases, events, packs, strict=True):
+                if _host((packed < 0).any()):
+                    self._reject(b, ev, packed)
+        self._base = base
+        if not hi >> _NEWLY_SHIFT:
+            return BatchStep(self._base[:0], self._base[:0])
+        # A row turns terminal in one round at most (a terminal state has no way out):
+        # its cell of that round says which plan releases it.
+        newly = packs[0]
+        for packed in packs[1:]:
+            newly = torch.where((packed >> _NEWLY_SHIFT) & 1 == 1, packed, newly)
+        return self._finish(newly)
+
+    def _finish(self, packed: torch.Tensor) -> BatchStep:
         terminal = ((packed >> _NEWLY_SHIFT) & 1).nonzero().squeeze(1)
         result = BatchStep(terminal, (packed.index_select(0, terminal) >> _PLAN_SHIFT) - 1)
         if self._plans:
@@ -264,49 +314,60 @@ class Batch:
         return result
 
     def _refuse_bad_ids(self, events: torch.Tensor) -> None:
-        i = _host(((events < -1) | (events > self._w - 2)).nonzero()[0, 0])
+        flat = _host(((events < -1) | (events > self._w - 2)).nonzero()[0, 0])
+        i = flat % self.n
         raise IndexError(
-            f"machine {self.machine.name!r}: event id {_host(events[i])} at instance {i} "
+            f"machine {self.machine.name!r}: event id {_host(events[flat])} at instance {i} "
             "is out of range; use Batch.event_ids() or -1 for no event")
 
-    def _reject(self, events: torch.Tensor, packed: torch.Tensor) -> None:
+    def _reject(self, base: torch.Tensor, events: torch.Tensor, packed: torch.Tensor) -> None:
         m = self.machine
         i = _host((packed < 0).nonzero()[0, 0])
-        s, e, p = _host(torch.stack((self.states[i], events[i], packed[i])))
+        s, e, p = _host(torch.stack(((base[i] - 1) // self._w, events[i], packed[i])))
         reason = ("the declaration makes it an error here" if p == -1 else
                   "the cell is guarded, and guards run only on scalar instances: fire "
                   "this event on an Instance")
         raise TransitionNotAllowed(m.name, m.states[s], m.event_names[e], reason,
                                    instance=i)
 
-    def _observe(self, idx: torch.Tensor, events: torch.Tensor, packed: torch.Tensor,
-                 rejected: bool) -> None:
+    def _observe(self, bases: list[torch.Tensor], events: list[torch.Tensor],
+                 packs: list[torch.Tensor], rejected: bool) -> None:
+        """Count (and hand the sinks) the decisions of one step's rounds, in order."""
         m = self.machine
+        base, ev, packed = torch.cat(bases), torch.cat(events), torch.cat(packs)
         # A rejected step changes nothing: the only decisions made are the errors that
         # rejected it; every other row's transition never happened.
-        made = packed < 0 if rejected else events >= 0
-        counts = _host(torch.bincount(idx[made], minlength=self._packed.numel()))
+        made = packed < 0 if rejected else ev >= 0
+        # Cells not made are counted in cell 0 (no event), which is skipped: no nonzero.
+        idx = torch.where(made, base + ev, 0)
+        counts = _host(torch.bincount(idx, minlength=self._packed.numel()))
         by_cell: Counter[tuple[int, int, int]] = Counter()
+        decision = self._decision
         for flat, count in enumerate(counts):
+            if not count:
+                continue
             s, e = divmod(flat, self._w)
-            if not count or e == 0:
+            if e == 0:
                 continue
             # A batch rejects a guarded cell without running its guards: no alternative.
-            k = -1 if self._decision[flat] == GUARDED else 0
+            k = -1 if decision[flat] == GUARDED else 0
             by_cell[(s, e - 1, k)] += count
-            if self._decision[flat] == IGNORED:
+            if decision[flat] == IGNORED:
                 m.stats.ignored[(m.states[s], m.event_names[e - 1])] += count
         rec = _obs.recorder()
         if rec is not None and by_cell:
             rec.record_counts(m, by_cell)
         if m.sinks:
             rows = made.nonzero().squeeze(1)
-            states = _host(self.states.index_select(0, rows))
-            evs = _host(events.index_select(0, rows))
+            states = _host(torch.div(base.index_select(0, rows) - 1, self._w,
+                                     rounding_mode="floor"))
+            evs = _host(ev.index_select(0, rows))
             codes = _host(packed.index_select(0, rows))
-            for i, s, e, p in zip(_host(rows), states, evs, codes, strict=True):
+            n = self.n
+            for flat_i, s, e, p in zip(_host(rows), states, evs, codes, strict=True):
+                i = flat_i % n
                 t = ((p & _BASE_MASK) - 1) // self._w if p >= 0 else s
-                d = int(self._decision[s * self._w + e + 1])
+                d = decision[s * self._w + e + 1]
                 plan_id = (p >> _PLAN_SHIFT) - 1
                 r = _obs.TransitionRecord(
                     m.name, i, m.states[s], m.event_names[e], m.states[t],

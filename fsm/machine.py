@@ -58,6 +58,7 @@ class Machine:
     stats: Stats
     _guards: dict[str, Guard]
     _eidx: dict[type, int]
+    _n_events: int
     _enames: tuple[str, ...]
     _fast_rows: tuple[dict[type, int], ...]
     _slow_rows: tuple[dict[type, int], ...]
@@ -98,6 +99,7 @@ class Machine:
         m.cells = tuple(tuple(r) for r in cells)
         m._guards = dict(guards)
         m._eidx = {ev: i for i, ev in enumerate(spec.events)}
+        m._n_events = len(spec.events)
         m._enames = tuple(ev.__name__ for ev in spec.events)
         plan_names = sorted({a.plan for r in cells for alts in r for a in alts if a.plan})
         pid = {p: i for i, p in enumerate(plan_names)}
@@ -341,14 +343,14 @@ class Machine:
 
     # -- the slow path -------------------------------------------------------------------
 
-    def _fire_slow(self, inst: Instance, event: Any) -> PlanReport | None:
+    def _fire_slow(self, inst: Instance, event: Any, cell: int = -1) -> PlanReport | None:
         q = inst._q
         if q is not None:  # run-to-completion: handled after the running step
             q.append(event)
             return None
         inst._q = q = []
         try:  # the fired event's own step: its report is what fire() returns
-            result = self._step(inst, event)
+            result = self._step(inst, event, cell)
         except Exception as e:
             if not q:
                 inst._q = None
@@ -376,11 +378,16 @@ class Machine:
             raise errors[0]
         return result
 
-    def _step(self, inst: Instance, event: Any) -> PlanReport | None:
+    def _step(self, inst: Instance, event: Any, cell: int = -1) -> PlanReport | None:
+        """One event's step; `cell` = state * events + event when the caller already
+        looked the pair up (the fast path's code), else -1."""
         s = inst._s
-        e = self._eidx.get(type(event))
-        if e is None:
-            raise self._unknown(self.states[s], event)
+        if cell >= 0:
+            e = cell - s * self._n_events
+        else:
+            e = self._eidx.get(type(event))  # type: ignore[assignment]
+            if e is None:
+                raise self._unknown(self.states[s], event)
         alts = self.cells[s][e]
         k = -1
         alt: Alt | None = None
@@ -471,6 +478,8 @@ class Instance:
             if code >= 0:
                 self._s = code
                 return None
+            # The cell's code names (state, event): the slow path need not look again.
+            return self._m._fire_slow(self, event, -1 - code)
         return self._m._fire_slow(self, event)
 
     @property

@@ -94,3 +94,25 @@ def test_a_batch_without_plans_reads_no_more_than_the_terminal_indices(syncs):
     step = b.step(ids(m, [Finish, Tick, None]))
     assert syncs == ["tolist", "nonzero"]
     assert step.terminal.tolist() == [0]
+
+
+def test_a_quiet_step_of_several_rounds_still_reads_the_device_once(batch, syncs):
+    m, b, released = batch
+    rounds = torch.stack((ids(m, [Tick, Yield, None, Tick, Tick, None]),
+                          ids(m, [Yield, Resume, Tick, None, Tick, Yield])))
+    syncs.clear()
+    step = b.step(rounds)
+    assert syncs == ["tolist"]  # one min/max read for every round together
+    assert step.terminal.numel() == 0 and released == []
+    assert [m.states[s] for s in b.states.tolist()] == [
+        "waiting", "running", "running", "running", "running", "waiting"]
+
+
+def test_rows_that_turn_terminal_in_different_rounds_cost_one_dispatch(batch, syncs):
+    m, b, released = batch
+    rounds = torch.stack((ids(m, [Finish, Tick, None, None, None, None]),
+                          ids(m, [None, Finish, Tick, None, Finish, None])))
+    syncs.clear()
+    step = b.step(rounds)
+    assert syncs == ["tolist", "nonzero", "tolist", "tolist"]
+    assert step.terminal.tolist() == [0, 1, 4] and released == [[0, 1, 4]]

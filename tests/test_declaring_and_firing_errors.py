@@ -168,8 +168,8 @@ def test_batch_step_takes_a_tensor_and_says_how_to_build_one(batch):
         batch.step([0, 1, 2])
     with pytest.raises(ValueError, match=exactly(
             "machine 'bench_request': Batch.step takes 3 int64 event ids, one per "
-            "instance; got torch.int32 of shape (3,); build it with batch.event_ids([...]) "
-            "or torch.full((n,), -1, dtype=torch.int64)")):
+            "instance (or a (rounds, 3) tensor of them); got torch.int32 of shape (3,); "
+            "build it with batch.event_ids([...]) or torch.full((n,), -1, dtype=torch.int64)")):
         batch.step(torch.zeros(3, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"got torch.int64 of shape \(2,\)"):
         batch.step(torch.zeros(2, dtype=torch.int64))

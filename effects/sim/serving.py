@@ -24,6 +24,7 @@ logic). The loop itself has no branch on which it drives.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
 import time
 from collections import Counter, deque
@@ -141,8 +142,8 @@ class FakeTokenizer:
 class _Seq:
     """The scheduler's view of one sequence: its spec, progress and row."""
 
-    __slots__ = ("aborted", "chunks_left", "fail", "generated", "in_flight", "max_new",
-                 "prompt", "reply", "rid", "row", "status", "tokens")
+    __slots__ = ("aborted", "chunks_left", "decoding", "fail", "generated", "in_flight",
+                 "max_new", "prompt", "reply", "rid", "row", "status", "tokens")
 
     def __init__(self, rid: Any, prompt: int, max_new: int, fail: str | None,
                  tokens: list[int] | None = None, reply: list[int] | None = None) -> None:
@@ -157,6 +158,7 @@ class _Seq:
         self.in_flight: deque[bool] = deque()  # True for the final chunk
         self.generated = 0
         self.aborted = False
+        self.decoding = False  # its final chunk's result was delivered (not aborted)
         self.status = 0
 
 
@@ -200,7 +202,15 @@ class SimScheduler:
     # -- one scheduler step ---------------------------------------------------------------
 
     def step(self) -> None:
-        """Aborts, admission, chunk results, launches, decode, finishes and faults."""
+        """Aborts, admission, chunk results, launches, decode, finishes and faults.
+
+        Admission fires `Admit` at once (a row owning resources is never left vacant);
+        every other event of the step is queued and delivered in one `Batch.step` at
+        its end (`RunningBatch.flush`), so the rows that turn terminal (aborted,
+        finished, failed) are released there, by one batched call per plan. What each
+        row is in when the events are chosen follows from the scheduler's own view of
+        it (chunks in flight, `decoding`), not from reading the batch back.
+        """
         rb = self.running
         self._apply_aborts()
         self._admit()
@@ -209,9 +219,13 @@ class SimScheduler:
         last: list[int] = []
         for seq in self.by_row.values():
             if seq.in_flight:
-                (last if seq.in_flight.popleft() else done).append(seq.row)
-        self._fire(done, ChunkDone)
-        self._fire(last, LastChunkDone)
+                if seq.in_flight.popleft():
+                    last.append(seq.row)
+                    seq.decoding = not seq.aborted
+                else:
+                    done.append(seq.row)
+        rb.queue(done, ChunkDone)
+        rb.queue(last, LastChunkDone)
         # Launch chunks: up to two in flight per row (the next overlapped).
         for _ in range(2):
             rows = [seq.row for seq in self.by_row.values()
@@ -225,25 +239,27 @@ class SimScheduler:
                 seq = self.by_row[r]
                 seq.chunks_left -= 1
                 seq.in_flight.append(seq.chunks_left == 0)
-            self._fire(rows, ChunkLaunched)
+            rb.queue(rows, ChunkLaunched)
         # Decode: every decoding row gets one token (one KV slot each, one alloc).
-        decoding = rb.rows_in("decoding")
-        if decoding.numel():
-            rows = decoding.tolist()
-            failing = [r for r in rows if self.by_row[r].fail in _STATUS
-                       and self.by_row[r].generated >= self.by_row[r].max_new // 2]
+        decoding = sorted(seq.row for seq in self.by_row.values()
+                          if seq.decoding and not seq.aborted)
+        if decoding:
+            by_row = self.by_row
+            failing = [r for r in decoding if by_row[r].fail in _STATUS
+                       and by_row[r].generated >= by_row[r].max_new // 2]
             for r in failing:
-                self.by_row[r].status = _STATUS[str(self.by_row[r].fail)]
-            self._fire(failing, Fail)
+                by_row[r].status = _STATUS[str(by_row[r].fail)]
+                by_row[r].decoding = False
+            rb.queue(failing, Fail)
             gone = set(failing)
-            rows = [r for r in rows if r not in gone]
+            rows = [r for r in decoding if r not in gone]
             dev = rb.batch.device
             if rows and rb.append_kv(torch.tensor(rows, dtype=torch.int64, device=dev),
                                      torch.ones(len(rows), dtype=torch.int64, device=dev)):
-                self._fire(rows, Token)
+                rb.queue(rows, Token)
                 finished = []
                 for r in rows:
-                    seq = self.by_row[r]
+                    seq = by_row[r]
                     if seq.tokens is not None:
                         seq.tokens.append(seq.reply[seq.generated] if seq.generated
                                           < len(seq.reply) else 1)
@@ -252,7 +268,9 @@ class SimScheduler:
                         self.tokenizer.on_output(seq.rid)
                     if seq.generated >= seq.max_new:
                         finished.append(r)
-                self._fire(finished, Finish)
+                        seq.decoding = False
+                rb.queue(finished, Finish)
+        rb.flush()
 
     def _chunk_sizes(self, rows: list[int]) -> torch.Tensor:
         """Tokens of each row's next chunk: full chunks, then the remainder."""
@@ -264,13 +282,25 @@ class SimScheduler:
             sizes.append(max(1, min(c, seq.prompt - launched * c)))
         return torch.tensor(sizes, dtype=torch.int64, device=self.running.batch.device)
 
-    def _fire(self, rows: list[int], event: type) -> None:
-        if rows:
-            self.running.fire(torch.tensor(rows, dtype=torch.int64,
-                                           device=self.running.batch.device), event)
-
     def _admit(self) -> None:
         rb = self.running
+        k = min(len(self.queue), rb.pools.table.available)
+        head = list(itertools.islice(self.queue, k))
+        flags = [self.spec_of(seq.rid).mamba for seq in head]
+        if k and rb.cache is None and sum(flags) <= rb.pools.mamba.available_size():
+            # Everything at the head fits: the runs admit exactly as one by one would
+            # (each run all or nothing, none refused), in one admission per kind. With a
+            # prefix cache an admission matches prompts (and may be refused for KV), so
+            # it takes the loop below.
+            for mamba in (False, True):
+                group = [seq for seq, f in zip(head, flags, strict=True) if f == mamba]
+                if group:
+                    rows = rb.admit(len(group), mamba)
+                    assert rows is not None
+                    self._seat(group, rows)
+            for _ in range(k):
+                self.queue.popleft()
+            return
         while self.queue:
             k = min(len(self.queue), rb.pools.table.available)
             if k == 0:
@@ -288,11 +318,15 @@ class SimScheduler:
             if rows is None:
                 self.queue.extendleft(reversed(batch))
                 return
-            for seq, r in zip(batch, rows.tolist(), strict=True):
-                seq.row = r
-                seq.prompt -= rb.matched(r)  # the cached prefix is not prefilled again
-                seq.chunks_left = max(1, -(-seq.prompt // self.cfg.chunk_size))
-                self.by_row[r] = seq
+            self._seat(batch, rows)
+
+    def _seat(self, batch: list[_Seq], rows: torch.Tensor) -> None:
+        rb = self.running
+        for seq, r in zip(batch, rows.tolist(), strict=True):
+            seq.row = r
+            seq.prompt -= rb.matched(r)  # the cached prefix is not prefilled again
+            seq.chunks_left = max(1, -(-seq.prompt // self.cfg.chunk_size))
+            self.by_row[r] = seq
 
     def _apply_aborts(self) -> None:
         rows = []
@@ -308,7 +342,7 @@ class SimScheduler:
             else:
                 rows.append(seq.row)
         self.aborts.clear()
-        self._fire(rows, SequenceAbort)
+        self.running.queue(rows, SequenceAbort)
 
     def _retired(self, rows: torch.Tensor, state: str) -> None:
         seqs = [self.by_row.pop(r) for r in rows.tolist()]
