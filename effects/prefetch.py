@@ -80,6 +80,7 @@ __all__ = [
     "PrefetchAbortTimeout",
     "PrefetchCollectiveFailed",
     "PrefetchSite",
+    "PrefetchStopFailed",
     "ReduceOp",
     "drive",
 ]
@@ -232,12 +233,20 @@ class PrefetchCollectiveFailed(PrefetchAbortError, RuntimeError):
         )
 
 
+
+class PrefetchStopFailed(PrefetchCollectiveFailed):
+    """The drain could not stop the transfer (its ``stop`` raised): the I/O may still
+    write the pages, so the rank keeps everything (state ``draining``) and does not join
+    the barrier, where its peers time out. Tear the group down, then
+    `PrefetchSite.close_group` stops the I/O again and releases everything once."""
+
 class CollectiveMismatch(RuntimeError):
     """Ranks of one group entered different collectives (with torch they would pair up)."""
 
 
 _ABORTABLE = ("none", "pending", "active")
-_TIMED_OUT = ("stalled", "abort_requested", "broken")  # what close_group releases
+# What close_group releases.
+_TIMED_OUT = ("stalled", "abort_requested", "broken", "draining")
 
 
 # -- one rank ------------------------------------------------------------------------------
@@ -393,7 +402,11 @@ class PrefetchSite:
             p = self.prefetch_of(rid)
             assert p is not None  # an active prefetch owns its transfer
             unwritten = p.pages.numel() - p.completed
-            p.stop()  # nothing is freed before the barrier: the terminal plan frees it
+            try:
+                p.stop()  # nothing is freed before the barrier: the terminal plan frees it
+            except Exception as e:  # the I/O may still write: keep everything (I10)
+                raise PrefetchStopFailed(inst.key, self.rank, groups[0] if groups else "",
+                                         inst.state, self._kept(inst), "stop", e) from e
             self.trace.append(("drain", rid, unwritten))
             inst.fire(Drained())
         if inst.state in ("revoked", "drained"):
@@ -468,9 +481,9 @@ class PrefetchSite:
         """Release an abort whose collective timed out or raised, once its group was
         torn down.
 
-        The instance is ``stalled`` (barrier timed out), ``broken`` (barrier raised) or
-        ``abort_requested`` (the reduction timed out or raised); either way no peer can
-        still be in the collective.
+        The instance is ``stalled`` (barrier timed out), ``broken`` (barrier raised),
+        ``abort_requested`` (the reduction timed out or raised) or ``draining`` (the
+        transfer would not stop); either way no peer can still be in the collective.
         """
         inst = self.requests.get(rid)
         if inst is None or inst.state not in _TIMED_OUT:

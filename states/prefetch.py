@@ -266,7 +266,11 @@ SPEC = Spec(
             **_LATE,
         },
         "revoking": {Revoked: go("revoked"), **_LATE},
-        "draining": {Drained: go("drained"), **_LATE},
+        # The transfer would not stop (its stop raised): this rank never joins the
+        # barrier, so its peers time out; once the group is torn down the release stops
+        # the I/O again, then frees.
+        "draining": {Drained: go("drained"),
+                     GroupClosed: go("released", plan="release_aborted"), **_LATE},
         "revoked": {
             Join: go("in_barrier", when="barrier_decided"),
             PrefetchRelease: go("released", plan="release_aborted", when="no_barrier"),

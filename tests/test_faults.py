@@ -417,13 +417,8 @@ def prefetch_run(plan: FaultPlan) -> tuple[list[BaseException], Any, dict[Any, A
     return errors, real, cache, site
 
 
-PREFETCH_SITES = [
-    pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=(
-        "a drain whose stop() raises leaves the request in `draining`, which no event "
-        "ends (close_group refuses it): reported, not fixed (a machine change)")))
-    if (s.resource, s.method) == ("host_prefetch", "stop") else s
-    for s in call_sites() if s.resource in ("collectives", "insert", "host",
-                                            "host_prefetch")]
+PREFETCH_SITES = [s for s in call_sites() if s.resource in ("collectives", "insert", "host",
+                                                             "host_prefetch")]
 
 
 @pytest.mark.parametrize("site", [None, *PREFETCH_SITES], ids=lambda s: (
