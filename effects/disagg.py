@@ -68,8 +68,8 @@ from terminus.states.disagg import (
     BootstrapFailed,
     Bootstrapped,
     BootstrapRetry,
-    ChunkResult,
     ChunkScheduled,
+    ChunkSettled,
     DisaggAbort,
     DisaggReq,
     SenderAborted,
@@ -650,7 +650,7 @@ class DisaggPrefill:
         req = self.req(rid)
         if not 0 <= k < len(req.chunks):
             if req.terminal:
-                return req.fire(ChunkResult(k))  # a stale result: ignored
+                return req.fire(ChunkSettled(k))  # a stale result: ignored
             raise ValueError(f"request {rid!r} has no chunk {k} in flight "
                              f"({len(req.chunks)} scheduled)")
         chunk = req.chunks[k]
@@ -672,7 +672,7 @@ class DisaggPrefill:
             chunk.fire(Commit())
         else:
             chunk.fire(Abandon())
-        report = req.fire(ChunkResult(k, chunk.last))
+        report = req.fire(ChunkSettled(k, chunk.last))
         if req.state == "transferring":
             kv = [h.value.indices for h in self.ledger.owned(req, PREFIX_LOCK)]
             kv += [h.value for h in self.ledger.owned(req, "kv")]

@@ -5,11 +5,11 @@
     waiting        ChunkScheduled -> prefilling; BootstrapFailed -> bootstrap_failed ▸;
                    DisaggAbort -> aborted ▸; else error
     prefilling     ChunkScheduled -> prefilling;
-                   ChunkResult -> transferring [last_chunk], else prefilling;
+                   ChunkSettled -> transferring [last_chunk], else prefilling;
                    DisaggAbort -> draining [chunks_in_flight], else aborted ▸;
                    BootstrapFailed -> draining [chunks_in_flight], else bootstrap_failed ▸;
                    else error
-    draining       ChunkResult -> aborted ▸ [drained], else draining;
+    draining       ChunkSettled -> aborted ▸ [drained], else draining;
                    DisaggAbort, BootstrapFailed -> ignore; else error
     transferring   TransferDone -> succeeded ▸; TransferFailed -> failed ▸;
                    DisaggAbort -> awaiting_sender; else error
@@ -56,8 +56,8 @@ __all__ = [
     "BootstrapFailed",
     "BootstrapRetry",
     "Bootstrapped",
-    "ChunkResult",
     "ChunkScheduled",
+    "ChunkSettled",
     "DisaggAbort",
     "DisaggReq",
     "SenderAborted",
@@ -87,7 +87,7 @@ class ChunkScheduled(Event):
     chunk: int
 
 
-class ChunkResult(Event):
+class ChunkSettled(Event):
     """Chunk `chunk` settled (committed or abandoned); `last`: it was the final one."""
 
     chunk: int
@@ -170,7 +170,7 @@ DISAGG_PREFILL: Machine = Spec(
         State("aborted", terminal=True, doc="aborted; never cached"),
         State("bootstrap_failed", terminal=True, doc="the handshake failed"),
     ),
-    events=(Bootstrapped, BootstrapRetry, BootstrapFailed, ChunkScheduled, ChunkResult,
+    events=(Bootstrapped, BootstrapRetry, BootstrapFailed, ChunkScheduled, ChunkSettled,
             DisaggAbort, TransferDone, TransferFailed, SenderAborted, SenderDeadline),
     table={
         "bootstrapping": {
@@ -190,12 +190,12 @@ DISAGG_PREFILL: Machine = Spec(
         "prefilling": {
             BootstrapFailed: [go("draining", when="chunks_in_flight"), _RELEASE_BOOTSTRAP],
             ChunkScheduled: go("prefilling"),
-            ChunkResult: [go("transferring", when="last_chunk"), go("prefilling")],
+            ChunkSettled: [go("transferring", when="last_chunk"), go("prefilling")],
             DisaggAbort: [go("draining", when="chunks_in_flight"), _RELEASE_ABORTED],
             ANY: ERROR,
         },
         "draining": {
-            ChunkResult: [go("aborted", plan="release_aborted", when="drained"),
+            ChunkSettled: [go("aborted", plan="release_aborted", when="drained"),
                           go("draining")],
             DisaggAbort: IGNORE,
             BootstrapFailed: IGNORE,

@@ -25,8 +25,8 @@ from terminus.states.disagg import (
     BootstrapFailed,
     Bootstrapped,
     BootstrapRetry,
-    ChunkResult,
     ChunkScheduled,
+    ChunkSettled,
     DisaggAbort,
     DisaggReq,
     SenderAborted,
@@ -139,7 +139,7 @@ REQUEST_EVENTS = st.one_of(
     st.sampled_from([Bootstrapped(), BootstrapRetry(), BootstrapFailed("b"), DisaggAbort("a"),
                      TransferDone(), TransferFailed("t"), SenderAborted(), SenderDeadline()]),
     st.builds(ChunkScheduled, chunk=st.integers(0, 3)),
-    st.builds(ChunkResult, chunk=st.integers(0, 3), last=st.booleans()),
+    st.builds(ChunkSettled, chunk=st.integers(0, 3), last=st.booleans()),
 )
 # Between events the chunks the guards read change: launch one, or settle the oldest.
 CHUNK_OPS = st.sampled_from(["none", "launch", "settle"])

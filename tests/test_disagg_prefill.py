@@ -18,8 +18,8 @@ from terminus.states.disagg import (
     BootstrapFailed,
     Bootstrapped,
     BootstrapRetry,
-    ChunkResult,
     ChunkScheduled,
+    ChunkSettled,
     DisaggAbort,
     SenderAborted,
     SenderDeadline,
@@ -501,8 +501,8 @@ EVENTS = {
     "BootstrapRetry": lambda req: BootstrapRetry(),
     "BootstrapFailed": lambda req: BootstrapFailed("x"),
     "ChunkScheduled": lambda req: ChunkScheduled(len(req.chunks)),
-    "ChunkResult(last)": lambda req: ChunkResult(0, last=True),
-    "ChunkResult": lambda req: ChunkResult(0),
+    "ChunkSettled(last)": lambda req: ChunkSettled(0, last=True),
+    "ChunkSettled": lambda req: ChunkSettled(0),
     "DisaggAbort": lambda req: DisaggAbort("x"),
     "TransferDone": lambda req: TransferDone(),
     "TransferFailed": lambda req: TransferFailed("x"),
@@ -547,7 +547,7 @@ def test_every_pair_decides_as_the_transitions_oracle_and_ends_with_pools_full(w
     req = e.req("r")
     assert req.state == _state_of(where)  # the builder really stands there
     ev = EVENTS[event](req)
-    if isinstance(ev, ChunkResult) and req.state in ("prefilling", "draining"):
+    if isinstance(ev, ChunkSettled) and req.state in ("prefilling", "draining"):
         _settle_first_in_flight(e, req)
     diff = Differential(req)
     diff.model.state = req.state  # start the oracle where the instance stands
