@@ -242,9 +242,13 @@ def test_the_released_counter_counts_each_handle_once(pools, ledger):
     assert ledger.released == 1
     b.fire(Abort())
     assert ledger.released == 4
+    c = m.create("c")
+    ledger.acquire(c, "kv", pools.kv.alloc(2))
+    c.fire(Abort())  # one handle, released inline: counted like the others
+    assert ledger.released == 5
     ledger.acquire(a, "kv", pools.kv.alloc(2))
     ledger.acquire(b, "kv", pools.kv.alloc(2))
-    assert ledger.released == 6 and ledger.late_released == 2
+    assert ledger.released == 7 and ledger.late_released == 2
 
 
 # -- a failing release: what the error says ----------------------------------------
