@@ -8,7 +8,7 @@ TYPECHECK := build/typecheck/terminus
 # installing it before the project keeps pip from resolving a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint diagrams bench clean
+.PHONY: setup demo test lint diagrams bench mutants clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -46,6 +46,18 @@ diagrams: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/terminus bench
+
+# Mutation score of the engine core and the kernels (README, "Test strength"); not in CI.
+# `make mutants MUTANTS='terminus.fsm.ledger.* terminus.fsm.plan.*'` runs only those.
+MUTMUT_DIR := build/mutmut
+MUTANTS ?=
+mutants: $(STAMP)
+	rm -rf $(MUTMUT_DIR) && mkdir -p $(MUTMUT_DIR)/terminus
+	cp -r __init__.py py.typed fsm states effects kernels metrics $(MUTMUT_DIR)/terminus/
+	cp -r tests pyproject.toml $(MUTMUT_DIR)/
+	find $(MUTMUT_DIR) -name __pycache__ -prune -exec rm -rf {} +
+	cd $(MUTMUT_DIR) && ../../$(BIN)/mutmut run --max-children 2 $(MUTANTS) || true
+	cd $(MUTMUT_DIR) && ../../$(BIN)/python ../../tests/mutants_score.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

@@ -157,17 +157,16 @@ class Ledger:
         else:
             owned[owner] = [cur, h]  # type: ignore[list-item]
 
-    def _unlink(self, owner: Any, h: Handle) -> bool:
+    def _unlink(self, owner: Any, h: Handle) -> None:
+        # Callers hold `h` as owned by `owner` (transfer checks it, a release marks a
+        # handle it found there), so `cur` is `h` or a list of two or more holding it.
         owned = self._owned
         cur = owned.get(owner)
         if cur is h:
             del owned[owner]
-            return True
-        if type(cur) is list and any(x is h for x in cur):
+        elif type(cur) is list:
             rest = [x for x in cur if x is not h]
             owned[owner] = rest[0] if len(rest) == 1 else rest
-            return True
-        return False
 
     def transfer(self, handle: Handle, to: Owner) -> None:
         """Move ownership of `handle` to `to`; released at once if `to` is terminal."""

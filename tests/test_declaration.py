@@ -197,10 +197,18 @@ def test_compiled_tables_encode_every_kind_of_cell():
 
 
 def test_compiled_tables_move_to_torch_on_the_chosen_device():
-    tt = LIFECYCLE.tables.to_torch("cpu")
+    import torch
+
+    t = LIFECYCLE.tables
+    tt = t.to_torch("cpu")
     assert tt["next"].shape == (6, 4) and tt["next"].device.type == "cpu"
     assert tt["terminal"].tolist() == list(LIFECYCLE.terminal)
-    assert tt["next"].tolist() == [list(r) for r in LIFECYCLE.tables.next]
+    assert tt["next"].tolist() == [list(r) for r in t.next]
+    assert tt["decision"].tolist() == [list(r) for r in t.decision]
+    assert tt["plan"].tolist() == [list(r) for r in t.plan]
+    assert {k: v.dtype for k, v in tt.items()} == {
+        "next": torch.int64, "decision": torch.int64, "plan": torch.int64,
+        "terminal": torch.bool}
 
 
 def test_the_declaration_builds_a_transitions_machine_with_final_terminal_states():
