@@ -359,9 +359,15 @@ class Ledger:
 
         def done(t: asyncio.Future[Any]) -> None:
             self._tasks.discard(t)
-            if not t.cancelled() and t.exception() is not None:
+            exc: BaseException | None
+            if t.cancelled():
+                # A release cut short may have freed nothing: never silent.
+                exc = asyncio.CancelledError(
+                    f"{step} was cancelled before it finished; what it releases may not "
+                    "have been freed (check the pool, or let release tasks finish)")
+            else:
                 exc = t.exception()
-                assert exc is not None
+            if exc is not None:
                 self.errors.append(EffectError(report.machine, report.plan, step,
                                                best_effort, exc))
 
