@@ -116,10 +116,10 @@ def _measure_create(make: Callable[[], Any], n: int) -> tuple[float, float]:
 def _terminus(n: int, rounds: int) -> dict[str, float]:
     m = bench_spec().build()
     create_us, nbytes = _measure_create(m.create, n)
-    return {"fire_ns": _terminus_fire(n, rounds), "create_us": create_us, "bytes": nbytes}
+    return {"fire_ns": terminus_fire_ns(n, rounds), "create_us": create_us, "bytes": nbytes}
 
 
-def _terminus_fire(n: int, rounds: int, m: Machine | None = None) -> float:
+def terminus_fire_ns(n: int, rounds: int, m: Machine | None = None) -> float:
     """ns per Instance.fire (the fast path), called directly as a user would."""
     m = m if m is not None else bench_spec().build()
     objs = [m.create() for _ in range(n)]
@@ -312,10 +312,10 @@ def run(quick: bool = False) -> dict[str, Any]:
         watched = bench_spec().build()
         prev = observe.set_recorder(_NullRecorder())
         try:
-            recorded = _terminus_fire(big, rounds, watched)
+            recorded = terminus_fire_ns(big, rounds, watched)
         finally:
             observe.set_recorder(prev)
-        after_detach = _terminus_fire(big, rounds, watched)
+        after_detach = terminus_fire_ns(big, rounds, watched)
         dict_small = _dict_table(small, rounds * 20)
         dict_big = _dict_table(big, rounds)
         tr = _transitions(small, max(2, rounds // 2))

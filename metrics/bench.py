@@ -12,7 +12,6 @@ registry) and `live_instances`.
 
 from __future__ import annotations
 
-import gc
 import time
 from typing import Any
 
@@ -20,29 +19,14 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from terminus.fsm import Machine
-from terminus.fsm.bench import Resume, Yield, bench_spec
+from terminus.fsm.bench import Resume, Yield, bench_spec, terminus_fire_ns
 
 from . import Metrics
 
-_CYCLE = (Resume(), Yield())
-
 
 def _fire_ns(m: Machine, n: int, rounds: int) -> float:
-    """ns per fire(), alternating two events that change the state every time."""
-    objs = [m.create() for _ in range(n)]
-    ev = _CYCLE
-    gc.collect()
-    gc.disable()
-    try:
-        t0 = time.perf_counter_ns()
-        for r in range(rounds):
-            e = ev[r & 1]
-            for o in objs:
-                o.fire(e)
-        dt = time.perf_counter_ns() - t0
-    finally:
-        gc.enable()
-    return dt / (rounds * n)
+    """ns per fire() on `n` instances of `m`, as `terminus bench engine` times it."""
+    return terminus_fire_ns(n, rounds, m)
 
 
 def _batch_ns(m: Machine, n: int, reps: int) -> float:

@@ -32,7 +32,7 @@ from terminus.kernels import ReleaseUnderflow
 from terminus.states.request import RequestKey
 
 from .scenarios import _Naive, _Plan
-from .serving import Parts, Shared, SimConfig, SimPrefetch, SimScheduler
+from .serving import Parts, Shared, SimConfig, SimPrefetch, SimScheduler, disagg_leaks
 from .transport import FakeTransport
 
 __all__ = ["NaiveDisagg", "NaiveParts", "NaivePrefetch", "NaiveScheduler", "NaiveTokenizer",
@@ -294,16 +294,7 @@ class NaiveDisagg:
 
     def leaks(self) -> dict[str, int]:
         """Units missing from each pool once the cache is evicted."""
-        self.cache.evict_all()
-        p = self.pools
-        used = p.in_use()  # our pools: every one is audited
-        return {
-            "kv_tokens": used["kv"],
-            "mamba_slots": used["mamba"],
-            "request_slots": used["table"],
-            "metadata_slots": used["metadata"],
-            "host_pages": p.host.occupied,
-        }
+        return disagg_leaks(self.pools, self.cache)
 
     @property
     def requests(self) -> list[str]:

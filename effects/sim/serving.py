@@ -394,6 +394,19 @@ class _RefusingCache(PrefixCache):
         return super().insert(rid, tokens, kv_indices, owned_from=owned_from)
 
 
+def disagg_leaks(pools: DisaggPools, cache: PrefixCache) -> dict[str, int]:
+    """Units missing from each disaggregated-prefill pool once `cache` is evicted."""
+    cache.evict_all()
+    used = pools.in_use()  # our pools: every one is audited
+    return {
+        "kv_tokens": used["kv"],
+        "mamba_slots": used["mamba"],
+        "request_slots": used["table"],
+        "metadata_slots": used["metadata"],
+        "host_pages": pools.host.occupied,
+    }
+
+
 class SimDisagg:
     """Disaggregated-prefill requests over a fake KV sender that fails on cue."""
 
@@ -489,17 +502,8 @@ class SimDisagg:
 
     def leaks(self) -> dict[str, int]:
         """Units missing from each pool once the cache is evicted."""
-        self.engine.cache.evict_all()
-        p = self.engine.pools
-        used = p.in_use()  # our pools: every one is audited
-        return {
-            "kv_tokens": used["kv"],
-            "mamba_slots": used["mamba"],
-            "request_slots": used["table"],
-            "metadata_slots": used["metadata"],
-            "host_pages": p.host.occupied,
-            "ledger_handles": self.engine.ledger.count(),
-        }
+        return {**disagg_leaks(self.engine.pools, self.engine.cache),
+                "ledger_handles": self.engine.ledger.count()}
 
 
 class SimPrefetch:
