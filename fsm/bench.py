@@ -207,8 +207,9 @@ def _statemachine(n: int, rounds: int) -> float | None:
     return _time_fire(fire, objs, rounds)
 
 
-def _batch_step(n: int, reps: int) -> float:
-    m = bench_spec().build()
+def batch_step_ns(n: int, reps: int, m: Machine | None = None) -> float:
+    """ns per instance of one batched step of `n` instances (warmed up first)."""
+    m = m if m is not None else bench_spec().build()
     b = m.batch(n, "cpu")
     resume = torch.full((n,), m.event_id(Resume), dtype=torch.int64)
     yld = torch.full((n,), m.event_id(Yield), dtype=torch.int64)
@@ -320,7 +321,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         dict_big = _dict_table(big, rounds)
         tr = _transitions(small, max(2, rounds // 2))
         sm = _statemachine(small, max(2, rounds // 2))
-        batch = _batch_step(big, 20 if quick else 100)
+        batch = batch_step_ns(big, 20 if quick else 100)
         ledger = ledger_figures(quick)
     finally:
         torch.set_num_threads(threads)

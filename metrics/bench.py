@@ -19,7 +19,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from terminus.fsm import Machine
-from terminus.fsm.bench import Resume, Yield, bench_spec, terminus_fire_ns
+from terminus.fsm.bench import batch_step_ns, bench_spec, terminus_fire_ns
 
 from . import Metrics
 
@@ -30,16 +30,8 @@ def _fire_ns(m: Machine, n: int, rounds: int) -> float:
 
 
 def _batch_ns(m: Machine, n: int, reps: int) -> float:
-    b = m.batch(n, "cpu")
-    resume = torch.full((n,), m.event_id(Resume), dtype=torch.int64)
-    yld = torch.full((n,), m.event_id(Yield), dtype=torch.int64)
-    b.step(resume)
-    b.step(yld)
-    t0 = time.perf_counter_ns()
-    for _ in range(reps):
-        b.step(resume)
-        b.step(yld)
-    return (time.perf_counter_ns() - t0) / (2 * reps * n)
+    """ns per instance of a batched step of `m`, as `terminus bench engine` times it."""
+    return batch_step_ns(n, reps, m)
 
 
 def _noop_sink_ns(m: Machine, n: int, rounds: int) -> float:

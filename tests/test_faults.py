@@ -78,6 +78,22 @@ class Clock:
         return self.now
 
 
+def attempter(errors: list[BaseException]) -> Any:
+    """`attempt(fn, *args)`: call it as a serving loop would, recording (in `errors`)
+    whatever it raises except a sanitizer finding, which fails the test at once."""
+
+    def attempt(fn: Any, *a: Any) -> Any:
+        try:
+            return fn(*a)
+        except LeakSanitizerError:
+            raise
+        except Exception as err:
+            errors.append(err)
+            return None
+
+    return attempt
+
+
 def disagg_run(plan: FaultPlan) -> tuple[list[BaseException], DisaggPools, Any, Any]:
     """Three requests: one succeeds, one is aborted mid-prefill, one during its transfer."""
     real = DisaggPools.make(kv_tokens=256, requests=4, mamba_slots=8, metadata_slots=4,
@@ -95,15 +111,7 @@ def disagg_run(plan: FaultPlan) -> tuple[list[BaseException], DisaggPools, Any, 
                       cache=proxy(cache, "cache", plan), sink=proxy(sink, "sink", plan),
                       clock=clock, sender_deadline_s=5)
     errors: list[BaseException] = []
-
-    def attempt(fn: Any, *a: Any) -> Any:
-        try:
-            return fn(*a)
-        except LeakSanitizerError:
-            raise
-        except Exception as err:
-            errors.append(err)
-            return None
+    attempt = attempter(errors)
 
     rids = ("ok", "cut", "late")
     for rid in rids:
@@ -386,15 +394,7 @@ def prefetch_run(plan: FaultPlan) -> tuple[list[BaseException], Any, dict[Any, A
                         insert=faulty(cache.__setitem__, "insert", plan))
     coll = proxy(OneRank(), "collectives", plan)
     errors: list[BaseException] = []
-
-    def attempt(fn: Any, *a: Any) -> Any:
-        try:
-            return fn(*a)
-        except LeakSanitizerError:
-            raise
-        except Exception as err:
-            errors.append(err)
-            return None
+    attempt = attempter(errors)
 
     anchor = real.alloc(2)  # cached pages the prefetches extend (the cache owns them)
     for rid in ("done", "cut", "queued"):
@@ -464,15 +464,7 @@ def batch_run(plan: FaultPlan) -> tuple[list[BaseException], Any, list[Any]]:
     rb = RunningBatch(pools, faulty(lambda rows, st: retired.extend(
         (int(r), st) for r in rows), "on_retired", plan))
     errors: list[BaseException] = []
-
-    def attempt(fn: Any, *a: Any) -> Any:
-        try:
-            return fn(*a)
-        except LeakSanitizerError:
-            raise
-        except Exception as err:
-            errors.append(err)
-            return None
+    attempt = attempter(errors)
 
     rows = attempt(rb.admit, 2, True)
     if rows is not None:
