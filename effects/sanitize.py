@@ -385,7 +385,7 @@ def _audit_running(rb: Any) -> list[Finding]:
         if term:
             owning[i] = False
     owning[m.state_id("vacant")] = False
-    live = owning.index_select(0, st).nonzero().squeeze(1)
+    live = owning.index_select(0, st).index_fill_(0, rb.admitting, True).nonzero().squeeze(1)
     table = pools.table
     ps = int(getattr(pools, "page_size", 1) or 1)
     lengths = table.lengths.index_select(0, live).to(torch.int64)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from terminus.fsm import BatchStep, ReleaseContext, release_effect
+from terminus.fsm import BatchStep, ReleaseContext, TransitionNotAllowed, release_effect
 from terminus.kernels import (
     MambaStatePool,
     ReqToTokenTable,
@@ -163,6 +163,12 @@ class RunningBatch:
                                     plans=dict.fromkeys(_TERMINAL_OF_PLAN, effect))
         self.event = {cls: SEQUENCE.event_id(cls) for cls in SEQUENCE.events}
         self._pending: dict[int, list[int]] = {}  # row -> event ids queued for `flush`
+        self._queued_ids: set[int] = set()  # the ids in `_pending`: flush's known=
+        self._admitted: list[torch.Tensor] = []  # rows admit(queued=True) gave out
+        # Rows admitted by quiet steps the batch has not read back yet: if one of those
+        # steps turns out refused, they are admitted again (never left vacant).
+        self._unchecked_admits: list[torch.Tensor] = []
+        self._vacant = SEQUENCE.state_id("vacant")
 
     def _make_effect(self) -> Any:
         pools = self.pools
@@ -235,10 +241,18 @@ class RunningBatch:
     # -- admission and growth --------------------------------------------------------
 
     @sanitized
-    def admit(self, n: int, mamba: bool,
-              prompts: Sequence[list[int]] | None = None) -> torch.Tensor | None:
+    def admit(self, n: int, mamba: bool, prompts: Sequence[list[int]] | None = None, *,
+              queued: bool = False) -> torch.Tensor | None:
         """Rows for `n` new sequences (with a Mamba state each when `mamba`), admitted
         (state `prefill`), or None.
+
+        `queued=True`: the admission (the rows' reset and `Admit`) is queued as the
+        first event of each row and delivered by the next `flush` with the rest of the
+        scheduler step, in its one `Batch.step` (the row is vacant in the batch until
+        then; queue the rows' next events after this call). If that step is refused,
+        the admissions are still delivered, alone, before the error propagates, so a
+        row that owns resources is never left vacant. Otherwise they are delivered now,
+        in one step of their own.
 
         `prompts` (with a prefix cache): each row's prompt token ids; the longest
         cached prefix of all but its last token is matched, locked and written into
@@ -265,10 +279,20 @@ class RunningBatch:
                 raise
             assert slots is not None
             pools.table.mamba_slots.index_copy_(0, rows, slots.to(torch.int64))
-        # Admitted in the same call: a row that owns resources is never left vacant,
-        # where an abort would be refused and nothing could release them.
-        self.batch.recycle(rows)
-        self.fire(rows, Admit)
+        if queued:
+            self._admitted.append(rows)
+            aid = self.event[Admit]
+            pending = self._pending
+            for r in rows.tolist():
+                pending[r] = [aid, *pending.get(r, ())]
+            self._queued_ids.add(aid)
+        else:
+            # Admitted in the same call: a row that owns resources is never left vacant,
+            # where an abort would be refused and nothing could release them. One step:
+            # the rows start anew (refused unless terminal or vacant) and take Admit.
+            ev = torch.full((self.batch.n,), -1, dtype=torch.int64, device=self.batch.device)
+            ev.index_fill_(0, rows, self.event[Admit])
+            self._deliver(ev, None, rows)
         if prompts is not None:
             assert self.cache is not None
             table = pools.table
@@ -281,6 +305,15 @@ class RunningBatch:
                         device=table.device, dtype=table.req_to_token.dtype)
                     table.lengths[r] = m.length
         return rows
+
+    @property
+    def admitting(self) -> torch.Tensor:
+        """Rows admitted with `queued=True` whose `Admit` the next `flush` delivers: they
+        own their resources already, though the batch still has them vacant."""
+        adm = self._admitted
+        if not adm:
+            return self.kv_start.new_empty(0)
+        return adm[0] if len(adm) == 1 else torch.cat(adm)
 
     def matched(self, row: int) -> int:
         """Tokens of `row` that came from the prefix cache (0 without a match)."""
@@ -399,16 +432,22 @@ class RunningBatch:
 
     @sanitized
     def fire(self, rows: torch.Tensor, event: type) -> BatchStep:
-        """Deliver one event class to `rows` (no event to the others) in one step."""
+        """Deliver one event class to `rows` (no event to the others) in one step, read
+        back at once (a refusal raises here). Queued events are flushed first."""
+        if self._pending:
+            self.flush()
         ev = torch.full((self.batch.n,), -1, dtype=torch.int64, device=self.batch.device)
         ev.index_fill_(0, rows, self.event[event])
-        return self.batch.step(ev)
+        return self._deliver(ev, None, None)
 
     @sanitized
     def step(self, events: torch.Tensor) -> BatchStep:
         """Deliver `events[r]` (an event id or -1) to every row at once; a (rounds, n)
-        tensor gives rows several events in order (see `Batch.step`)."""
-        return self.batch.step(events)
+        tensor gives rows several events in order (see `Batch.step`). Queued events are
+        flushed first."""
+        if self._pending:
+            self.flush()
+        return self._deliver(events, None, None)
 
     @sanitized
     def queue(self, rows: list[int], event: type) -> None:
@@ -417,6 +456,7 @@ class RunningBatch:
         if not rows:
             return
         eid = self.event[event]
+        self._queued_ids.add(eid)
         pending = self._pending
         for r in rows:
             got = pending.get(r)
@@ -428,10 +468,18 @@ class RunningBatch:
     @sanitized
     def flush(self) -> BatchStep | None:
         """Deliver every queued event in one `Batch.step` (row r's k-th queued event in
-        round k, rows without one take none): a scheduler step's aborts, chunk results,
-        launches, tokens, finishes and failures for all rows at once. None when nothing
-        was queued. The queue is emptied whether or not the step is refused."""
+        round k, rows without one take none): a scheduler step's admissions, aborts,
+        chunk results, launches, tokens, finishes and failures for all rows at once.
+        None when nothing was queued. The queue is emptied whether or not the step is
+        refused.
+
+        The step says which event ids it holds (`Batch.step(known=)`), so a step none
+        of whose events can end a row (admissions, launches, tokens) reads nothing back
+        from the device; an error in it is raised by the next step that reads (or
+        `check()`), see `fsm.batch`."""
         pending, self._pending = self._pending, {}
+        known, self._queued_ids = self._queued_ids, set()
+        admitted, self._admitted = self._admitted, []
         if not pending:
             return None
         n = self.batch.n
@@ -440,8 +488,53 @@ class RunningBatch:
         for r, ids in pending.items():
             for j, e in enumerate(ids):
                 flat[j * n + r] = e
-        ev = torch.tensor(flat, dtype=torch.int64).view(k, n)
-        return self.batch.step(ev.to(self.batch.device))
+        ev = torch.tensor(flat, dtype=torch.int64).view(k, n).to(self.batch.device)
+        reset = None
+        if admitted:
+            reset = admitted[0] if len(admitted) == 1 else torch.cat(admitted)
+        return self._deliver(ev, known, reset)
+
+    @sanitized
+    def check(self) -> None:
+        """Read back the quiet steps not read yet (`Batch.check`): raise the refusal of
+        the first refused one (its admissions are delivered again first)."""
+        try:
+            self.batch.check()
+        except TransitionNotAllowed:
+            self._readmit(None)
+            raise
+        self._unchecked_admits.clear()
+
+    def _deliver(self, ev: torch.Tensor, known: set[int] | None,
+                 reset: torch.Tensor | None) -> BatchStep:
+        """`Batch.step`, keeping track of admissions a deferred refusal may undo."""
+        try:
+            step = self.batch.step(ev, known=known, reset=reset)
+        except TransitionNotAllowed:
+            self._readmit(reset)
+            raise
+        if not self.batch.unchecked:
+            self._unchecked_admits.clear()  # every step so far is known applied
+        elif reset is not None:
+            self._unchecked_admits.append(reset)
+        return step
+
+    def _readmit(self, reset: torch.Tensor | None) -> None:
+        """After a refused step: admit again every row admitted by a refused step (one
+        still vacant, or still in the terminal state it was recycled from), so that no
+        row owning resources is left where nothing can release it."""
+        parts = self._unchecked_admits + ([reset] if reset is not None else [])
+        self._unchecked_admits = []
+        if not parts:
+            return
+        rows = torch.cat(parts)
+        st = self.batch.states.index_select(0, rows)
+        stuck = (st == self._vacant) | self.batch._terminal.index_select(0, st)
+        rows = rows[stuck]
+        if rows.numel():
+            ev = torch.full((self.batch.n,), -1, dtype=torch.int64, device=self.batch.device)
+            ev.index_fill_(0, rows, self.event[Admit])
+            self.batch.step(ev, reset=rows)
 
     def rows_in(self, *states: str) -> torch.Tensor:
         """Rows whose sequence is in one of `states`."""

@@ -1,8 +1,9 @@
 """Batched instances: a tensor of state ids stepped by one gather.
 
-Each instance is stored as its row base `b = state * W + 1` (W = events + 1), so the
-cell of (state, event) is `b + event` (event -1 means "no event": column 0). One
-packed int64 table gives everything a step needs from one gather:
+Each instance is stored as its row base `b = state * W + 1` (W = events + 2), so the
+cell of (state, event) is `b + event` (event -1 means "no event": column 0; the last
+column is the hidden "start anew" event of `step(reset=)`). One packed int64 table gives
+everything a step needs from one gather:
 
     packed[b + e] =  next row base                   bits  0..39
                    | newly-terminal flag             bit   40
@@ -14,17 +15,28 @@ terminal in this step" is a property of the cell and is precomputed. A step is o
 clamp, one add, one gather, two min/max reductions (the ids' reject an id out of range;
 the cells' min rejects bad pairs, their max says whether anyone became terminal) and
 one mask. The four numbers are the step's only read back to the host (one device
-synchronisation on CUDA); only a
-step in which some instance became terminal pays for a nonzero and, when the batch has
-plans, one more read to group the rows by plan; the plans' releases are one batched
-call per plan.
+synchronisation on CUDA); only a step in which some instance became terminal pays for a
+nonzero and, when the batch has plans, one more read to group the rows by plan; the
+plans' releases are one batched call per plan.
+
+A *quiet* step reads nothing back. When the caller says which event ids the tensor
+holds (`step(known=)`, Python ints it had before building the tensor) and every such
+id's column is quiet (in no state a guarded cell or an edge into a terminal state), no
+row can turn terminal or need a guard, so nothing has to be decided on the host: the
+step is applied on the device, and whether any row hit an error cell is folded into a
+sticky device flag. A step whose flag is set changes nothing (the rows keep their
+states, by a `where` on the device), nor does any step after it, and the refusal is
+raised (`TransitionNotAllowed`, naming the first refused instance, state and event) at
+the next read: the next step that is not quiet, or `check()`. As the double-free bitmap
+of the pools, the check is complete and the refusal exact; only its report waits for
+the next read.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -39,6 +51,10 @@ from .table import DECISIONS, GUARDED, IGNORED, Tables
 _NEWLY_SHIFT = 40
 _PLAN_SHIFT = 41
 _BASE_MASK = (1 << _NEWLY_SHIFT) - 1
+# Quiet steps kept for naming a deferred refusal; past this many (or this many ids), a
+# quiet step first reads the flag (one read) so the evidence kept stays bounded.
+_MAX_UNCHECKED_STEPS = 64
+_MAX_UNCHECKED_IDS = 1 << 22
 
 
 class Batchable(Protocol):
@@ -91,17 +107,29 @@ class BatchStep:
 
     def by_plan(self, machine: Batchable) -> dict[str, torch.Tensor]:
         """Newly-terminal indices grouped by plan name (edges without one under ''), each
-        group in index order. One read back to the host (the group sizes), whatever the
-        number of plans."""
+        group in index order. One read back to the host (the rows' plan ids), whatever
+        the number of plans; when they all run one plan (the common case) the group is
+        `terminal` itself."""
         out: dict[str, torch.Tensor] = {}
         if not self.terminal.numel():
             return out
-        order = torch.sort(self.plan_ids, stable=True).indices
-        sizes = _host(torch.bincount(self.plan_ids + 1, minlength=len(machine.plan_names) + 1))
-        groups = self.terminal.index_select(0, order).split(sizes)
-        for pid, (size, rows) in enumerate(zip(sizes, groups, strict=True)):
-            if size:
-                out[machine.plan_names[pid - 1] if pid else ""] = rows
+        names = ("", *machine.plan_names)
+        pids: list[int] = _host(self.plan_ids)
+        first = pids[0]
+        if pids.count(first) == len(pids):
+            out[names[first + 1]] = self.terminal
+            return out
+        groups: dict[int, list[int]] = {}
+        for pos, pid in enumerate(pids):
+            got = groups.get(pid)
+            if got is None:
+                groups[pid] = [pos]
+            else:
+                got.append(pos)
+        dev = self.terminal.device
+        for pid in sorted(groups):
+            at = torch.tensor(groups[pid], dtype=torch.int64, device=dev)
+            out[names[pid + 1]] = self.terminal.index_select(0, at)
         return out
 
 
@@ -163,25 +191,43 @@ class Batch:
                            f"{', '.join(missing)}; pass an effect for every plan")
         t = machine.tables
         S, E = len(t.next), len(machine.events)
-        self._w = W = E + 1
+        self._w = W = E + 2  # column 0: no event; 1..E: the events; E+1: start anew
+        self._reset_id = E
         nxt = torch.empty((S, W), dtype=torch.int64)
         nxt[:, 0] = torch.arange(S)
-        nxt[:, 1:] = torch.tensor(t.next, dtype=torch.int64).reshape(S, E)
+        nxt[:, 1:E + 1] = torch.tensor(t.next, dtype=torch.int64).reshape(S, E)
         term = torch.tensor(t.terminal, dtype=torch.bool)
+        # "Start anew" (recycle): a terminal or still-initial row goes to the initial
+        # state; from any live state it is an error (a reset must never skip a release).
+        restart = term.clone()
+        restart[machine.initial] = True
+        nxt[:, E + 1] = torch.where(restart, machine.initial, -1)
         tgt = nxt.clamp(min=0)
         newly = term[tgt] & ~term[:, None] & (nxt >= 0)
         plan = torch.full((S, W), -1, dtype=torch.int64)
-        plan[:, 1:] = torch.tensor(t.plan, dtype=torch.int64).reshape(S, E)
+        plan[:, 1:E + 1] = torch.tensor(t.plan, dtype=torch.int64).reshape(S, E)
         packed = (tgt * W + 1) | (newly.to(torch.int64) << _NEWLY_SHIFT) | (
             (plan + 1) << _PLAN_SHIFT)
         packed = torch.where(nxt < 0, nxt, packed)
         dec = torch.full((S, W), IGNORED, dtype=torch.int64)
-        dec[:, 1:] = torch.tensor(t.decision, dtype=torch.int64).reshape(S, E)
+        dec[:, 1:E + 1] = torch.tensor(t.decision, dtype=torch.int64).reshape(S, E)
+        # A column is quiet when no state's cell is guarded or enters a terminal state:
+        # a step of quiet ids needs nothing decided on the host (see the module doc).
+        loud = (newly | (dec == GUARDED)).any(0).tolist()
+        self._quiet = frozenset(e for e in range(E) if not loud[e + 1])
+        """Event ids whose columns are quiet: a step of only these (told by `known=`)
+        reads nothing back."""
         self._packed = packed.reshape(-1).to(self.device)
         self._terminal = term.to(self.device)
         self._decision: list[int] = dec.reshape(-1).tolist()
         self._base = torch.full((n,), machine.initial * W + 1, dtype=torch.int64,
                                 device=self.device)
+        self._empty = self._base[:0]
+        # Deferred refusals (see the module docstring): the sticky flag of the quiet
+        # steps not read yet, and each such step's gather indices, to name the refusal.
+        self._bad: torch.Tensor | None = None
+        self._log: list[list[torch.Tensor]] = []
+        self._log_ids = 0
 
     def __repr__(self) -> str:
         return f"<Batch of {self.n} {self.machine.name!r} instances on {self.device}>"
@@ -228,7 +274,20 @@ class Batch:
                              f"the batch on {self.device}; move them with "
                              f".to({str(self.device)!r})")
 
-    def step(self, events: torch.Tensor) -> BatchStep:
+    @property
+    def quiet_ids(self) -> frozenset[int]:
+        """The event ids whose every cell is an ignore, an error or a transition into a
+        live state: a step of only these (said by `step(known=)`) reads nothing back."""
+        return self._quiet
+
+    @property
+    def unchecked(self) -> int:
+        """Quiet steps since the last read (0: every step so far is known to be
+        applied); `check()` reads them."""
+        return len(self._log)
+
+    def step(self, events: torch.Tensor, known: Collection[int] | None = None,
+             reset: torch.Tensor | None = None) -> BatchStep:
         """Deliver `events[i]` (an event id, -1 for none) to instance i, all at once.
 
         `events` may also be a (rounds, n) tensor: `events[j, i]` is the j-th event
@@ -239,72 +298,189 @@ class Batch:
         numbers, runs each plan once for all the rows that turned terminal in any round
         and is rejected as a whole.
 
+        `reset`: int64 rows that start a new instance before their events (what
+        `recycle` does, in the same step: an admission is a reset and the first event);
+        each must be terminal or still initial, else the step is refused.
+
+        `known`: the event ids `events` holds (besides -1), as the caller knew them
+        before building the tensor. When each is in `quiet_ids` (no terminal edge, no
+        guard in its column) and no recorder or sink observes the machine, the step
+        reads nothing back: an error cell still refuses the whole step, on the device,
+        and is raised at the next read (see the module docstring). Give every id the
+        tensor holds: one outside `known` that turns a row terminal refuses the step.
+
         Rejects the whole step, changing nothing, when any instance's event id is out of
         range (IndexError) or its (state, event) pair is an error or guarded
-        (TransitionNotAllowed), naming the first such instance. A step in which no row
-        became terminal or was rejected reads one pair of numbers back from the device;
-        only newly-terminal rows cost more (their indices, and one read to group them by
-        plan). Ignored events are counted in `machine.stats.ignored` only while a
-        recorder or sink observes the machine (counting them costs a bincount per step).
+        (TransitionNotAllowed), naming the first such instance. A step that is not quiet
+        reads one set of numbers back from the device; only newly-terminal rows cost
+        more (their indices, and one read to group them by plan). Ignored events are
+        counted in `machine.stats.ignored` only while a recorder or sink observes the
+        machine (counting them costs a bincount per step).
         """
         self._check_events(events)
         if not self.n:
             return BatchStep(events.reshape(-1), events.reshape(-1))
+        e_max = self._w - 3
+        quiet = known is not None and self._known_quiet(known)
+        rounds: list[torch.Tensor]
         if events.dim() == 2:
-            if not events.shape[0]:
-                return BatchStep(self._base[:0], self._base[:0])
-            return self._step_rounds(events)
-        e_max = self._w - 2
-        # Clamped so that the gather stays in the table whatever the ids; the ids' own
-        # min/max, read with the cells', reject an out-of-range id before anything changes.
-        idx = events.clamp(-1, e_max)
-        idx += self._base  # in place: a step allocates no more tensors than it must
-        packed = self._packed.index_select(0, idx)
-        ev_lo, ev_hi, lo, hi = _host(torch.stack((*events.aminmax(), *packed.aminmax())))
+            if not events.shape[0] and reset is None:
+                return BatchStep(self._empty, self._empty)
+            rounds = list(events.clamp(-1, e_max))
+        else:
+            rounds = [events.clamp(-1, e_max)]
+        if reset is not None:
+            reset = self._check_rows(reset, "reset")
+            if reset.numel():
+                r0 = torch.full((self.n,), -1, dtype=torch.int64, device=self.device)
+                rounds.insert(0, r0.index_fill_(0, reset, self._reset_id))
+        if not rounds:
+            return BatchStep(self._empty, self._empty)
         m = self.machine
-        if ev_lo < -1 or ev_hi > e_max:
-            self._refuse_bad_ids(events)
-        if _obs.recorder() is not None or m.sinks:
-            self._observe([self._base], [events], [packed], rejected=lo < 0)
-        if lo < 0:
-            self._reject(self._base, events, packed)
-        self._base = packed & _BASE_MASK
-        if not hi >> _NEWLY_SHIFT:
-            return BatchStep(events[:0], events[:0])
-        return self._finish(packed)
-
-    def _step_rounds(self, events: torch.Tensor) -> BatchStep:
-        """`step` of a (rounds, n) tensor: see `step`."""
-        e_max = self._w - 2
+        observed = _obs.recorder() is not None or bool(m.sinks)
+        if quiet and not observed:
+            return self._step_quiet(rounds)
         base = self._base
         bases, packs = [], []
-        for ev in events.clamp(-1, e_max):
+        last = len(rounds) - 1
+        for j, ev in enumerate(rounds):
             packed = self._packed.index_select(0, ev + base)
             bases.append(base)
             packs.append(packed)
             # A rejected cell (negative) keeps the row where it was: the step is refused
             # below, and the gathers of later rounds stay in the table meanwhile.
-            base = torch.where(packed < 0, base, packed & _BASE_MASK)
-        ev_lo, ev_hi, lo, hi = _host(torch.stack((*events.aminmax(),
-                                                  *torch.stack(packs).aminmax())))
-        m = self.machine
+            base = (packed & _BASE_MASK) if j == last else torch.where(
+                packed < 0, base, packed & _BASE_MASK)
+        cells = packs[0] if len(packs) == 1 else torch.cat(packs)
+        reads = [*events.aminmax(), *cells.aminmax()]
+        if self._bad is not None:
+            reads.append(self._bad.long())
+        got = _host(torch.stack(reads))
+        if len(got) == 5:
+            if got[4]:
+                self._raise_deferred()
+            self._clear_deferred()
+        ev_lo, ev_hi, lo, hi = got[:4]
         if ev_lo < -1 or ev_hi > e_max:
             self._refuse_bad_ids(events.reshape(-1))
-        if _obs.recorder() is not None or m.sinks:
-            self._observe(bases, list(events), packs, rejected=lo < 0)
+        if observed:
+            self._observe(bases, rounds, packs, rejected=lo < 0)
         if lo < 0:
-            for b, ev, packed in zip(bases, events, packs, strict=True):
-                if _host((packed < 0).any()):
+            for b, ev, packed in zip(bases, rounds, packs, strict=True):
+                if len(packs) == 1 or _host((packed < 0).any()):
                     self._reject(b, ev, packed)
         self._base = base
         if not hi >> _NEWLY_SHIFT:
-            return BatchStep(self._base[:0], self._base[:0])
+            return BatchStep(self._empty, self._empty)
         # A row turns terminal in one round at most (a terminal state has no way out):
         # its cell of that round says which plan releases it.
         newly = packs[0]
         for packed in packs[1:]:
             newly = torch.where((packed >> _NEWLY_SHIFT) & 1 == 1, packed, newly)
         return self._finish(newly)
+
+    def _known_quiet(self, known: Collection[int]) -> bool:
+        """Whether `known` (the ids a step's tensor holds) are all quiet; an id out of
+        range is refused here, before anything is built."""
+        quiet = self._quiet
+        e_max = self._w - 3
+        ok = True
+        for e in known:
+            if e == -1:
+                continue
+            if not (isinstance(e, int) and -1 <= e <= e_max):
+                raise IndexError(
+                    f"machine {self.machine.name!r}: known= holds event id {e!r}, out of "
+                    f"range -1..{e_max}; pass the ids the events tensor holds")
+            if e not in quiet:
+                ok = False
+        return ok
+
+    def _check_rows(self, rows: Any, what: str) -> torch.Tensor:
+        if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64 \
+                or rows.dim() != 1 or rows.device != self.device:
+            raise ValueError(
+                f"machine {self.machine.name!r}: {what}= takes a 1-D int64 tensor of row "
+                f"indices on {self.device}, got {rows!r}; build it with torch.tensor(rows, "
+                "dtype=torch.int64)")
+        return rows
+
+    def _step_quiet(self, rounds: list[torch.Tensor]) -> BatchStep:
+        """A step no row can leave quiet (see `step`): applied on the device with no read;
+        an error cell sets the sticky flag, and a flagged step changes nothing."""
+        if len(self._log) >= _MAX_UNCHECKED_STEPS or self._log_ids >= _MAX_UNCHECKED_IDS:
+            self.check()  # bound the evidence kept: one read every so many quiet steps
+        base = self._base
+        idxs = []
+        packs = []
+        top = self._packed.numel() - 1
+        for j, ev in enumerate(rounds):
+            idx = ev.add_(base)  # the round's ids are ours (clamped copies): in place
+            if j:
+                idx.clamp_(0, top)  # after a bad cell the base is junk: stay in the table
+            packed = self._packed.index_select(0, idx)
+            idxs.append(idx)
+            packs.append(packed)
+            base = packed & _BASE_MASK
+        cells = packs[0] if len(packs) == 1 else torch.cat(packs)
+        # An error or guarded cell is negative; an edge into a terminal state (an id
+        # outside `known`) has bit 40 or above: either refuses the step.
+        bad = (cells >> _NEWLY_SHIFT).any()
+        if self._bad is not None:
+            bad = bad.logical_or_(self._bad)
+        self._base = torch.where(bad, self._base, base)
+        self._bad = bad
+        self._log.append(idxs)
+        self._log_ids += sum(i.numel() for i in idxs)
+        return BatchStep(self._empty, self._empty)
+
+    def check(self) -> None:
+        """Read the quiet steps' sticky flag (one read; none when there is none): raise
+        the deferred `TransitionNotAllowed` of the first refused one. The batch is as it
+        was before that step (no later step changed anything), and usable again."""
+        if self._bad is None:
+            return
+        if _host(self._bad):
+            self._raise_deferred()
+        self._clear_deferred()
+
+    def _clear_deferred(self) -> None:
+        self._bad = None
+        self._log = []
+        self._log_ids = 0
+
+    def _raise_deferred(self) -> None:
+        """Name the first refused quiet step's first bad cell, then forget the log."""
+        m = self.machine
+        log, later = self._log, 0
+        self._clear_deferred()
+        for k, idxs in enumerate(log):
+            for idx in idxs:
+                packed = self._packed.index_select(0, idx)
+                bad = (packed >> _NEWLY_SHIFT) != 0
+                if not _host(bad.any()):
+                    continue
+                i = _host(bad.nonzero()[0, 0])
+                cell, p = _host(torch.stack((idx[i], packed[i])))
+                s, col = divmod(cell, self._w)
+                later = len(log) - k - 1
+                event = "<recycle>" if col == self._w - 1 else m.event_names[col - 1]
+                if p == -1 and col == self._w - 1:
+                    why = ("only a terminal (or still initial) row can start a new "
+                           "instance; finish or abort the live one first")
+                elif p == -1:
+                    why = "the declaration makes it an error here"
+                elif p == -2:
+                    why = "the cell is guarded, and guards run only on scalar instances"
+                else:
+                    why = ("the step's known= ids cannot turn a row terminal, yet this "
+                           "cell does: pass every event id the tensor holds")
+                raise TransitionNotAllowed(
+                    m.name, m.states[s], event,
+                    f"{why} (a quiet step, refused on the device and reported at this "
+                    f"read; it and the {later} quiet step(s) after it changed nothing)",
+                    instance=i)
+        raise AssertionError("the refusal flag was set but no refused cell was found")
 
     def _finish(self, packed: torch.Tensor) -> BatchStep:
         terminal = ((packed >> _NEWLY_SHIFT) & 1).nonzero().squeeze(1)
@@ -314,7 +490,7 @@ class Batch:
         return result
 
     def _refuse_bad_ids(self, events: torch.Tensor) -> None:
-        flat = _host(((events < -1) | (events > self._w - 2)).nonzero()[0, 0])
+        flat = _host(((events < -1) | (events > self._w - 3)).nonzero()[0, 0])
         i = flat % self.n
         raise IndexError(
             f"machine {self.machine.name!r}: event id {_host(events[flat])} at instance {i} "
@@ -324,6 +500,11 @@ class Batch:
         m = self.machine
         i = _host((packed < 0).nonzero()[0, 0])
         s, e, p = _host(torch.stack(((base[i] - 1) // self._w, events[i], packed[i])))
+        if e == self._reset_id:
+            raise TransitionNotAllowed(
+                m.name, m.states[s], "<recycle>",
+                "only a terminal (or still initial) row can start a new instance; "
+                "finish or abort the live one first", instance=i)
         reason = ("the declaration makes it an error here" if p == -1 else
                   "the cell is guarded, and guards run only on scalar instances: fire "
                   "this event on an Instance")
@@ -347,7 +528,7 @@ class Batch:
             if not count:
                 continue
             s, e = divmod(flat, self._w)
-            if e == 0:
+            if e == 0 or e == self._w - 1:  # no event, or the hidden "start anew"
                 continue
             # A batch rejects a guarded cell without running its guards: no alternative.
             k = -1 if decision[flat] == GUARDED else 0
@@ -365,6 +546,8 @@ class Batch:
             codes = _host(packed.index_select(0, rows))
             n = self.n
             for flat_i, s, e, p in zip(_host(rows), states, evs, codes, strict=True):
+                if e == self._reset_id:
+                    continue
                 i = flat_i % n
                 t = ((p & _BASE_MASK) - 1) // self._w if p >= 0 else s
                 d = decision[s * self._w + e + 1]

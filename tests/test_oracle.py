@@ -165,6 +165,6 @@ def test_a_batched_step_runs_one_batched_release_per_plan():
     kv.assert_full()
 
 
-def test_batched_tables_have_one_column_per_event_plus_no_event():
+def test_batched_tables_have_one_column_per_event_plus_no_event_and_start_anew():
     b = LIFECYCLE.batch(2)
-    assert b._packed.numel() == len(LIFECYCLE.states) * (len(EVENTS) + 1)
+    assert b._packed.numel() == len(LIFECYCLE.states) * (len(EVENTS) + 2)

@@ -295,7 +295,7 @@ class SimScheduler:
             for mamba in (False, True):
                 group = [seq for seq, f in zip(head, flags, strict=True) if f == mamba]
                 if group:
-                    rows = rb.admit(len(group), mamba)
+                    rows = rb.admit(len(group), mamba, queued=True)
                     assert rows is not None
                     self._seat(group, rows)
             for _ in range(k):
@@ -314,7 +314,7 @@ class SimScheduler:
             prompts = None
             if rb.cache is not None:
                 prompts = [seq.tokens if seq.tokens is not None else [] for seq in batch]
-            rows = rb.admit(len(batch), mamba, prompts)
+            rows = rb.admit(len(batch), mamba, prompts, queued=True)
             if rows is None:
                 self.queue.extendleft(reversed(batch))
                 return
