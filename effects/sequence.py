@@ -308,9 +308,10 @@ class RunningBatch:
 
     @property
     def admitting(self) -> torch.Tensor:
-        """Rows admitted with `queued=True` whose `Admit` the next `flush` delivers: they
-        own their resources already, though the batch still has them vacant."""
-        adm = self._admitted
+        """Rows admitted with `queued=True` whose `Admit` is not known delivered yet (the
+        next `flush` delivers it, or a quiet step did, not read back yet): they own their
+        resources already, though the batch may still have them vacant."""
+        adm = self._admitted + self._unchecked_admits
         if not adm:
             return self.kv_start.new_empty(0)
         return adm[0] if len(adm) == 1 else torch.cat(adm)
@@ -508,16 +509,21 @@ class RunningBatch:
     def _deliver(self, ev: torch.Tensor, known: set[int] | None,
                  reset: torch.Tensor | None) -> BatchStep:
         """`Batch.step`, keeping track of admissions a deferred refusal may undo."""
+        refused = False
         try:
-            step = self.batch.step(ev, known=known, reset=reset)
+            return self.batch.step(ev, known=known, reset=reset)
         except TransitionNotAllowed:
+            refused = True
             self._readmit(reset)
             raise
-        if not self.batch.unchecked:
-            self._unchecked_admits.clear()  # every step so far is known applied
-        elif reset is not None:
-            self._unchecked_admits.append(reset)
-        return step
+        finally:
+            # Applied (a plan that raised does not undo a step): if it was read back,
+            # every admission so far is known delivered.
+            if not refused:
+                if not self.batch.unchecked:
+                    self._unchecked_admits.clear()
+                elif reset is not None:
+                    self._unchecked_admits.append(reset)
 
     def _readmit(self, reset: torch.Tensor | None) -> None:
         """After a refused step: admit again every row admitted by a refused step (one

@@ -355,3 +355,36 @@ def test_scheduler_pools_check_runs_each_audited_pools_own_check():
     assert theirs.unchecked() == ["kv"] and "kv_tokens" not in theirs.leaks()
     theirs.check()  # nothing it can check on an engine's pool
     theirs.assert_full()
+
+
+def test_a_queued_admission_is_delivered_even_when_its_step_is_refused(pools):
+    rb = RunningBatch(pools)
+    old = rb.admit(1, mamba=False)
+    new = rb.admit(2, mamba=True, queued=True)
+    assert rb.rows_in("vacant").numel() == pools.table.capacity - 1  # not delivered yet
+    vacant = [r for r in range(pools.table.capacity) if r not in old.tolist() + new.tolist()]
+    rb.queue(vacant[:1], SequenceAbort)  # an error, read back at once (it could end a row)
+    rb.queue(new.tolist(), ChunkLaunched)
+    with pytest.raises(TransitionNotAllowed, match="'SequenceAbort' is not allowed in state "
+                       "'vacant'"):
+        rb.flush()
+    # The step changed nothing but the admissions, delivered alone after the refusal:
+    # the new rows own a slot and a Mamba state, and an abort can release them.
+    assert sorted(rb.rows_in("prefill").tolist()) == sorted(old.tolist() + new.tolist())
+    assert rb.admitting.numel() == 0
+    rb.fire(torch.cat((old, new)), SequenceAbort)
+    assert rb.retired["aborted"] == 3
+
+
+def test_a_quiet_step_refused_on_the_device_still_admits_its_rows(pools):
+    rb = RunningBatch(pools)
+    old = rb.admit(1, mamba=False)
+    new = rb.admit(1, mamba=True, queued=True)
+    rb.queue(old.tolist(), Token)  # quiet ids: the error is found at the next read
+    rb.flush()
+    assert rb.batch.unchecked == 1
+    with pytest.raises(TransitionNotAllowed, match="'Token'.*'prefill'.*quiet step"):
+        rb.check()
+    assert sorted(rb.rows_in("prefill").tolist()) == sorted(old.tolist() + new.tolist())
+    rb.fire(torch.cat((old, new)), SequenceAbort)
+    assert rb.retired["aborted"] == 2
