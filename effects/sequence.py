@@ -205,14 +205,20 @@ class RunningBatch:
         assert cache is not None
         table = self.pools.table
         errors: list[Exception] = []
+        rows = rows.to(torch.int64)
         ids = rows.tolist()
-        for r in ids:
+        # The rows' lengths in one read, only where a row's KV goes into the cache.
+        lengths = (table.lengths.index_select(0, rows).tolist()
+                   if state == "finished" else [0] * len(ids))
+        firsts: list[int] = []
+        r2t = table.req_to_token
+        for r, length in zip(ids, lengths, strict=True):
             lock, toks = self.locks[r], self.tokens[r]
             start = lock.length if lock is not None else 0
             try:
                 if state == "finished" and toks is not None:
-                    n = min(len(toks), int(table.lengths[r]))
-                    kv = table.req_to_token[r, :n].to(torch.int64)
+                    n = min(len(toks), length)
+                    kv = r2t[r, :n].to(torch.int64)
                     res = cache.insert(r, toks[:n], kv, owned_from=min(start, n))
                     taken = int(res.taken.numel())
                     if taken:
@@ -221,12 +227,12 @@ class RunningBatch:
                         # taken run first, so the row owns the columns after it.
                         p, end = res.prefix_len, res.prefix_len + taken
                         row = torch.cat((kv[:start], kv[p:end], kv[start:p], kv[end:]))
-                        table.req_to_token[r, :n] = row.to(table.req_to_token.dtype)
+                        r2t[r, :n] = row.to(r2t.dtype)
                         start += taken
             except Exception as e:  # the cache took nothing: the row frees it all
                 errors.append(e)
             finally:
-                self.kv_start[r] = start
+                firsts.append(start)
                 self.tokens[r] = None
                 self.locks[r] = None
                 if lock is not None:
@@ -234,8 +240,7 @@ class RunningBatch:
                         lock.release()
                     except Exception as e:
                         errors.append(e)
-        starts = self.kv_start.index_select(0, rows.to(torch.int64))
-        self.kv_start.index_fill_(0, rows.to(torch.int64), 0)
+        starts = torch.tensor(firsts, dtype=torch.int64, device=rows.device)
         return starts, errors
 
     # -- admission and growth --------------------------------------------------------
@@ -349,9 +354,11 @@ class RunningBatch:
         (nothing taken) when the KV pool is short.
         """
         table, ps = self.pools.table, self.pools.page_size
-        rows, counts, total = self._check_append(rows, counts)
+        rows, counts, total, host = self._check_append(rows, counts)
         if total == 0:
             return True
+        if host[1].count(1) == len(host[1]):  # one token each: a decode step
+            return self._append_one_each(rows, counts, host)
         lengths = table.lengths.index_select(0, rows).to(torch.int64)
         # which[i] = the position in `rows` of the i-th new token (repeat_rows: no
         # OpenMP region on a few hundred rows, whatever torch's thread count); j[i] its
@@ -383,6 +390,39 @@ class RunningBatch:
         table.lengths.index_add_(0, rows, counts.to(table.lengths.dtype))
         return True
 
+    def _append_one_each(self, rows: torch.Tensor, counts: torch.Tensor,
+                         host: tuple[list[int], list[int], list[int]]) -> bool:
+        """`append_kv` where every row takes one token (a decode step): the positions are
+        built on the host from the lists `_check_append` read, a handful of ops."""
+        table, ps = self.pools.table, self.pools.page_size
+        rs, _, ends = host
+        w = table.max_context_len
+        flat = table.req_to_token.view(-1)
+        dev = rows.device
+        if ps == 1:
+            idx = self._alloc(len(rs))
+            if idx is None:
+                return False
+            idx = idx.to(dev)
+        else:
+            # A row whose last page is full (or that has none) takes a new page; the
+            # others write the slot after their last token.
+            need = [i for i, e in enumerate(ends) if (e - 1) % ps == 0]
+            got = self._alloc(len(need) * ps) if need else None
+            if need and got is None:
+                return False
+            last = torch.tensor([r * w + max(e - 2, 0) for r, e in zip(rs, ends, strict=True)],
+                                dtype=torch.int64, device=dev)
+            idx = flat.index_select(0, last).to(torch.int64).add_(1)
+            if got is not None:
+                at = torch.tensor(need, dtype=torch.int64, device=dev)
+                idx.index_copy_(0, at, got.to(dev).view(len(need), ps)[:, 0])
+        pos = torch.tensor([r * w + e - 1 for r, e in zip(rs, ends, strict=True)],
+                           dtype=torch.int64, device=dev)
+        flat.index_copy_(0, pos, idx.to(flat.dtype))
+        table.lengths.index_add_(0, rows, counts.to(table.lengths.dtype))
+        return True
+
     def _alloc(self, n: int) -> torch.Tensor | None:
         """`n` KV token slots; when the pool is short, unlocked cached pages are evicted
         (least recently used first) to make room, then the allocation is tried again."""
@@ -398,9 +438,11 @@ class RunningBatch:
         return got
 
     def _check_append(self, rows: torch.Tensor, counts: torch.Tensor,
-                      ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """`rows` and `counts` as int64 on the table's device and the total count, or a
-        ValueError naming what is wrong (nothing taken). One host sync when all is well."""
+                      ) -> tuple[torch.Tensor, torch.Tensor, int,
+                                 tuple[list[int], list[int], list[int]]]:
+        """`rows` and `counts` as int64 on the table's device, the total count and the
+        rows, counts and new lengths as host lists, or a ValueError naming what is wrong
+        (nothing taken). One host sync when all is well."""
         table = self.pools.table
         rows = rows.to(device=table.device, dtype=torch.int64).reshape(-1)
         counts = counts.to(device=table.device, dtype=torch.int64).reshape(-1)
@@ -408,26 +450,24 @@ class RunningBatch:
             raise ValueError(f"append_kv: {rows.numel()} rows but {counts.numel()} counts; "
                              "pass one count per row")
         if rows.numel() == 0:
-            return rows, counts, 0
-        neg = counts < 0
-        ends = table.lengths.index_select(0, rows).to(torch.int64) + counts
-        over = ends > table.max_context_len
-        s = torch.sort(rows).values
-        twice = (s[1:] == s[:-1]).any()
-        total, any_neg, any_twice, any_over = torch.stack(
-            (counts.sum(), neg.any(), twice, over.any())).tolist()
-        if any_neg:
-            raise ValueError(f"append_kv: negative token counts {counts[neg].tolist()} for "
-                             f"rows {rows[neg].tolist()}; counts must be >= 0")
-        if any_twice:
-            raise ValueError(f"append_kv: rows {rows.tolist()} name a row more than once; "
+            return rows, counts, 0, ([], [], [])
+        ends_t = table.lengths.index_select(0, rows).to(torch.int64) + counts
+        rs, cs, ends = torch.stack((rows, counts, ends_t)).tolist()
+        if min(cs) < 0:
+            neg = [i for i, c in enumerate(cs) if c < 0]
+            raise ValueError(f"append_kv: negative token counts {[cs[i] for i in neg]} for "
+                             f"rows {[rs[i] for i in neg]}; counts must be >= 0")
+        if len(set(rs)) != len(rs):
+            raise ValueError(f"append_kv: rows {rs} name a row more than once; "
                              "pass each row once with its total count")
-        if any_over:
+        limit = table.max_context_len
+        if max(ends) > limit:
+            over = [i for i, e in enumerate(ends) if e > limit]
             raise ValueError(
-                f"append_kv: rows {rows[over].tolist()} would hold {ends[over].tolist()} "
-                f"tokens, past the table's max_context_len {table.max_context_len}; "
-                "finish or abort them, or raise max_context_len")
-        return rows, counts, int(total)
+                f"append_kv: rows {[rs[i] for i in over]} would hold "
+                f"{[ends[i] for i in over]} tokens, past the table's max_context_len "
+                f"{limit}; finish or abort them, or raise max_context_len")
+        return rows, counts, sum(cs), (rs, cs, ends)
 
     # -- stepping ----------------------------------------------------------------------
 

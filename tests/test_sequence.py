@@ -383,7 +383,7 @@ def test_a_quiet_step_refused_on_the_device_still_admits_its_rows(pools):
     rb.queue(old.tolist(), Token)  # quiet ids: the error is found at the next read
     rb.flush()
     assert rb.batch.unchecked == 1
-    with pytest.raises(TransitionNotAllowed, match="'Token'.*'prefill'.*quiet step"):
+    with pytest.raises(TransitionNotAllowed, match=r"'Token'.*'prefill'.*quiet step"):
         rb.check()
     assert sorted(rb.rows_in("prefill").tolist()) == sorted(old.tolist() + new.tolist())
     rb.fire(torch.cat((old, new)), SequenceAbort)
