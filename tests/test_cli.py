@@ -53,7 +53,7 @@ def test_device_for_a_cpu_only_benchmark_is_refused_before_running(capsys):
     assert main(["bench", "engine", "kernels", "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert err == ("terminus bench: --device cuda: engine runs on the CPU only; name the "
-                   "benchmarks that take a device: kernels\n")
+                   "benchmarks that take a device: batch, kernels\n")
 
 
 def test_an_unusable_device_is_one_line_naming_it(capsys):
@@ -116,7 +116,7 @@ def test_device_with_only_cpu_benchmarks_named_lists_the_ones_that_take_a_device
     assert main(["bench", "engine", "--device", "cuda"]) == 2
     assert capsys.readouterr().err == (
         "terminus bench: --device cuda: engine runs on the CPU only; name the benchmarks "
-        "that take a device: kernels\n")
+        "that take a device: batch, kernels\n")
 
 
 _MACHINE = '''
