@@ -162,7 +162,10 @@ class RunningBatch:
         self.batch = SEQUENCE.batch(pools.table.capacity, pools.table.device,
                                     plans=dict.fromkeys(_TERMINAL_OF_PLAN, effect))
         self.event = {cls: SEQUENCE.event_id(cls) for cls in SEQUENCE.events}
-        self._pending: dict[int, list[int]] = {}  # row -> event ids queued for `flush`
+        # Queued for `flush`: round j's event per row, and how many a row has queued
+        # (ints in dicts: no list per row, a scheduler queues every row every step).
+        self._rounds: list[dict[int, int]] = []
+        self._pending: dict[int, int] = {}  # row -> events queued for it
         self._queued_ids: set[int] = set()  # the ids in `_pending`: flush's known=
         self._admitted: list[torch.Tensor] = []  # rows admit(queued=True) gave out
         # Rows admitted by quiet steps the batch has not read back yet: if one of those
@@ -286,11 +289,7 @@ class RunningBatch:
             pools.table.mamba_slots.index_copy_(0, rows, slots.to(torch.int64))
         if queued:
             self._admitted.append(rows)
-            aid = self.event[Admit]
-            pending = self._pending
-            for r in rows.tolist():
-                pending[r] = [aid, *pending.get(r, ())]
-            self._queued_ids.add(aid)
+            self._enqueue(rows.tolist(), self.event[Admit])
         else:
             # Admitted in the same call: a row that owns resources is never left vacant,
             # where an abort would be refused and nothing could release them. One step:
@@ -496,15 +495,18 @@ class RunningBatch:
         `flush` delivers them all in one step (nothing is taken or released here)."""
         if not rows:
             return
-        eid = self.event[event]
+        self._enqueue(rows, self.event[event])
+
+    def _enqueue(self, rows: list[int], eid: int) -> None:
         self._queued_ids.add(eid)
-        pending = self._pending
+        pending, rounds = self._pending, self._rounds
+        get = pending.get
         for r in rows:
-            got = pending.get(r)
-            if got is None:
-                pending[r] = [eid]
-            else:
-                got.append(eid)
+            j = get(r, 0)
+            pending[r] = j + 1
+            if j == len(rounds):
+                rounds.append({})
+            rounds[j][r] = eid
 
     @sanitized
     def flush(self) -> BatchStep | None:
@@ -518,18 +520,17 @@ class RunningBatch:
         of whose events can end a row (admissions, launches, tokens) reads nothing back
         from the device; an error in it is raised by the next step that reads (or
         `check()`), see `fsm.batch`."""
-        pending, self._pending = self._pending, {}
+        rounds, self._rounds = self._rounds, []
+        self._pending = {}
         known, self._queued_ids = self._queued_ids, set()
         admitted, self._admitted = self._admitted, []
-        if not pending:
+        if not rounds:
             return None
-        n = self.batch.n
-        k = max(map(len, pending.values()))
-        flat = [-1] * (k * n)
-        for r, ids in pending.items():
-            for j, e in enumerate(ids):
-                flat[j * n + r] = e
-        ev = torch.tensor(flat, dtype=torch.int64).view(k, n).to(self.batch.device)
+        ev = torch.full((len(rounds), self.batch.n), -1, dtype=torch.int64)
+        for j, rd in enumerate(rounds):
+            ev[j].index_copy_(0, torch.tensor(list(rd), dtype=torch.int64),
+                              torch.tensor(list(rd.values()), dtype=torch.int64))
+        ev = ev.to(self.batch.device)
         reset = None
         if admitted:
             reset = admitted[0] if len(admitted) == 1 else torch.cat(admitted)

@@ -211,7 +211,7 @@ class FreeStack:
                 dtype=_COUNT,
                 device=self._device,
             )
-        return self._ones[:n]
+        return self._ones.narrow(0, 0, n)
 
     def _count_add(self, ids: torch.Tensor, delta: torch.Tensor | None = None) -> None:
         """Add ``delta`` (default 1) to the counts of ``ids``; RuntimeError: counts unknown."""
@@ -242,7 +242,7 @@ class FreeStack:
     def _sync(self) -> None:
         if self._synced < self._top and self.detect:
             try:
-                self._count_add(self._stack[self._synced : self._top])
+                self._count_add(self._stack.narrow(0, self._synced, self._top - self._synced))
             except RuntimeError:
                 # A foreign id (out of bounds) stopped the scatter part-way; the id stays
                 # in the stack, where check() finds and names it.
@@ -313,7 +313,7 @@ class FreeStack:
                 raise DoubleFree(self.name, [])  # pragma: no cover - check() raises
         if self._snap_top >= 0 and self._top < self._saved_lo:
             self._save_for_snapshot()
-        self._stack[self._top : self._top + n] = ids
+        self._stack.narrow(0, self._top, n).copy_(ids)
         self._top += n
         if self.strict:
             self._sync()

@@ -127,9 +127,8 @@ def repeat_rows(counts: torch.Tensor, total: int | None = None) -> torch.Tensor:
 def _min_max(table: ReqToTokenTable, lengths: torch.Tensor) -> list[int]:
     """``[min, max]`` of ``lengths`` on the host: one reduction written into a two-element
     buffer kept on the table, and one transfer."""
-    buf = table._min_max
-    torch.aminmax(lengths, out=(buf[0], buf[1]))
-    return buf.tolist()
+    torch.aminmax(lengths, out=table._min_max_out)
+    return table._min_max.tolist()
 
 
 def release_batch(

@@ -39,6 +39,7 @@ class ReqToTokenTable(StackPool):
         self.mamba_slots = torch.zeros(size, dtype=torch.int64, device=dev)
         # release_batch's scratch: the min and max of a batch's lengths, read back at once.
         self._min_max = torch.zeros(2, dtype=torch.int32, device=dev)
+        self._min_max_out = (self._min_max[0], self._min_max[1])
 
     def alloc(self, n: int = 1) -> torch.Tensor | None:
         """``n`` request slots with length 0, or None when short (never partial)."""
