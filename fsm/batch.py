@@ -344,7 +344,8 @@ class Batch:
         bases, packs = [], []
         last = len(rounds) - 1
         for j, ev in enumerate(rounds):
-            packed = self._packed.index_select(0, ev + base)
+            # In place: the rounds are our clamped copies (an event is idx - base again).
+            packed = self._packed.index_select(0, ev.add_(base))
             bases.append(base)
             packs.append(packed)
             # A rejected cell (negative) keeps the row where it was: the step is refused
@@ -363,6 +364,8 @@ class Batch:
         ev_lo, ev_hi, lo, hi = got[:4]
         if ev_lo < -1 or ev_hi > e_max:
             self._refuse_bad_ids(events.reshape(-1))
+        if observed or lo < 0:
+            rounds = [idx.sub_(b) for idx, b in zip(rounds, bases, strict=True)]
         if observed:
             self._observe(bases, rounds, packs, rejected=lo < 0)
         if lo < 0:
@@ -425,7 +428,8 @@ class Batch:
         cells = packs[0] if len(packs) == 1 else torch.cat(packs)
         # An error or guarded cell is negative; an edge into a terminal state (an id
         # outside `known`) has bit 40 or above: either refuses the step.
-        bad = (cells >> _NEWLY_SHIFT).any()
+        lo, hi = cells.aminmax()  # one pass, nothing as large as the step allocated
+        bad = lo.lt(0).logical_or_(hi.ge(1 << _NEWLY_SHIFT))
         if self._bad is not None:
             bad = bad.logical_or_(self._bad)
         self._base = torch.where(bad, self._base, base)
