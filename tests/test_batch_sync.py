@@ -152,7 +152,8 @@ def test_an_error_in_a_quiet_step_refuses_it_on_the_device_and_raises_at_the_nex
                                                                 "aborted"]
 
 
-def test_a_deferred_refusal_is_raised_by_the_next_step_that_reads_before_it_changes_anything():
+def test_a_deferred_refusal_is_raised_by_the_next_step_that_reads_before_it_changes_anything(
+        syncs):  # (detaches the coverage recorder: an observed step always reads)
     from tests.lifecycle import LIFECYCLE, Abort, Start
 
     b = LIFECYCLE.batch(2)
