@@ -260,7 +260,7 @@ class FreeStack:
         if n > self._top:
             return None
         self._sync()
-        out = self._stack[self._top - n : self._top].clone()
+        out = self._stack.narrow(0, self._top - n, n).clone()
         self._top -= n
         self._synced = self._top
         if self.detect and n:
