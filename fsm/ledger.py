@@ -32,6 +32,7 @@ from .plan import (
     call_step,
     release_context,
     require_effect,
+    unwrapped,
 )
 
 
@@ -93,6 +94,9 @@ class Ledger:
     ) -> None:
         self.resources = resources
         self._releasers: dict[str, Callable[..., Any]] = {}
+        # The functions the releasers wrap: the engine calls these inside the live
+        # context it holds (no second check of a context it just opened).
+        self._raw: dict[str, Callable[..., Any]] = {}
         for kind, fn in (releasers or {}).items():
             self.register_kind(kind, fn)
         # owner -> its one handle, or a list of them (most owners own one of a kind at a
@@ -100,7 +104,11 @@ class Ledger:
         self._owned: dict[Any, Handle | list[Handle]] = {}
         self._observers: dict[Handle, list[Any]] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
-        self._in_plan: set[int] = set()  # id() of instances whose plan is running
+        # The instance whose plan runs innermost, and id() of the others whose plans
+        # are running around it (a plan's effect fired another instance's terminal
+        # event): a handle acquired for (or moved to) one of them is its plan's.
+        self._plan_owner: Any = None
+        self._in_plan: set[int] = set()
         self.errors: list[EffectError] = []
         """Errors of async steps and of late releases, in the order they happened."""
         self.released = 0
@@ -112,6 +120,7 @@ class Ledger:
         """Set the default release effect for handles of `kind`."""
         require_effect(release, f"releaser for kind {kind!r}")
         self._releasers[kind] = release
+        self._raw[kind] = unwrapped(release)
 
     @property
     def kinds(self) -> frozenset[str]:
@@ -143,9 +152,26 @@ class Ledger:
             cur.append(h)
         else:
             owned[owner] = [cur, h]  # type: ignore[list-item]
-        if owner.terminal and id(owner) not in self._in_plan:
+        if owner.terminal and not self._planning(owner):
             self._release_late(h)
         return h
+
+    def _planning(self, owner: Any) -> bool:
+        """True while `owner`'s release plan runs (a handle given to it is the plan's)."""
+        return owner is self._plan_owner or id(owner) in self._in_plan
+
+    def _enter_plan(self, owner: Any) -> Any:
+        """Mark `owner`'s plan running; returns what `_exit_plan` restores."""
+        prev = self._plan_owner
+        if prev is not None:
+            self._in_plan.add(id(prev))
+        self._plan_owner = owner
+        return prev
+
+    def _exit_plan(self, prev: Any) -> None:
+        self._plan_owner = prev
+        if prev is not None:
+            self._in_plan.discard(id(prev))
 
     def _link(self, owner: Any, h: Handle) -> None:
         owned = self._owned
@@ -177,14 +203,14 @@ class Ledger:
         self._require_mine(to, "transfer to")
         if not self._holds(handle.owner, handle):
             raise OwnershipError(f"{handle!r} is not in the ledger")
-        if handle.owner.terminal and id(handle.owner) not in self._in_plan:
+        if handle.owner.terminal and not self._planning(handle.owner):
             raise OwnershipError(
                 f"cannot transfer {handle!r}: its owner is terminal and has released it"
             )
         self._unlink(handle.owner, handle)
         handle.owner = to
         self._link(to, handle)
-        if to.terminal and id(to) not in self._in_plan:
+        if to.terminal and not self._planning(to):
             self._release_late(handle)
 
     def _holds(self, owner: Any, h: Handle) -> bool:
@@ -257,13 +283,17 @@ class Ledger:
         """
         if not ctx.live:
             raise ReleaseOutsideTerminal(f"Ledger.run_plan({report.plan!r})")
-        owner = ctx.instance
+        self._run_steps(ctx, ctx.instance, plan.steps, report)
+        if report._errors:
+            self.errors.extend(report._errors)
+
+    def _run_steps(self, ctx: ReleaseContext, owner: Any, steps: tuple[Any, ...],
+                   report: PlanReport) -> None:
+        """`run_plan`'s body, for the engine, which holds `ctx` live."""
         owned = self._owned
-        key = id(owner)
-        in_plan = self._in_plan
-        in_plan.add(key)
+        prev = self._enter_plan(owner)
         try:
-            for step in plan.steps:
+            for step in steps:
                 if type(step) is Release:
                     if owner in owned:
                         self._release_owned(ctx, owner, step.kind, step.fn, report,
@@ -271,12 +301,10 @@ class Ledger:
                 else:
                     assert isinstance(step, Action)
                     self._call(step.fn, (ctx,), report, step.name, step.best_effort)
-            if owner in owned:
+            if owner in owned:  # the handles the plan did not name
                 self._release_owned(ctx, owner, None, None, report, None, False)
         finally:
-            in_plan.discard(key)
-        if report.errors:
-            self.errors.extend(report.errors)
+            self._exit_plan(prev)
 
     def _mark_released(self, handle: Handle) -> None:
         if handle.released:
@@ -345,9 +373,9 @@ class Ledger:
                              self) as ctx:
             self._release(ctx, handle, None, report, f"release {handle.kind} (late)", False)
         self.late_released += 1
-        self.errors.extend(report.errors)
-        if report.errors:
-            raise report.errors[0]
+        if report._errors:
+            self.errors.extend(report._errors)
+            raise report._errors[0]
 
     # -- async steps ------------------------------------------------------------------
 

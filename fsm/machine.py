@@ -25,9 +25,19 @@ from .errors import (
     TransitionNotAllowed,
     UnknownEvent,
 )
-from .ledger import Ledger
+from .ledger import Handle, Ledger
 from .observe import Stats
-from .plan import EMPTY_PLAN, Plan, PlanReport, Release, release_context
+from .plan import (
+    EMPTY_PLAN,
+    EffectError,
+    Plan,
+    PlanReport,
+    Release,
+    ReleaseContext,
+    _Edge,
+    step_result,
+    unwrapped,
+)
 from .table import DECISIONS, ERRORED, GUARDED, IGNORED, TRANSITION, Alt, Declaration, Guard, Tables
 
 if TYPE_CHECKING:
@@ -68,6 +78,11 @@ class Machine:
     _bound: bool
     _sinks: list[Any]
     _observed: bool
+    _rec: Any
+    _runs: dict[tuple[int, int, str | None], _Terminal]
+    _quick: tuple[Any, ...]
+    _quick_plain: tuple[Any, ...]
+    _quick_all: tuple[Any, ...]
 
     _frozen = False
 
@@ -143,17 +158,63 @@ class Machine:
         self._partial = partial
         self._bound = bound
         self.ledger = ledger
-        self.stats = Stats()
+        self.stats = Stats((*self.tables.plan_names, _OWNED))
         self._sinks = []
         self._rows = self._fast_rows
+        self._compile_quick()
         _obs.register(self)
         self._refresh()
         self._frozen = True
 
+    def _compile_quick(self) -> None:
+        """Per (state, event) cell, what `_fire_slow` can do without `_step`: a plain
+        transition or an ignore (a tuple, for when a recorder is attached, and ignores
+        always), or a terminal edge whose plan is bound (a `_Terminal`). Guarded cells,
+        errors and unbound plans take `_step`. Every terminal alternative that can run
+        gets its `_Terminal` in `_runs`, which `_step` uses too."""
+        n_ev = self._n_events
+        pid = {p: i for i, p in enumerate(self.tables.plan_names)}
+        runs: dict[tuple[int, int, str | None], _Terminal] = {}
+        plain: list[Any] = [None] * (len(self.states) * n_ev)
+        full: list[Any] = [None] * (len(self.states) * n_ev)
+        for s, row in enumerate(self.cells):
+            for e, alts in enumerate(row):
+                for a in alts:
+                    if a.decision != TRANSITION or not self.terminal[a.target]:
+                        continue
+                    if a.plan is not None and a.plan not in self._plans and not self._partial:
+                        continue  # _step raises PlanNotBound
+                    key = (s, a.target, a.plan)
+                    if key not in runs:
+                        runs[key] = _Terminal(self, s, a.target, a.plan,
+                                              pid.get(a.plan, len(pid)) if a.plan
+                                              else len(pid))
+                a = alts[0]
+                if len(alts) > 1 or a.guard is not None or a.decision == ERRORED:
+                    continue
+                c = s * n_ev + e
+                if a.decision == IGNORED:
+                    plain[c] = full[c] = (s, s, e, (self.states[s], self._enames[e]))
+                elif not self.terminal[a.target]:
+                    plain[c] = full[c] = (a.target, s, e, None)
+                else:
+                    full[c] = runs.get((s, a.target, a.plan))
+        self._runs = runs
+        self._quick_plain = tuple(plain)
+        self._quick_all = tuple(full)
+
     def _refresh(self) -> None:
-        observed = bool(self._sinks) or _obs.recorder() is not None
+        rec = _obs.recorder()
+        observed = bool(self._sinks) or rec is not None
         self._observed = observed
         self._rows = self._slow_rows if observed else self._fast_rows
+        self._rec = rec
+        if self._sinks:  # every decision goes through _step, which calls them
+            self._quick = (None,) * len(self._quick_all)
+        elif rec is not None:  # a terminal edge's plan runs even when record() raised
+            self._quick = self._quick_plain
+        else:
+            self._quick = self._quick_all
 
     def on_recorder_change(self) -> None:
         """Switch tables after a recorder was attached or detached (`fsm.set_recorder`)."""
@@ -350,7 +411,22 @@ class Machine:
             return None
         inst._q = q = []
         try:  # the fired event's own step: its report is what fire() returns
-            result = self._step(inst, event, cell)
+            t = self._quick[cell] if cell >= 0 else None
+            if t is None:
+                result = self._step(inst, event, cell)
+            elif t.__class__ is tuple:  # a plain transition or an ignore
+                target, s, e, ignored = t
+                if ignored is None:
+                    inst._s = target
+                else:
+                    self.stats.ignored[ignored] += 1
+                rec = self._rec
+                if rec is not None:
+                    rec.record(self, s, e, 0)
+                result = None
+            else:  # an unguarded terminal edge, nobody observing
+                inst._s = t.target
+                result = self._run_terminal(inst, event, t)
         except Exception as e:
             if not q:
                 inst._q = None
@@ -426,26 +502,110 @@ class Machine:
 
     def _run_plan(self, inst: Instance, name: str | None, event: Any, src: int,
                   dst: int) -> PlanReport:
-        pname = name or "<release owned>"
-        plan = self._plans.get(name, EMPTY_PLAN) if name else EMPTY_PLAN
-        ledger = self.ledger
-        report = PlanReport(self.name, inst, pname, [], [], [])
-        with release_context(self.name, inst, event, pname, self.states[src],
-                             self.states[dst], ledger) as ctx:
+        return self._run_terminal(inst, event, self._runs[(src, dst, name)])
+
+    def _run_terminal(self, inst: Instance, event: Any, t: _Terminal) -> PlanReport:
+        """Run the plan of terminal edge `t` for `inst` (already in its target state)."""
+        ctx: ReleaseContext = _new(ReleaseContext)  # live until the finally below (I1)
+        ctx._live = True
+        ctx.instance = inst
+        ctx.event = event
+        ctx._edge = t.edge
+        report = PlanReport(self.name, inst, t.pname, [])
+        ledger = t.ledger
+        try:
+            if ledger is None:  # bind() refuses Release steps without a ledger
+                t.plan.run_actions(ctx, report)
+            else:
+                owned = ledger._owned
+                cur = owned.get(inst)
+                kinds = t.kinds
+                if kinds is None or (cur is not None and cur.__class__ is not Handle):
+                    ledger._run_steps(ctx, inst, t.plan.steps, report)
+                elif cur is not None:
+                    # One handle and a plan of Release steps: the step of its kind (or
+                    # the closing sweep) releases it here, marked first, so never twice.
+                    kind = cur.kind
+                    i, fn, name, best_effort = kinds.get(kind) or t.sweep
+                    cur.released = True
+                    del owned[inst]
+                    if ledger._observers:
+                        ledger._observers.pop(cur, None)
+                    ledger.released += 1
+                    report.released.append(cur)
+                    prev = ledger._plan_owner
+                    if prev is not None:
+                        ledger._in_plan.add(id(prev))
+                    ledger._plan_owner = inst
+                    try:
+                        res = (fn or ledger._raw[kind])(ctx, cur)
+                    except Exception as e:  # every step runs; the error is reported
+                        res = None
+                        report.errors.append(EffectError(
+                            self.name, t.pname, name or f"release {kind}", best_effort, e))
+                    finally:
+                        ledger._plan_owner = prev
+                        if prev is not None:
+                            ledger._in_plan.discard(id(prev))
+                    if res is not None:
+                        step = name or f"release {kind}"
+                        task = step_result(res, report, step, best_effort)
+                        if task is not None:
+                            ledger._keep(task, report, step, best_effort)
+                    if inst in owned:  # given to it while its releaser ran
+                        ledger._run_steps(ctx, inst, t.plan.steps[i + 1:], report)
+        finally:
+            ctx._live = False
+        self.stats._runs[t.pid] += 1
+        errors = report._errors
+        if errors:
             if ledger is not None:
-                ledger.run_plan(ctx, plan, report)
-            else:  # bind() refuses Release steps without a ledger
-                plan.run_actions(ctx, report)
-        self.stats.plans_run[pname] += 1
-        if report.errors:
-            self.stats.effect_errors += len(report.errors)
-            fatal = [er for er in report.errors if not er.best_effort]
+                ledger.errors.extend(errors)
+            self.stats.effect_errors += len(errors)
+            fatal = [er for er in errors if not er.best_effort]
             if fatal:
                 raise ReleaseFailed(
-                    f"machine {self.name!r}: {len(fatal)} step(s) of plan {pname!r} "
+                    f"machine {self.name!r}: {len(fatal)} step(s) of plan {t.pname!r} "
                     "raised; every other step ran",
                     list(fatal), report)
         return report
+
+
+_OWNED = "<release owned>"
+"""The plan name of a terminal edge that names none (it releases what the instance owns)."""
+
+_new = object.__new__
+
+
+class _Terminal:
+    """One terminal edge's plan run, compiled when the machine is bound.
+
+    `kinds` is set when the plan has only `Release` steps and the machine a ledger: kind
+    -> (index of the first step of that kind, the function it calls unwrapped or None
+    for the kind's default releaser, step name, best_effort); `sweep` is the same for a
+    handle no step names (released by its kind's default releaser after the last step).
+    """
+
+    __slots__ = ("edge", "kinds", "ledger", "pid", "plan", "pname", "sweep", "target")
+
+    def __init__(self, m: Machine, src: int, dst: int, name: str | None, pid: int) -> None:
+        self.target = dst
+        self.pname = name or _OWNED
+        self.pid = pid
+        self.plan = m._plans.get(name, EMPTY_PLAN) if name else EMPTY_PLAN
+        self.ledger = m.ledger
+        self.edge = _Edge(m.name, self.pname, m.states[src], m.states[dst], m.ledger)
+        steps = self.plan.steps
+        self.sweep = (len(steps), None, None, False)
+        self.kinds: dict[str, tuple[int, Any, str | None, bool]] | None = None
+        if m.ledger is not None and all(type(st) is Release for st in steps):
+            kinds: dict[str, tuple[int, Any, str | None, bool]] = {}
+            for i, st in enumerate(steps):
+                assert isinstance(st, Release)
+                if st.kind not in kinds:
+                    kinds[st.kind] = (i, None if st.fn is None else unwrapped(st.fn),
+                                      st.name, st.best_effort)
+            self.kinds = kinds
 
 
 class Instance:
