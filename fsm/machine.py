@@ -25,7 +25,7 @@ from .errors import (
     TransitionNotAllowed,
     UnknownEvent,
 )
-from .ledger import Handle, Ledger
+from .ledger import Handle, Holder, Ledger
 from .observe import Stats
 from .plan import (
     EMPTY_PLAN,
@@ -517,8 +517,7 @@ class Machine:
             if ledger is None:  # bind() refuses Release steps without a ledger
                 t.plan.run_actions(ctx, report)
             else:
-                owned = ledger._owned
-                cur = owned.get(inst)
+                cur = inst._owns
                 kinds = t.kinds
                 if kinds is None or (cur is not None and cur.__class__ is not Handle):
                     ledger._run_steps(ctx, inst, t.plan.steps, report)
@@ -528,7 +527,7 @@ class Machine:
                     kind = cur.kind
                     i, fn, name, best_effort = kinds.get(kind) or t.sweep
                     cur.released = True
-                    del owned[inst]
+                    inst._owns = None
                     if ledger._observers:
                         ledger._observers.pop(cur, None)
                     ledger.released += 1
@@ -552,7 +551,7 @@ class Machine:
                         task = step_result(res, report, step, best_effort)
                         if task is not None:
                             ledger._keep(task, report, step, best_effort)
-                    if inst in owned:  # given to it while its releaser ran
+                    if inst._owns is not None:  # given to it while its releaser ran
                         ledger._run_steps(ctx, inst, t.plan.steps[i + 1:], report)
         finally:
             ctx._live = False
@@ -608,19 +607,23 @@ class _Terminal:
             self.kinds = kinds
 
 
-class Instance:
-    """One live machine: a state id and nothing else the engine needs.
+class Instance(Holder):
+    """One live machine: a state id and nothing else the engine needs (and, in the
+    slots of its base `ledger.Holder`, what it owns).
 
     Subclass it with `__slots__` for the data your guards read. Only the engine
     changes the state (`fire`); `state`, `terminal` and `busy` read it.
     """
 
-    __slots__ = ("_m", "_q", "_s", "key")
+    __slots__ = ("_q", "key")
+
+    _m: Machine
 
     def __init__(self, machine: Machine, key: Any = None) -> None:
         self._m = machine
         self._s = machine.initial
         self._q: list[Any] | None = None
+        self._owns = None
         self.key = key
 
     def fire(self, event: Any) -> PlanReport | None:
