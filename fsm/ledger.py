@@ -198,7 +198,7 @@ class Ledger:
     def _get(self, owner: Any) -> Handle | list[Handle] | None:
         """What `owner` owns: None, one handle, or a list of two or more."""
         if isinstance(owner, Holder):
-            return owner._owns  # type: ignore[no-any-return]
+            return owner._owns
         return self._owned.get(owner)
 
     def _put(self, owner: Any, cur: Handle | list[Handle] | None) -> None:

@@ -13,8 +13,9 @@ observations, runs release plans, and queues events fired while it runs
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import observe as _obs
@@ -46,6 +47,9 @@ if TYPE_CHECKING:
     from .batch import Batch
 
 __all__ = ["Instance", "Machine", "Stats", "Tables"]
+
+_OnCell = Callable[["Instance", Any], "PlanReport | None"]
+"""What `Instance.fire` calls for a cell whose code is < 0 (`Machine._on`)."""
 
 
 class Machine:
@@ -80,9 +84,10 @@ class Machine:
     _observed: bool
     _rec: Any
     _runs: dict[tuple[int, int, str | None], _Terminal]
-    _quick: tuple[Any, ...]
-    _quick_plain: tuple[Any, ...]
-    _quick_all: tuple[Any, ...]
+    _on: tuple[_OnCell, ...]
+    _on_watched: tuple[_OnCell, ...]
+    _on_recorded: tuple[_OnCell, ...]
+    _on_unobserved: tuple[_OnCell, ...]
 
     _frozen = False
 
@@ -167,16 +172,19 @@ class Machine:
         self._frozen = True
 
     def _compile_quick(self) -> None:
-        """Per (state, event) cell, what `_fire_slow` can do without `_step`: a plain
-        transition or an ignore (a tuple, for when a recorder is attached, and ignores
-        always), or a terminal edge whose plan is bound (a `_Terminal`). Guarded cells,
-        errors and unbound plans take `_step`. Every terminal alternative that can run
-        gets its `_Terminal` in `_runs`, which `_step` uses too."""
+        """Per (state, event) cell, the function `Instance.fire` calls for a code < 0
+        (`_on`, one table per way of being observed): a compiled terminal edge
+        (`_compile_terminal`), an ignore, a recorded plain transition, or, for guarded
+        cells, errors, unbound plans and anything a sink watches, `_fire_step` (the
+        general path). Every terminal alternative that can run gets its `_Terminal` in
+        `_runs`, which `_step` uses too."""
         n_ev = self._n_events
         pid = {p: i for i, p in enumerate(self.tables.plan_names)}
         runs: dict[tuple[int, int, str | None], _Terminal] = {}
-        plain: list[Any] = [None] * (len(self.states) * n_ev)
-        full: list[Any] = [None] * (len(self.states) * n_ev)
+        general: list[_OnCell] = [functools.partial(self._fire_step, c)
+                                   for c in range(len(self.states) * n_ev)]
+        recorded = list(general)
+        unobserved = list(general)
         for s, row in enumerate(self.cells):
             for e, alts in enumerate(row):
                 for a in alts:
@@ -194,14 +202,19 @@ class Machine:
                     continue
                 c = s * n_ev + e
                 if a.decision == IGNORED:
-                    plain[c] = full[c] = (s, s, e, (self.states[s], self._enames[e]))
-                elif not self.terminal[a.target]:
-                    plain[c] = full[c] = (a.target, s, e, None)
-                else:
-                    full[c] = runs.get((s, a.target, a.plan))
+                    ignored = (self.states[s], self._enames[e])
+                    recorded[c] = _compile_recorded(self, s, s, e, ignored)
+                    unobserved[c] = _compile_ignore(self, ignored)
+                elif not self.terminal[a.target]:  # unobserved: fire() does it itself
+                    recorded[c] = _compile_recorded(self, a.target, s, e, None)
+                elif (s, a.target, a.plan) in runs:
+                    # Recorded, a terminal edge takes `_step`: its plan runs even when
+                    # record() raised.
+                    unobserved[c] = _compile_terminal(self, runs[(s, a.target, a.plan)])
         self._runs = runs
-        self._quick_plain = tuple(plain)
-        self._quick_all = tuple(full)
+        self._on_watched = tuple(general)
+        self._on_recorded = tuple(recorded)
+        self._on_unobserved = tuple(unobserved)
 
     def _refresh(self) -> None:
         rec = _obs.recorder()
@@ -210,11 +223,11 @@ class Machine:
         self._rows = self._slow_rows if observed else self._fast_rows
         self._rec = rec
         if self._sinks:  # every decision goes through _step, which calls them
-            self._quick = (None,) * len(self._quick_all)
-        elif rec is not None:  # a terminal edge's plan runs even when record() raised
-            self._quick = self._quick_plain
+            self._on = self._on_watched
+        elif rec is not None:
+            self._on = self._on_recorded
         else:
-            self._quick = self._quick_all
+            self._on = self._on_unobserved
 
     def on_recorder_change(self) -> None:
         """Switch tables after a recorder was attached or detached (`fsm.set_recorder`)."""
@@ -404,29 +417,23 @@ class Machine:
 
     # -- the slow path -------------------------------------------------------------------
 
-    def _fire_slow(self, inst: Instance, event: Any, cell: int = -1) -> PlanReport | None:
+    def _fire_slow(self, inst: Instance, event: Any) -> PlanReport | None:
+        """`fire` of an event the rows do not know, or at a busy instance."""
         q = inst._q
         if q is not None:  # run-to-completion: handled after the running step
-            q.append(event)
+            if q is _BUSY:  # the first event queued behind a compiled step
+                inst._q = [event]
+            else:
+                q.append(event)
             return None
-        inst._q = q = []
+        return self._fire_step(-1, inst, event)
+
+    def _fire_step(self, cell: int, inst: Instance, event: Any) -> PlanReport | None:
+        """The general path: one `_step`, then the events it queued."""
+        q: list[Any] = []
+        inst._q = q
         try:  # the fired event's own step: its report is what fire() returns
-            t = self._quick[cell] if cell >= 0 else None
-            if t is None:
-                result = self._step(inst, event, cell)
-            elif t.__class__ is tuple:  # a plain transition or an ignore
-                target, s, e, ignored = t
-                if ignored is None:
-                    inst._s = target
-                else:
-                    self.stats.ignored[ignored] += 1
-                rec = self._rec
-                if rec is not None:
-                    rec.record(self, s, e, 0)
-                result = None
-            else:  # an unguarded terminal edge, nobody observing
-                inst._s = t.target
-                result = self._run_terminal(inst, event, t)
+            result = self._step(inst, event, cell)
         except Exception as e:
             if not q:
                 inst._q = None
@@ -517,63 +524,37 @@ class Machine:
             if ledger is None:  # bind() refuses Release steps without a ledger
                 t.plan.run_actions(ctx, report)
             else:
-                cur = inst._owns
-                kinds = t.kinds
-                if kinds is None or (cur is not None and cur.__class__ is not Handle):
-                    ledger._run_steps(ctx, inst, t.plan.steps, report)
-                elif cur is not None:
-                    # One handle and a plan of Release steps: the step of its kind (or
-                    # the closing sweep) releases it here, marked first, so never twice.
-                    kind = cur.kind
-                    i, fn, name, best_effort = kinds.get(kind) or t.sweep
-                    cur.released = True
-                    inst._owns = None
-                    if ledger._observers:
-                        ledger._observers.pop(cur, None)
-                    ledger.released += 1
-                    report.released.append(cur)
-                    prev = ledger._plan_owner
-                    if prev is not None:
-                        ledger._in_plan.add(id(prev))
-                    ledger._plan_owner = inst
-                    try:
-                        res = (fn or ledger._raw[kind])(ctx, cur)
-                    except Exception as e:  # every step runs; the error is reported
-                        res = None
-                        report.errors.append(EffectError(
-                            self.name, t.pname, name or f"release {kind}", best_effort, e))
-                    finally:
-                        ledger._plan_owner = prev
-                        if prev is not None:
-                            ledger._in_plan.discard(id(prev))
-                    if res is not None:
-                        step = name or f"release {kind}"
-                        task = step_result(res, report, step, best_effort)
-                        if task is not None:
-                            ledger._keep(task, report, step, best_effort)
-                    if inst._owns is not None:  # given to it while its releaser ran
-                        ledger._run_steps(ctx, inst, t.plan.steps[i + 1:], report)
+                ledger._run_steps(ctx, inst, t.plan.steps, report)
         finally:
             ctx._live = False
         self.stats._runs[t.pid] += 1
-        errors = report._errors
-        if errors:
-            if ledger is not None:
-                ledger.errors.extend(errors)
-            self.stats.effect_errors += len(errors)
-            fatal = [er for er in errors if not er.best_effort]
-            if fatal:
-                raise ReleaseFailed(
-                    f"machine {self.name!r}: {len(fatal)} step(s) of plan {t.pname!r} "
-                    "raised; every other step ran",
-                    list(fatal), report)
+        if report._errors:
+            self._plan_failed(report, ledger)
         return report
+
+    def _plan_failed(self, report: PlanReport, ledger: Ledger | None) -> None:
+        """Account for the errors of a plan run; raise ReleaseFailed when one of them
+        was not best-effort."""
+        errors = report.errors
+        if ledger is not None:
+            ledger.errors.extend(errors)
+        self.stats.effect_errors += len(errors)
+        fatal = [er for er in errors if not er.best_effort]
+        if fatal:
+            raise ReleaseFailed(
+                f"machine {self.name!r}: {len(fatal)} step(s) of plan {report.plan!r} "
+                "raised; every other step ran",
+                list(fatal), report)
 
 
 _OWNED = "<release owned>"
 """The plan name of a terminal edge that names none (it releases what the instance owns)."""
 
 _new = object.__new__
+
+_BUSY: list[Any] = []
+"""`Instance._q` while a compiled terminal step runs and nothing was queued yet (never
+appended to: the first queued event replaces it with a list of its own)."""
 
 
 class _Terminal:
@@ -605,6 +586,156 @@ class _Terminal:
                     kinds[st.kind] = (i, None if st.fn is None else unwrapped(st.fn),
                                       st.name, st.best_effort)
             self.kinds = kinds
+
+
+def _compile_ignore(m: Machine, ignored: tuple[str, str]) -> Callable[[Instance, Any], None]:
+    """An unobserved ignore: counted, nothing else."""
+    counts = m.stats.ignored
+
+    def fire_ignored(inst: Instance, event: Any) -> None:
+        counts[ignored] += 1
+
+    return fire_ignored
+
+
+def _compile_recorded(m: Machine, target: int, s: int, e: int,
+                      ignored: tuple[str, str] | None) -> Callable[[Instance, Any], None]:
+    """A plain transition (`ignored` None) or an ignore while only the process-wide
+    recorder observes: the step, then `record()`, with the instance busy meanwhile."""
+    counts, drain, busy = m.stats.ignored, m._drain, _BUSY
+
+    def fire_recorded(inst: Instance, event: Any) -> None:
+        inst._q = busy
+        try:
+            if ignored is None:
+                inst._s = target
+            else:
+                counts[ignored] += 1
+            m._rec.record(m, s, e, 0)
+        except Exception as exc:
+            q = inst._q
+            if q is busy:
+                inst._q = None
+                raise
+            drain(inst, q, [exc])
+            return
+        q = inst._q
+        if q is not busy:  # events fired at it meanwhile, in order
+            drain(inst, q, [])
+            return
+        inst._q = None
+
+    return fire_recorded
+
+
+def _compile_general(m: Machine, t: _Terminal) -> _OnCell:
+    """`_compile_terminal` for a plan with actions or a machine without a ledger: the
+    plan runs through `Machine._run_terminal`."""
+    target, drain, general, busy = t.target, m._drain, m._run_terminal, _BUSY
+
+    def fire_terminal(inst: Instance, event: Any) -> PlanReport | None:
+        inst._s = target
+        inst._q = busy
+        try:
+            report = general(inst, event, t)
+        except Exception as e:
+            q = inst._q
+            if q is busy:
+                inst._q = None
+                raise
+            return drain(inst, q, [e])
+        q = inst._q
+        if q is not busy:  # events its effects fired at this instance, in order
+            return drain(inst, q, [], report)
+        inst._q = None
+        return report
+
+    return fire_terminal
+
+
+def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
+    """What `Instance.fire` runs for an unguarded terminal edge while nobody observes:
+    the whole step, in one function whose constants are bound here.
+
+    It moves the instance to the terminal state, marks it busy (events fired at it
+    queue, `_BUSY`), runs the plan inside a live context that is dead after it, and
+    drains the queue. With a ledger and a plan of `Release` steps (`t.kinds`), an
+    instance that owns one handle has it released here: marked first, then its step's
+    function (or the kind's default releaser) called unwrapped, since the context is
+    the engine's own and live. Several handles go through `Ledger._run_steps`; other
+    plans through `_compile_general`.
+    """
+    ledger, kinds = t.ledger, t.kinds
+    if ledger is None or kinds is None:  # no ledger, or a plan with actions
+        return _compile_general(m, t)
+    target, edge, pname, pid, steps, sweep = t.target, t.edge, t.pname, t.pid, t.plan.steps, t.sweep
+    mname, runs, drain, failed = m.name, m.stats._runs, m._drain, m._plan_failed
+    observers, raw = ledger._observers, ledger._raw
+    new, Context, Report, Hd, busy = _new, ReleaseContext, PlanReport, Handle, _BUSY
+
+    def fire_terminal(inst: Instance, event: Any) -> PlanReport | None:
+        inst._s = target
+        inst._q = busy
+        try:
+            ctx = new(Context)  # live until the finally below (I1)
+            ctx._live = True
+            ctx.instance = inst
+            ctx.event = event
+            ctx._edge = edge
+            try:
+                cur = inst._owns
+                if cur.__class__ is not Hd:
+                    report = Report(mname, inst, pname, [])
+                    if cur is not None:  # several handles
+                        ledger._run_steps(ctx, inst, steps, report)
+                else:
+                    kind = cur.kind
+                    i, fn, name, best_effort = kinds.get(kind, sweep)
+                    cur.released = True  # marked first: never released twice
+                    inst._owns = None
+                    if observers:
+                        observers.pop(cur, None)
+                    ledger.released += 1
+                    report = Report(mname, inst, pname, [cur])
+                    prev = ledger._plan_owner
+                    if prev is not None:
+                        ledger._in_plan.add(id(prev))
+                    ledger._plan_owner = inst  # what it is given meanwhile is the plan's
+                    try:
+                        res = (fn or raw[kind])(ctx, cur)
+                    except Exception as e:  # every step runs; the error is reported
+                        res = None
+                        report.errors.append(EffectError(
+                            mname, pname, name or f"release {kind}", best_effort, e))
+                    finally:
+                        ledger._plan_owner = prev
+                        if prev is not None:
+                            ledger._in_plan.discard(id(prev))
+                    if res is not None:
+                        step = name or f"release {kind}"
+                        task = step_result(res, report, step, best_effort)
+                        if task is not None:
+                            ledger._keep(task, report, step, best_effort)
+                    if inst._owns is not None:  # given to it while its releaser ran
+                        ledger._run_steps(ctx, inst, steps[i + 1:], report)
+            finally:
+                ctx._live = False
+            runs[pid] += 1
+            if report._errors:
+                failed(report, ledger)
+        except Exception as e:
+            q = inst._q
+            if q is busy:
+                inst._q = None
+                raise
+            return drain(inst, q, [e])
+        q = inst._q
+        if q is not busy:  # events its effects fired at this instance, in order
+            return drain(inst, q, [], report)
+        inst._q = None
+        return report
+
+    return fire_terminal
 
 
 class Instance(Holder):
@@ -641,8 +772,9 @@ class Instance(Holder):
             if code >= 0:
                 self._s = code
                 return None
-            # The cell's code names (state, event): the slow path need not look again.
-            return self._m._fire_slow(self, event, -1 - code)
+            # The cell's code names (state, event): its compiled function, or the
+            # general path told which cell it is.
+            return self._m._on[-1 - code](self, event)
         return self._m._fire_slow(self, event)
 
     @property
