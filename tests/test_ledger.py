@@ -15,7 +15,10 @@ from terminus.fsm import (
     release_effect,
 )
 from terminus.kernels import TokenKVAllocator
+from tests.engine_paths import engine_path  # noqa: F401  (a fixture)
 from tests.lifecycle import LIFECYCLE, Abort, Chunk, Finish, Start
+
+pytestmark = pytest.mark.usefixtures("engine_path")
 
 
 @release_effect

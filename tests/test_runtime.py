@@ -25,7 +25,10 @@ from terminus.fsm import (
     release_effect,
 )
 from terminus.kernels import MetadataSlots, TokenKVAllocator
+from tests.engine_paths import engine_path  # noqa: F401  (a fixture)
 from tests.lifecycle import LIFECYCLE, Abort, Chunk, Finish, Job, Start
+
+pytestmark = pytest.mark.usefixtures("engine_path")
 
 
 class World:
