@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import observe as _obs
@@ -84,10 +84,10 @@ class Machine:
     _observed: bool
     _rec: Any
     _runs: dict[tuple[int, int, str | None], _Terminal]
-    _on: tuple[_OnCell, ...]
-    _on_watched: tuple[_OnCell, ...]
-    _on_recorded: tuple[_OnCell, ...]
-    _on_unobserved: tuple[_OnCell, ...]
+    _on: Sequence[_OnCell | None]
+    _on_watched: Sequence[_OnCell | None]
+    _on_recorded: list[_OnCell | None]
+    _on_unobserved: list[_OnCell | None]
 
     _frozen = False
 
@@ -166,55 +166,58 @@ class Machine:
         self.stats = Stats((*self.tables.plan_names, _OWNED))
         self._sinks = []
         self._rows = self._fast_rows
-        self._compile_quick()
+        # Per (state, event) cell, what `Instance.fire` calls for a code < 0 (None: the
+        # general path, `_fire_step`), one table per way of being observed; each cell
+        # is compiled on its first fire (`_first_fire`), so binding costs a list copy.
+        # Nothing in them refers to the machine (they read it from the instance): no
+        # reference cycle keeps a dropped machine alive.
+        n = len(self.states) * self._n_events
+        self._runs = {}
+        self._on_watched = (None,) * n
+        self._on_recorded = _lazy_table(n)
+        self._on_unobserved = _lazy_table(n)
         _obs.register(self)
         self._refresh()
         self._frozen = True
 
-    def _compile_quick(self) -> None:
-        """Per (state, event) cell, the function `Instance.fire` calls for a code < 0
-        (`_on`, one table per way of being observed): a compiled terminal edge
-        (`_compile_terminal`), an ignore, a recorded plain transition, or, for guarded
-        cells, errors, unbound plans and anything a sink watches, `_fire_step` (the
-        general path). Every terminal alternative that can run gets its `_Terminal` in
-        `_runs`, which `_step` uses too."""
-        n_ev = self._n_events
-        pid = {p: i for i, p in enumerate(self.tables.plan_names)}
-        runs: dict[tuple[int, int, str | None], _Terminal] = {}
-        general: list[_OnCell] = [functools.partial(self._fire_step, c)
-                                   for c in range(len(self.states) * n_ev)]
-        recorded = list(general)
-        unobserved = list(general)
-        for s, row in enumerate(self.cells):
-            for e, alts in enumerate(row):
-                for a in alts:
-                    if a.decision != TRANSITION or not self.terminal[a.target]:
-                        continue
-                    if a.plan is not None and a.plan not in self._plans and not self._partial:
-                        continue  # _step raises PlanNotBound
-                    key = (s, a.target, a.plan)
-                    if key not in runs:
-                        runs[key] = _Terminal(self, s, a.target, a.plan,
-                                              pid.get(a.plan, len(pid)) if a.plan
-                                              else len(pid))
-                a = alts[0]
-                if len(alts) > 1 or a.guard is not None or a.decision == ERRORED:
-                    continue
-                c = s * n_ev + e
-                if a.decision == IGNORED:
-                    ignored = (self.states[s], self._enames[e])
-                    recorded[c] = _compile_recorded(self, s, s, e, ignored)
-                    unobserved[c] = _compile_ignore(self, ignored)
-                elif not self.terminal[a.target]:  # unobserved: fire() does it itself
-                    recorded[c] = _compile_recorded(self, a.target, s, e, None)
-                elif (s, a.target, a.plan) in runs:
-                    # Recorded, a terminal edge takes `_step`: its plan runs even when
-                    # record() raised.
-                    unobserved[c] = _compile_terminal(self, runs[(s, a.target, a.plan)])
-        self._runs = runs
-        self._on_watched = tuple(general)
-        self._on_recorded = tuple(recorded)
-        self._on_unobserved = tuple(unobserved)
+    def _terminal(self, src: int, dst: int, name: str | None) -> _Terminal:
+        """The compiled plan run of a terminal edge (made on first use)."""
+        t = self._runs.get((src, dst, name))
+        if t is None:
+            n = len(self.tables.plan_names)
+            pid = self.tables.plan_names.index(name) if name in self.tables.plan_names else n
+            t = self._runs[(src, dst, name)] = _Terminal(self, src, dst, name, pid)
+        return t
+
+    def _compile_cell(self, cell: int) -> _OnCell | None:
+        """Compile `cell` into the table in use (`_on`) and return its function: an
+        unguarded terminal edge whose plan can run (`_compile_terminal`), an ignore,
+        a plain transition recorded (`_compile_recorded`), or None for the general
+        path (guards, errors, unbound plans)."""
+        table = self._on
+        assert isinstance(table, list)  # the watched table is all None
+        s, e = divmod(cell, self._n_events)
+        alts = self.cells[s][e]
+        a = alts[0]
+        f: _OnCell | None = None
+        if len(alts) > 1 or a.guard is not None:
+            pass
+        elif a.decision == IGNORED:
+            ignored = (self.states[s], self._enames[e])
+            f = (_compile_ignore(self, ignored) if table is self._on_unobserved
+                 else _compile_recorded(s, s, e, ignored))
+        elif a.decision != TRANSITION:
+            pass
+        elif not self.terminal[a.target]:
+            if table is self._on_recorded:  # unobserved, fire() does it itself
+                f = _compile_recorded(a.target, s, e, None)
+        elif table is self._on_unobserved and (
+                a.plan is None or a.plan in self._plans or self._partial):
+            # Recorded, a terminal edge takes `_step`: its plan runs even when record()
+            # raised.
+            f = _compile_terminal(self, self._terminal(s, a.target, a.plan))
+        table[cell] = f
+        return f
 
     def _refresh(self) -> None:
         rec = _obs.recorder()
@@ -509,7 +512,7 @@ class Machine:
 
     def _run_plan(self, inst: Instance, name: str | None, event: Any, src: int,
                   dst: int) -> PlanReport:
-        return self._run_terminal(inst, event, self._runs[(src, dst, name)])
+        return self._run_terminal(inst, event, self._terminal(src, dst, name))
 
     def _run_terminal(self, inst: Instance, event: Any, t: _Terminal) -> PlanReport:
         """Run the plan of terminal edge `t` for `inst` (already in its target state)."""
@@ -518,7 +521,7 @@ class Machine:
         ctx.instance = inst
         ctx.event = event
         ctx._edge = t.edge
-        report = PlanReport(self.name, inst, t.pname, [])
+        report = PlanReport(self.name, inst, t.pname)
         ledger = t.ledger
         try:
             if ledger is None:  # bind() refuses Release steps without a ledger
@@ -598,55 +601,74 @@ def _compile_ignore(m: Machine, ignored: tuple[str, str]) -> Callable[[Instance,
     return fire_ignored
 
 
-def _compile_recorded(m: Machine, target: int, s: int, e: int,
-                      ignored: tuple[str, str] | None) -> Callable[[Instance, Any], None]:
+def _compile_recorded(target: int, s: int, e: int,
+                      ignored: tuple[str, str] | None) -> _OnCell:
     """A plain transition (`ignored` None) or an ignore while only the process-wide
     recorder observes: the step, then `record()`, with the instance busy meanwhile."""
-    counts, drain, busy = m.stats.ignored, m._drain, _BUSY
+    busy = _BUSY
 
     def fire_recorded(inst: Instance, event: Any) -> None:
+        m = inst._m
         inst._q = busy
         try:
             if ignored is None:
                 inst._s = target
             else:
-                counts[ignored] += 1
+                m.stats.ignored[ignored] += 1
             m._rec.record(m, s, e, 0)
         except Exception as exc:
             q = inst._q
             if q is busy:
                 inst._q = None
                 raise
-            drain(inst, q, [exc])
+            m._drain(inst, q, [exc])
             return
         q = inst._q
         if q is not busy:  # events fired at it meanwhile, in order
-            drain(inst, q, [])
+            m._drain(inst, q, [])
             return
         inst._q = None
 
     return fire_recorded
 
 
+def _first_fire(cell: int, inst: Instance, event: Any) -> PlanReport | None:
+    """`cell`'s first fire on this machine: compile it, then run it."""
+    m = inst._m
+    f = m._compile_cell(cell)
+    return m._fire_step(cell, inst, event) if f is None else f(inst, event)
+
+
+_LAZY: list[_OnCell | None] = []
+
+
+def _lazy_table(n: int) -> list[_OnCell | None]:
+    """A table of `n` cells not compiled yet: entry `c` is `partial(_first_fire, c)`,
+    shared by every machine (a cell's index is all it holds)."""
+    while len(_LAZY) < n:
+        _LAZY.append(functools.partial(_first_fire, len(_LAZY)))
+    return _LAZY[:n]
+
+
 def _compile_general(m: Machine, t: _Terminal) -> _OnCell:
     """`_compile_terminal` for a plan with actions or a machine without a ledger: the
     plan runs through `Machine._run_terminal`."""
-    target, drain, general, busy = t.target, m._drain, m._run_terminal, _BUSY
+    target, busy = t.target, _BUSY
 
     def fire_terminal(inst: Instance, event: Any) -> PlanReport | None:
         inst._s = target
         inst._q = busy
         try:
-            report = general(inst, event, t)
+            report = inst._m._run_terminal(inst, event, t)
         except Exception as e:
             q = inst._q
             if q is busy:
                 inst._q = None
                 raise
-            return drain(inst, q, [e])
+            return inst._m._drain(inst, q, [e])
         q = inst._q
         if q is not busy:  # events its effects fired at this instance, in order
-            return drain(inst, q, [], report)
+            return inst._m._drain(inst, q, [], report)
         inst._q = None
         return report
 
@@ -669,8 +691,9 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
     if ledger is None or kinds is None:  # no ledger, or a plan with actions
         return _compile_general(m, t)
     target, edge, pname, pid, steps, sweep = t.target, t.edge, t.pname, t.pid, t.plan.steps, t.sweep
-    mname, runs, drain, failed = m.name, m.stats._runs, m._drain, m._plan_failed
+    mname, runs = m.name, m.stats._runs
     observers, raw = ledger._observers, ledger._raw
+    kind0, step0 = next(iter(kinds.items()), (None, sweep))
     new, Context, Report, Hd, busy = _new, ReleaseContext, PlanReport, Handle, _BUSY
 
     def fire_terminal(inst: Instance, event: Any) -> PlanReport | None:
@@ -685,18 +708,21 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
             try:
                 cur = inst._owns
                 if cur.__class__ is not Hd:
-                    report = Report(mname, inst, pname, [])
+                    report = Report(mname, inst, pname)
                     if cur is not None:  # several handles
                         ledger._run_steps(ctx, inst, steps, report)
                 else:
                     kind = cur.kind
-                    i, fn, name, best_effort = kinds.get(kind, sweep)
+                    if kind == kind0:  # the plan's first Release step: the usual case
+                        i, fn, name, best_effort = step0
+                    else:
+                        i, fn, name, best_effort = kinds.get(kind, sweep)
                     cur.released = True  # marked first: never released twice
                     inst._owns = None
                     if observers:
                         observers.pop(cur, None)
                     ledger.released += 1
-                    report = Report(mname, inst, pname, [cur])
+                    report = Report(mname, inst, pname, cur)
                     prev = ledger._plan_owner
                     if prev is not None:
                         ledger._in_plan.add(id(prev))
@@ -722,16 +748,16 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
                 ctx._live = False
             runs[pid] += 1
             if report._errors:
-                failed(report, ledger)
+                inst._m._plan_failed(report, ledger)
         except Exception as e:
             q = inst._q
             if q is busy:
                 inst._q = None
                 raise
-            return drain(inst, q, [e])
+            return inst._m._drain(inst, q, [e])
         q = inst._q
         if q is not busy:  # events its effects fired at this instance, in order
-            return drain(inst, q, [], report)
+            return inst._m._drain(inst, q, [], report)
         inst._q = None
         return report
 
@@ -774,7 +800,10 @@ class Instance(Holder):
                 return None
             # The cell's code names (state, event): its compiled function, or the
             # general path told which cell it is.
-            return self._m._on[-1 - code](self, event)
+            on = self._m._on[-1 - code]
+            if on is None:
+                return self._m._fire_step(-1 - code, self, event)
+            return on(self, event)
         return self._m._fire_slow(self, event)
 
     @property

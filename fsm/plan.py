@@ -297,16 +297,27 @@ class PlanReport(msgspec.Struct, eq=False):
     """What one run of a release plan did: `released` (the `Handle`s it released, in
     order), `errors` (the step errors), `tasks` (async steps still running).
 
-    A msgspec Struct: built in C, once per terminal transition. `errors` and `tasks` are
-    lists made on first use (most plans raise nothing and start no task).
+    A msgspec Struct: built in C, once per terminal transition. The three lists are
+    made on first use (most plans release one handle, raise nothing and start no task:
+    the engine builds the report with that handle bare, `_released`).
     """
 
     machine: str
     instance: Any
     plan: str
-    released: list[Any] = msgspec.field(default_factory=list)
+    _released: Any = None  # None, one Handle, or the list `released` returns
     _errors: list[EffectError] | None = None
     _tasks: list[asyncio.Future[Any]] | None = None
+
+    @property
+    def released(self) -> list[Any]:
+        """The handles the plan released, in order."""
+        released = self._released
+        if released is None:
+            released = self._released = []
+        elif released.__class__ is not list:
+            released = self._released = [released]
+        return released
 
     @property
     def errors(self) -> list[EffectError]:
