@@ -211,11 +211,10 @@ class Machine:
         elif not self.terminal[a.target]:
             if table is self._on_recorded:  # unobserved, fire() does it itself
                 f = _compile_recorded(a.target, s, e, None)
-        elif table is self._on_unobserved and (
-                a.plan is None or a.plan in self._plans or self._partial):
-            # Recorded, a terminal edge takes `_step`: its plan runs even when record()
-            # raised.
+        elif a.plan is None or a.plan in self._plans or self._partial:
             f = _compile_terminal(self, self._terminal(s, a.target, a.plan))
+            if table is self._on_recorded:
+                f = _compile_recorded_terminal(s, e, f)
         table[cell] = f
         return f
 
@@ -630,6 +629,23 @@ def _compile_recorded(target: int, s: int, e: int,
         inst._q = None
 
     return fire_recorded
+
+
+def _compile_recorded_terminal(s: int, e: int, run: _OnCell) -> _OnCell:
+    """A compiled terminal edge while only the recorder observes: `record()`, then the
+    step; when `record()` raised, the plan still runs (I1) and its error, if any, wins,
+    as in `Machine._step`."""
+
+    def fire_terminal_recorded(inst: Instance, event: Any) -> PlanReport | None:
+        m = inst._m
+        try:
+            m._rec.record(m, s, e, 0)
+        except Exception:
+            run(inst, event)
+            raise
+        return run(inst, event)
+
+    return fire_terminal_recorded
 
 
 def _first_fire(cell: int, inst: Instance, event: Any) -> PlanReport | None:

@@ -167,3 +167,43 @@ def test_plan_runs_are_counted_per_plan_and_a_read_sees_every_run_so_far(kv):
     m.stats.plans_run["release_aborted"] += 2  # what a batched step does with its rows
     assert m.stats.plans_run == {"release_aborted": 5}
     ledger.assert_empty()
+
+
+def test_a_recorder_that_raises_on_a_terminal_edge_does_not_skip_its_plan(kv):
+    from terminus.fsm import observe
+
+    @release_effect
+    def free(ctx, handle):
+        ctx.resources.free(handle.value)
+
+    class Raising:
+        def __init__(self):
+            self.seen = []
+
+        def record(self, machine, source, event, alt):
+            self.seen.append((machine.states[source], machine.event_names[event], alt))
+            if machine.states[source] == "queued" and machine.event_names[event] == "Abort":
+                raise RuntimeError("recorder broke")
+
+        def record_counts(self, machine, counts):
+            pass
+
+    m, ledger = make(kv, free)
+    job, other = m.create("r"), m.create("s")
+    h = ledger.acquire(job, "kv", kv.alloc(4))
+    ledger.acquire(other, "kv", kv.alloc(2))
+    rec = Raising()
+    prev = observe.set_recorder(rec)
+    try:
+        with pytest.raises(RuntimeError, match="recorder broke"):
+            job.fire(Abort())
+        other.fire(Start())  # recorded plain transition
+        report = other.fire(Abort())  # recorded terminal edge, from 'prefilling'
+    finally:
+        observe.set_recorder(prev)
+    assert h.released and job.state == "aborted" and not job.busy
+    assert report.ok and len(report.released) == 1
+    assert rec.seen == [("queued", "Abort", 0), ("queued", "Start", 0),
+                        ("prefilling", "Abort", 1)]
+    assert m.stats.plans_run == {"release_aborted": 2}
+    ledger.assert_empty()
