@@ -53,16 +53,27 @@ class Owner(Protocol):
 
 class Holder:
     """The engine's instances (`fsm.Instance` derives from it): a machine `_m`, a state
-    id `_s`, and `_owns`, where the ledger keeps what the instance owns (None, one
-    `Handle`, or a list of them). Owning a handle then costs no dict entry, and an
-    acquire costs the same with 10k or 200k handles outstanding. Any other `Owner`
-    works too; the ledger keeps its handles in a dict."""
+    id `_s`, `_q` (None, or the events queued while the engine runs a step of it), and
+    `_owns`, where the ledger keeps what the instance owns (None, one `Handle`, or a
+    list of them). Owning a handle then costs no dict entry, and an acquire costs the
+    same with 10k or 200k handles outstanding. Any other `Owner` works too; the ledger
+    keeps its handles in a dict."""
 
-    __slots__ = ("_m", "_owns", "_s")
+    __slots__ = ("_m", "_owns", "_q", "_s")
 
     _m: Any
     _owns: Any
+    _q: Any
     _s: int
+
+
+PLAN_RUNNING: list[Any] = []
+"""`Holder._q` while the engine's compiled terminal step of the instance runs its plan
+and nothing was queued yet: a handle given to it then is its plan's."""
+
+
+class QueuedInPlan(list[Any]):
+    """`Holder._q` once events were queued behind `PLAN_RUNNING` (the plan still runs)."""
 
 
 _HIDS = itertools.count(1)
@@ -210,8 +221,14 @@ class Ledger:
             self._owned[owner] = cur
 
     def _planning(self, owner: Any) -> bool:
-        """True while `owner`'s release plan runs (a handle given to it is the plan's)."""
-        return owner is self._plan_owner or id(owner) in self._in_plan
+        """True while `owner`'s release plan runs (a handle given to it is the plan's):
+        marked here by `_run_steps`, or on the instance by the compiled terminal step."""
+        if owner is self._plan_owner or id(owner) in self._in_plan:
+            return True
+        if isinstance(owner, Holder):
+            q = owner._q
+            return q is PLAN_RUNNING or q.__class__ is QueuedInPlan
+        return False
 
     def _enter_plan(self, owner: Any) -> Any:
         """Mark `owner`'s plan running; returns what `_exit_plan` restores."""

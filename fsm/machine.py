@@ -26,7 +26,7 @@ from .errors import (
     TransitionNotAllowed,
     UnknownEvent,
 )
-from .ledger import Handle, Holder, Ledger
+from .ledger import PLAN_RUNNING, Handle, Holder, Ledger, QueuedInPlan
 from .observe import Stats
 from .plan import (
     EMPTY_PLAN,
@@ -423,7 +423,9 @@ class Machine:
         """`fire` of an event the rows do not know, or at a busy instance."""
         q = inst._q
         if q is not None:  # run-to-completion: handled after the running step
-            if q is _BUSY:  # the first event queued behind a compiled step
+            if q is _BUSY:  # the first event queued behind a compiled terminal step
+                inst._q = QueuedInPlan((event,))
+            elif q is _STEPPING:  # or behind a recorded plain step
                 inst._q = [event]
             else:
                 q.append(event)
@@ -554,9 +556,13 @@ _OWNED = "<release owned>"
 
 _new = object.__new__
 
-_BUSY: list[Any] = []
+_BUSY = PLAN_RUNNING
 """`Instance._q` while a compiled terminal step runs and nothing was queued yet (never
-appended to: the first queued event replaces it with a list of its own)."""
+appended to: the first queued event replaces it with a `QueuedInPlan` of its own,
+which the step turns into a plain list before it drains it, its plan done)."""
+
+_STEPPING: list[Any] = []
+"""`Instance._q` while a compiled recorded step runs and nothing was queued yet."""
 
 
 class _Terminal:
@@ -604,7 +610,7 @@ def _compile_recorded(target: int, s: int, e: int,
                       ignored: tuple[str, str] | None) -> _OnCell:
     """A plain transition (`ignored` None) or an ignore while only the process-wide
     recorder observes: the step, then `record()`, with the instance busy meanwhile."""
-    busy = _BUSY
+    busy = _STEPPING
 
     def fire_recorded(inst: Instance, event: Any) -> None:
         m = inst._m
@@ -681,9 +687,11 @@ def _compile_general(m: Machine, t: _Terminal) -> _OnCell:
             if q is busy:
                 inst._q = None
                 raise
+            inst._q = q = list(q)  # the plan is done: what is given to it now is late
             return inst._m._drain(inst, q, [e])
         q = inst._q
         if q is not busy:  # events its effects fired at this instance, in order
+            inst._q = q = list(q)
             return inst._m._drain(inst, q, [], report)
         inst._q = None
         return report
@@ -739,20 +747,12 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
                         observers.pop(cur, None)
                     ledger.released += 1
                     report = Report(mname, inst, pname, cur)
-                    prev = ledger._plan_owner
-                    if prev is not None:
-                        ledger._in_plan.add(id(prev))
-                    ledger._plan_owner = inst  # what it is given meanwhile is the plan's
-                    try:
+                    try:  # what is given to inst meanwhile is the plan's (PLAN_RUNNING)
                         res = (fn or raw[kind])(ctx, cur)
                     except Exception as e:  # every step runs; the error is reported
                         res = None
                         report.errors.append(EffectError(
                             mname, pname, name or f"release {kind}", best_effort, e))
-                    finally:
-                        ledger._plan_owner = prev
-                        if prev is not None:
-                            ledger._in_plan.discard(id(prev))
                     if res is not None:
                         step = name or f"release {kind}"
                         task = step_result(res, report, step, best_effort)
@@ -770,9 +770,11 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
             if q is busy:
                 inst._q = None
                 raise
+            inst._q = q = list(q)  # the plan is done: what is given to it now is late
             return inst._m._drain(inst, q, [e])
         q = inst._q
         if q is not busy:  # events its effects fired at this instance, in order
+            inst._q = q = list(q)
             return inst._m._drain(inst, q, [], report)
         inst._q = None
         return report
@@ -788,7 +790,7 @@ class Instance(Holder):
     changes the state (`fire`); `state`, `terminal` and `busy` read it.
     """
 
-    __slots__ = ("_q", "key")
+    __slots__ = ("key",)
 
     _m: Machine
 

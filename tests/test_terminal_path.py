@@ -207,3 +207,24 @@ def test_a_recorder_that_raises_on_a_terminal_edge_does_not_skip_its_plan(kv):
                         ("prefilling", "Abort", 1)]
     assert m.stats.plans_run == {"release_aborted": 2}
     ledger.assert_empty()
+
+
+def test_a_handle_given_after_the_releaser_queued_an_event_is_still_the_plan_s(kv):
+    grabbed = []
+
+    @release_effect
+    def free(ctx, handle):
+        ctx.resources.free(handle.value)
+        if not grabbed:
+            ctx.instance.fire(Abort())  # queued behind the running step
+            grabbed.append(ctx.ledger.acquire(ctx.instance, "kv", ctx.resources.alloc(2)))
+
+    m, ledger = make(kv, free)
+    job = m.create("r")
+    first = ledger.acquire(job, "kv", kv.alloc(4))
+    report = job.fire(Abort())
+    assert report.released == [first, *grabbed] and ledger.late_released == 0
+    assert m.stats.ignored[("aborted", "Abort")] == 1 and not job.busy
+    late = ledger.acquire(job, "kv", kv.alloc(1))  # after the step: released at once
+    assert late.released and ledger.late_released == 1
+    ledger.assert_empty()
