@@ -32,7 +32,11 @@ from .plan import (
     call_step,
     release_context,
     require_effect,
+    unwrapped,
 )
+
+_COMPACT_MIN = 4096
+"""`Ledger._all` is compacted no more often than every this many acquires."""
 
 
 class Owner(Protocol):
@@ -45,6 +49,31 @@ class Owner(Protocol):
     @property
     def terminal(self) -> bool: ...
 
+
+
+class Holder:
+    """The engine's instances (`fsm.Instance` derives from it): a machine `_m`, a state
+    id `_s`, `_q` (None, or the events queued while the engine runs a step of it), and
+    `_owns`, where the ledger keeps what the instance owns (None, one `Handle`, or a
+    list of them). Owning a handle then costs no dict entry, and an acquire costs the
+    same with 10k or 200k handles outstanding. Any other `Owner` works too; the ledger
+    keeps its handles in a dict."""
+
+    __slots__ = ("_m", "_owns", "_q", "_s")
+
+    _m: Any
+    _owns: Any
+    _q: Any
+    _s: int
+
+
+PLAN_RUNNING: list[Any] = []
+"""`Holder._q` while the engine's compiled terminal step of the instance runs its plan
+and nothing was queued yet: a handle given to it then is its plan's."""
+
+
+class QueuedInPlan(list[Any]):
+    """`Holder._q` once events were queued behind `PLAN_RUNNING` (the plan still runs)."""
 
 
 _HIDS = itertools.count(1)
@@ -93,14 +122,27 @@ class Ledger:
     ) -> None:
         self.resources = resources
         self._releasers: dict[str, Callable[..., Any]] = {}
+        # The functions the releasers wrap: the engine calls these inside the live
+        # context it holds (no second check of a context it just opened).
+        self._raw: dict[str, Callable[..., Any]] = {}
         for kind, fn in (releasers or {}).items():
             self.register_kind(kind, fn)
-        # owner -> its one handle, or a list of them (most owners own one of a kind at a
-        # time: a bare handle keeps the common case to one dict entry and no list).
+        # What an owner owns: its one handle, or a list of them (most owners own one of
+        # a kind at a time). A `Holder` keeps it in its `_owns` slot; any other owner
+        # here, by owner.
         self._owned: dict[Any, Handle | list[Handle]] = {}
+        # Every handle acquired since the last compaction, released ones included: what
+        # `count`, `outstanding` and `assert_empty` walk. Released handles are dropped
+        # when it doubles (`_compact`), so appending is all an acquire pays.
+        self._all: list[Handle] = []
+        self._compact_at = _COMPACT_MIN
         self._observers: dict[Handle, list[Any]] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
-        self._in_plan: set[int] = set()  # id() of instances whose plan is running
+        # The instance whose plan runs innermost, and id() of the others whose plans
+        # are running around it (a plan's effect fired another instance's terminal
+        # event): a handle acquired for (or moved to) one of them is its plan's.
+        self._plan_owner: Any = None
+        self._in_plan: set[int] = set()
         self.errors: list[EffectError] = []
         """Errors of async steps and of late releases, in the order they happened."""
         self.released = 0
@@ -112,6 +154,7 @@ class Ledger:
         """Set the default release effect for handles of `kind`."""
         require_effect(release, f"releaser for kind {kind!r}")
         self._releasers[kind] = release
+        self._raw[kind] = unwrapped(release)
 
     @property
     def kinds(self) -> frozenset[str]:
@@ -131,42 +174,93 @@ class Ledger:
                 f"no releaser registered for handle kind {kind!r}; pass "
                 f"releasers={{{kind!r}: effect}} to the Ledger before acquiring"
             )
-        m = owner.machine
-        if m.ledger is not self:
-            self._require_mine(owner, "acquire for")
-        h = Handle(kind, value, owner)
-        owned = self._owned
-        cur = owned.get(owner)  # _link, inlined: this is the acquire hot path
-        if cur is None:
-            owned[owner] = h
-        elif type(cur) is list:
-            cur.append(h)
+        if isinstance(owner, Holder):  # the engine's instance: its slots, read here
+            m = owner._m
+            if m.ledger is not self:
+                self._require_mine(owner, "acquire for")
+            h = Handle(kind, value, owner)
+            cur = owner._owns
+            if cur is None:
+                owner._owns = h
+            elif cur.__class__ is list:
+                cur.append(h)
+            else:
+                owner._owns = [cur, h]
+            terminal = m.terminal[owner._s]
         else:
-            owned[owner] = [cur, h]  # type: ignore[list-item]
-        if owner.terminal and id(owner) not in self._in_plan:
+            if owner.machine.ledger is not self:
+                self._require_mine(owner, "acquire for")
+            h = Handle(kind, value, owner)
+            self._link(owner, h)
+            terminal = owner.terminal
+        every = self._all
+        every.append(h)
+        if len(every) >= self._compact_at:
+            self._compact()
+        if terminal and not self._planning(owner):
             self._release_late(h)
         return h
 
+    def _compact(self) -> None:
+        """Drop released handles from `_all`; the next compaction waits until it doubles."""
+        self._all = live = [h for h in self._all if not h.released]
+        self._compact_at = max(2 * len(live), _COMPACT_MIN)
+
+    def _get(self, owner: Any) -> Handle | list[Handle] | None:
+        """What `owner` owns: None, one handle, or a list of two or more."""
+        if isinstance(owner, Holder):
+            return owner._owns
+        return self._owned.get(owner)
+
+    def _put(self, owner: Any, cur: Handle | list[Handle] | None) -> None:
+        if isinstance(owner, Holder):
+            owner._owns = cur
+        elif cur is None:
+            self._owned.pop(owner, None)
+        else:
+            self._owned[owner] = cur
+
+    def _planning(self, owner: Any) -> bool:
+        """True while `owner`'s release plan runs (a handle given to it is the plan's):
+        marked here by `_run_steps`, or on the instance by the compiled terminal step."""
+        if owner is self._plan_owner or id(owner) in self._in_plan:
+            return True
+        if isinstance(owner, Holder):
+            q = owner._q
+            return q is PLAN_RUNNING or q.__class__ is QueuedInPlan
+        return False
+
+    def _enter_plan(self, owner: Any) -> Any:
+        """Mark `owner`'s plan running; returns what `_exit_plan` restores."""
+        prev = self._plan_owner
+        if prev is not None:
+            self._in_plan.add(id(prev))
+        self._plan_owner = owner
+        return prev
+
+    def _exit_plan(self, prev: Any) -> None:
+        self._plan_owner = prev
+        if prev is not None:
+            self._in_plan.discard(id(prev))
+
     def _link(self, owner: Any, h: Handle) -> None:
-        owned = self._owned
-        cur = owned.get(owner)
+        cur = self._get(owner)
         if cur is None:
-            owned[owner] = h
+            self._put(owner, h)
         elif type(cur) is list:
             cur.append(h)
         else:
-            owned[owner] = [cur, h]  # type: ignore[list-item]
+            self._put(owner, [cur, h])  # type: ignore[list-item]
 
     def _unlink(self, owner: Any, h: Handle) -> None:
         # Callers hold `h` as owned by `owner` (transfer checks it, a release marks a
         # handle it found there), so `cur` is `h` or a list of two or more holding it.
-        owned = self._owned
-        cur = owned.get(owner)
+        cur = self._get(owner)
         if cur is h:
-            del owned[owner]
+            self._put(owner, None)
         elif type(cur) is list:
             rest = [x for x in cur if x is not h]
-            owned[owner] = rest[0] if len(rest) == 1 else rest
+            self._put(owner, rest[0] if len(rest) == 1 else rest)
 
     def transfer(self, handle: Handle, to: Owner) -> None:
         """Move ownership of `handle` to `to`; released at once if `to` is terminal."""
@@ -177,18 +271,18 @@ class Ledger:
         self._require_mine(to, "transfer to")
         if not self._holds(handle.owner, handle):
             raise OwnershipError(f"{handle!r} is not in the ledger")
-        if handle.owner.terminal and id(handle.owner) not in self._in_plan:
+        if handle.owner.terminal and not self._planning(handle.owner):
             raise OwnershipError(
                 f"cannot transfer {handle!r}: its owner is terminal and has released it"
             )
         self._unlink(handle.owner, handle)
         handle.owner = to
         self._link(to, handle)
-        if to.terminal and id(to) not in self._in_plan:
+        if to.terminal and not self._planning(to):
             self._release_late(handle)
 
     def _holds(self, owner: Any, h: Handle) -> bool:
-        cur = self._owned.get(owner)
+        cur = self._get(owner)
         return cur is h or (type(cur) is list and any(x is h for x in cur))
 
     def _require_mine(self, owner: Owner, what: str) -> None:
@@ -213,7 +307,7 @@ class Ledger:
 
     def owned(self, owner: Any, kind: str | None = None) -> list[Handle]:
         """The unreleased handles `owner` owns now, of `kind` if given, in acquire order."""
-        cur = self._owned.get(owner)
+        cur = self._get(owner)
         if cur is None:
             return []
         if type(cur) is not list:
@@ -221,19 +315,19 @@ class Ledger:
         return [h for h in cur if kind is None or h.kind == kind]
 
     def outstanding(self) -> dict[Any, list[Handle]]:
-        """Every unreleased handle, by owner."""
-        return {o: self.owned(o) for o in self._owned}
+        """Every unreleased handle, by owner (owners in the order of their oldest)."""
+        out: dict[Any, list[Handle]] = {}
+        for h in self._iter():
+            if h.owner not in out:
+                out[h.owner] = self.owned(h.owner)
+        return out
 
     def count(self, kind: str | None = None) -> int:
         """Number of unreleased handles (of `kind` if given)."""
         return sum(1 for h in self._iter() if kind is None or h.kind == kind)
 
     def _iter(self) -> Iterator[Handle]:
-        for cur in self._owned.values():
-            if type(cur) is list:
-                yield from cur
-            else:
-                yield cur  # type: ignore[misc]
+        return (h for h in self._all if not h.released)
 
     def assert_empty(self) -> None:
         """Raise AssertionError listing every unreleased handle, if any."""
@@ -257,26 +351,28 @@ class Ledger:
         """
         if not ctx.live:
             raise ReleaseOutsideTerminal(f"Ledger.run_plan({report.plan!r})")
-        owner = ctx.instance
-        owned = self._owned
-        key = id(owner)
-        in_plan = self._in_plan
-        in_plan.add(key)
+        self._run_steps(ctx, ctx.instance, plan.steps, report)
+        if report._errors:
+            self.errors.extend(report._errors)
+
+    def _run_steps(self, ctx: ReleaseContext, owner: Any, steps: tuple[Any, ...],
+                   report: PlanReport) -> None:
+        """`run_plan`'s body, for the engine, which holds `ctx` live."""
+        get = self._get
+        prev = self._enter_plan(owner)
         try:
-            for step in plan.steps:
+            for step in steps:
                 if type(step) is Release:
-                    if owner in owned:
+                    if get(owner) is not None:
                         self._release_owned(ctx, owner, step.kind, step.fn, report,
                                             step.name, step.best_effort)
                 else:
                     assert isinstance(step, Action)
                     self._call(step.fn, (ctx,), report, step.name, step.best_effort)
-            if owner in owned:
+            if get(owner) is not None:  # the handles the plan did not name
                 self._release_owned(ctx, owner, None, None, report, None, False)
         finally:
-            in_plan.discard(key)
-        if report.errors:
-            self.errors.extend(report.errors)
+            self._exit_plan(prev)
 
     def _mark_released(self, handle: Handle) -> None:
         if handle.released:
@@ -312,14 +408,14 @@ class Ledger:
         (a transfer to a peer): those are skipped, never released twice or for the wrong
         owner.
         """
-        cur = self._owned.get(owner)
+        cur = self._get(owner)
         if cur is None:
             return
         if type(cur) is Handle:  # one handle: the common case, released inline
             if cur.released or (kind is not None and cur.kind != kind):
                 return
             cur.released = True
-            del self._owned[owner]
+            self._put(owner, None)
             if self._observers:
                 self._observers.pop(cur, None)
             self.released += 1
@@ -345,9 +441,9 @@ class Ledger:
                              self) as ctx:
             self._release(ctx, handle, None, report, f"release {handle.kind} (late)", False)
         self.late_released += 1
-        self.errors.extend(report.errors)
-        if report.errors:
-            raise report.errors[0]
+        if report._errors:
+            self.errors.extend(report._errors)
+            raise report._errors[0]
 
     # -- async steps ------------------------------------------------------------------
 

@@ -13,8 +13,9 @@ observations, runs release plans, and queues events fired while it runs
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import observe as _obs
@@ -25,9 +26,19 @@ from .errors import (
     TransitionNotAllowed,
     UnknownEvent,
 )
-from .ledger import Ledger
+from .ledger import PLAN_RUNNING, Handle, Holder, Ledger, QueuedInPlan
 from .observe import Stats
-from .plan import EMPTY_PLAN, Plan, PlanReport, Release, release_context
+from .plan import (
+    EMPTY_PLAN,
+    EffectError,
+    Plan,
+    PlanReport,
+    Release,
+    ReleaseContext,
+    _Edge,
+    step_result,
+    unwrapped,
+)
 from .table import DECISIONS, ERRORED, GUARDED, IGNORED, TRANSITION, Alt, Declaration, Guard, Tables
 
 if TYPE_CHECKING:
@@ -36,6 +47,9 @@ if TYPE_CHECKING:
     from .batch import Batch
 
 __all__ = ["Instance", "Machine", "Stats", "Tables"]
+
+_OnCell = Callable[["Instance", Any], "PlanReport | None"]
+"""What `Instance.fire` calls for a cell whose code is < 0 (`Machine._on`)."""
 
 
 class Machine:
@@ -68,6 +82,12 @@ class Machine:
     _bound: bool
     _sinks: list[Any]
     _observed: bool
+    _rec: Any
+    _runs: dict[tuple[int, int, str | None], _Terminal]
+    _on: Sequence[_OnCell | None]
+    _on_watched: Sequence[_OnCell | None]
+    _on_recorded: list[_OnCell | None]
+    _on_unobserved: list[_OnCell | None]
 
     _frozen = False
 
@@ -143,17 +163,73 @@ class Machine:
         self._partial = partial
         self._bound = bound
         self.ledger = ledger
-        self.stats = Stats()
+        self.stats = Stats((*self.tables.plan_names, _OWNED))
         self._sinks = []
         self._rows = self._fast_rows
+        # Per (state, event) cell, what `Instance.fire` calls for a code < 0 (None: the
+        # general path, `_fire_step`), one table per way of being observed; each cell
+        # is compiled on its first fire (`_first_fire`), so binding costs a list copy.
+        # Nothing in them refers to the machine (they read it from the instance): no
+        # reference cycle keeps a dropped machine alive.
+        n = len(self.states) * self._n_events
+        self._runs = {}
+        self._on_watched = (None,) * n
+        self._on_recorded = _lazy_table(n)
+        self._on_unobserved = _lazy_table(n)
         _obs.register(self)
         self._refresh()
         self._frozen = True
 
+    def _terminal(self, src: int, dst: int, name: str | None) -> _Terminal:
+        """The compiled plan run of a terminal edge (made on first use)."""
+        t = self._runs.get((src, dst, name))
+        if t is None:
+            n = len(self.tables.plan_names)
+            pid = self.tables.plan_names.index(name) if name in self.tables.plan_names else n
+            t = self._runs[(src, dst, name)] = _Terminal(self, src, dst, name, pid)
+        return t
+
+    def _compile_cell(self, cell: int) -> _OnCell | None:
+        """Compile `cell` into the table in use (`_on`) and return its function: an
+        unguarded terminal edge whose plan can run (`_compile_terminal`), an ignore,
+        a plain transition recorded (`_compile_recorded`), or None for the general
+        path (guards, errors, unbound plans)."""
+        table = self._on
+        assert isinstance(table, list)  # the watched table is all None
+        s, e = divmod(cell, self._n_events)
+        alts = self.cells[s][e]
+        a = alts[0]
+        f: _OnCell | None = None
+        if len(alts) > 1 or a.guard is not None:
+            pass
+        elif a.decision == IGNORED:
+            ignored = (self.states[s], self._enames[e])
+            f = (_compile_ignore(self, ignored) if table is self._on_unobserved
+                 else _compile_recorded(s, s, e, ignored))
+        elif a.decision != TRANSITION:
+            pass
+        elif not self.terminal[a.target]:
+            if table is self._on_recorded:  # unobserved, fire() does it itself
+                f = _compile_recorded(a.target, s, e, None)
+        elif a.plan is None or a.plan in self._plans or self._partial:
+            f = _compile_terminal(self, self._terminal(s, a.target, a.plan))
+            if table is self._on_recorded:
+                f = _compile_recorded_terminal(s, e, f)
+        table[cell] = f
+        return f
+
     def _refresh(self) -> None:
-        observed = bool(self._sinks) or _obs.recorder() is not None
+        rec = _obs.recorder()
+        observed = bool(self._sinks) or rec is not None
         self._observed = observed
         self._rows = self._slow_rows if observed else self._fast_rows
+        self._rec = rec
+        if self._sinks:  # every decision goes through _step, which calls them
+            self._on = self._on_watched
+        elif rec is not None:
+            self._on = self._on_recorded
+        else:
+            self._on = self._on_unobserved
 
     def on_recorder_change(self) -> None:
         """Switch tables after a recorder was attached or detached (`fsm.set_recorder`)."""
@@ -343,12 +419,23 @@ class Machine:
 
     # -- the slow path -------------------------------------------------------------------
 
-    def _fire_slow(self, inst: Instance, event: Any, cell: int = -1) -> PlanReport | None:
+    def _fire_slow(self, inst: Instance, event: Any) -> PlanReport | None:
+        """`fire` of an event the rows do not know, or at a busy instance."""
         q = inst._q
         if q is not None:  # run-to-completion: handled after the running step
-            q.append(event)
+            if q is _BUSY:  # the first event queued behind a compiled terminal step
+                inst._q = QueuedInPlan((event,))
+            elif q is _STEPPING:  # or behind a recorded plain step
+                inst._q = [event]
+            else:
+                q.append(event)
             return None
-        inst._q = q = []
+        return self._fire_step(-1, inst, event)
+
+    def _fire_step(self, cell: int, inst: Instance, event: Any) -> PlanReport | None:
+        """The general path: one `_step`, then the events it queued."""
+        q: list[Any] = []
+        inst._q = q
         try:  # the fired event's own step: its report is what fire() returns
             result = self._step(inst, event, cell)
         except Exception as e:
@@ -426,41 +513,292 @@ class Machine:
 
     def _run_plan(self, inst: Instance, name: str | None, event: Any, src: int,
                   dst: int) -> PlanReport:
-        pname = name or "<release owned>"
-        plan = self._plans.get(name, EMPTY_PLAN) if name else EMPTY_PLAN
-        ledger = self.ledger
-        report = PlanReport(self.name, inst, pname, [], [], [])
-        with release_context(self.name, inst, event, pname, self.states[src],
-                             self.states[dst], ledger) as ctx:
-            if ledger is not None:
-                ledger.run_plan(ctx, plan, report)
-            else:  # bind() refuses Release steps without a ledger
-                plan.run_actions(ctx, report)
-        self.stats.plans_run[pname] += 1
-        if report.errors:
-            self.stats.effect_errors += len(report.errors)
-            fatal = [er for er in report.errors if not er.best_effort]
-            if fatal:
-                raise ReleaseFailed(
-                    f"machine {self.name!r}: {len(fatal)} step(s) of plan {pname!r} "
-                    "raised; every other step ran",
-                    list(fatal), report)
+        return self._run_terminal(inst, event, self._terminal(src, dst, name))
+
+    def _run_terminal(self, inst: Instance, event: Any, t: _Terminal) -> PlanReport:
+        """Run the plan of terminal edge `t` for `inst` (already in its target state)."""
+        ctx: ReleaseContext = _new(ReleaseContext)  # live until the finally below (I1)
+        ctx._live = True
+        ctx.instance = inst
+        ctx.event = event
+        ctx._edge = t.edge
+        report = PlanReport(self.name, inst, t.pname)
+        ledger = t.ledger
+        try:
+            if ledger is None:  # bind() refuses Release steps without a ledger
+                t.plan.run_actions(ctx, report)
+            else:
+                ledger._run_steps(ctx, inst, t.plan.steps, report)
+        finally:
+            ctx._live = False
+        self.stats._runs[t.pid] += 1
+        if report._errors:
+            self._plan_failed(report, ledger)
         return report
 
+    def _plan_failed(self, report: PlanReport, ledger: Ledger | None) -> None:
+        """Account for the errors of a plan run; raise ReleaseFailed when one of them
+        was not best-effort."""
+        errors = report.errors
+        if ledger is not None:
+            ledger.errors.extend(errors)
+        self.stats.effect_errors += len(errors)
+        fatal = [er for er in errors if not er.best_effort]
+        if fatal:
+            raise ReleaseFailed(
+                f"machine {self.name!r}: {len(fatal)} step(s) of plan {report.plan!r} "
+                "raised; every other step ran",
+                list(fatal), report)
 
-class Instance:
-    """One live machine: a state id and nothing else the engine needs.
+
+_OWNED = "<release owned>"
+"""The plan name of a terminal edge that names none (it releases what the instance owns)."""
+
+_new = object.__new__
+
+_BUSY = PLAN_RUNNING
+"""`Instance._q` while a compiled terminal step runs and nothing was queued yet (never
+appended to: the first queued event replaces it with a `QueuedInPlan` of its own,
+which the step turns into a plain list before it drains it, its plan done)."""
+
+_STEPPING: list[Any] = []
+"""`Instance._q` while a compiled recorded step runs and nothing was queued yet."""
+
+
+class _Terminal:
+    """One terminal edge's plan run, compiled when the machine is bound.
+
+    `kinds` is set when the plan has only `Release` steps and the machine a ledger: kind
+    -> (index of the first step of that kind, the function it calls unwrapped or None
+    for the kind's default releaser, step name, best_effort); `sweep` is the same for a
+    handle no step names (released by its kind's default releaser after the last step).
+    """
+
+    __slots__ = ("edge", "kinds", "ledger", "pid", "plan", "pname", "sweep", "target")
+
+    def __init__(self, m: Machine, src: int, dst: int, name: str | None, pid: int) -> None:
+        self.target = dst
+        self.pname = name or _OWNED
+        self.pid = pid
+        self.plan = m._plans.get(name, EMPTY_PLAN) if name else EMPTY_PLAN
+        self.ledger = m.ledger
+        self.edge = _Edge(m.name, self.pname, m.states[src], m.states[dst], m.ledger)
+        steps = self.plan.steps
+        self.sweep = (len(steps), None, None, False)
+        self.kinds: dict[str, tuple[int, Any, str | None, bool]] | None = None
+        if m.ledger is not None and all(type(st) is Release for st in steps):
+            kinds: dict[str, tuple[int, Any, str | None, bool]] = {}
+            for i, st in enumerate(steps):
+                assert isinstance(st, Release)
+                if st.kind not in kinds:
+                    kinds[st.kind] = (i, None if st.fn is None else unwrapped(st.fn),
+                                      st.name, st.best_effort)
+            self.kinds = kinds
+
+
+def _compile_ignore(m: Machine, ignored: tuple[str, str]) -> Callable[[Instance, Any], None]:
+    """An unobserved ignore: counted, nothing else."""
+    counts = m.stats.ignored
+
+    def fire_ignored(inst: Instance, event: Any) -> None:
+        counts[ignored] += 1
+
+    return fire_ignored
+
+
+def _compile_recorded(target: int, s: int, e: int,
+                      ignored: tuple[str, str] | None) -> _OnCell:
+    """A plain transition (`ignored` None) or an ignore while only the process-wide
+    recorder observes: the step, then `record()`, with the instance busy meanwhile."""
+    busy = _STEPPING
+
+    def fire_recorded(inst: Instance, event: Any) -> None:
+        m = inst._m
+        inst._q = busy
+        try:
+            if ignored is None:
+                inst._s = target
+            else:
+                m.stats.ignored[ignored] += 1
+            m._rec.record(m, s, e, 0)
+        except Exception as exc:
+            q = inst._q
+            if q is busy:
+                inst._q = None
+                raise
+            m._drain(inst, q, [exc])
+            return
+        q = inst._q
+        if q is not busy:  # events fired at it meanwhile, in order
+            m._drain(inst, q, [])
+            return
+        inst._q = None
+
+    return fire_recorded
+
+
+def _compile_recorded_terminal(s: int, e: int, run: _OnCell) -> _OnCell:
+    """A compiled terminal edge while only the recorder observes: `record()`, then the
+    step; when `record()` raised, the plan still runs (I1) and its error, if any, wins,
+    as in `Machine._step`."""
+
+    def fire_terminal_recorded(inst: Instance, event: Any) -> PlanReport | None:
+        m = inst._m
+        try:
+            m._rec.record(m, s, e, 0)
+        except Exception:
+            run(inst, event)
+            raise
+        return run(inst, event)
+
+    return fire_terminal_recorded
+
+
+def _first_fire(cell: int, inst: Instance, event: Any) -> PlanReport | None:
+    """`cell`'s first fire on this machine: compile it, then run it."""
+    m = inst._m
+    f = m._compile_cell(cell)
+    return m._fire_step(cell, inst, event) if f is None else f(inst, event)
+
+
+_LAZY: list[_OnCell | None] = []
+
+
+def _lazy_table(n: int) -> list[_OnCell | None]:
+    """A table of `n` cells not compiled yet: entry `c` is `partial(_first_fire, c)`,
+    shared by every machine (a cell's index is all it holds)."""
+    while len(_LAZY) < n:
+        _LAZY.append(functools.partial(_first_fire, len(_LAZY)))
+    return _LAZY[:n]
+
+
+def _compile_general(m: Machine, t: _Terminal) -> _OnCell:
+    """`_compile_terminal` for a plan with actions or a machine without a ledger: the
+    plan runs through `Machine._run_terminal`."""
+    target, busy = t.target, _BUSY
+
+    def fire_terminal(inst: Instance, event: Any) -> PlanReport | None:
+        inst._s = target
+        inst._q = busy
+        try:
+            report = inst._m._run_terminal(inst, event, t)
+        except Exception as e:
+            q = inst._q
+            if q is busy:
+                inst._q = None
+                raise
+            inst._q = q = list(q)  # the plan is done: what is given to it now is late
+            return inst._m._drain(inst, q, [e])
+        q = inst._q
+        if q is not busy:  # events its effects fired at this instance, in order
+            inst._q = q = list(q)
+            return inst._m._drain(inst, q, [], report)
+        inst._q = None
+        return report
+
+    return fire_terminal
+
+
+def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
+    """What `Instance.fire` runs for an unguarded terminal edge while nobody observes:
+    the whole step, in one function whose constants are bound here.
+
+    It moves the instance to the terminal state, marks it busy (events fired at it
+    queue, `_BUSY`), runs the plan inside a live context that is dead after it, and
+    drains the queue. With a ledger and a plan of `Release` steps (`t.kinds`), an
+    instance that owns one handle has it released here: marked first, then its step's
+    function (or the kind's default releaser) called unwrapped, since the context is
+    the engine's own and live. Several handles go through `Ledger._run_steps`; other
+    plans through `_compile_general`.
+    """
+    ledger, kinds = t.ledger, t.kinds
+    if ledger is None or kinds is None:  # no ledger, or a plan with actions
+        return _compile_general(m, t)
+    target, edge, pname, pid, steps, sweep = t.target, t.edge, t.pname, t.pid, t.plan.steps, t.sweep
+    mname, runs = m.name, m.stats._runs
+    observers, raw = ledger._observers, ledger._raw
+    kind0, step0 = next(iter(kinds.items()), (None, sweep))
+    new, Context, Report, Hd, busy = _new, ReleaseContext, PlanReport, Handle, _BUSY
+
+    def fire_terminal(inst: Instance, event: Any) -> PlanReport | None:
+        inst._s = target
+        inst._q = busy
+        try:
+            ctx = new(Context)  # live until the finally below (I1)
+            ctx._live = True
+            ctx.instance = inst
+            ctx.event = event
+            ctx._edge = edge
+            try:
+                cur = inst._owns
+                if cur.__class__ is not Hd:
+                    report = Report(mname, inst, pname)
+                    if cur is not None:  # several handles
+                        ledger._run_steps(ctx, inst, steps, report)
+                else:
+                    kind = cur.kind
+                    if kind == kind0:  # the plan's first Release step: the usual case
+                        i, fn, name, best_effort = step0
+                    else:
+                        i, fn, name, best_effort = kinds.get(kind, sweep)
+                    cur.released = True  # marked first: never released twice
+                    inst._owns = None
+                    if observers:
+                        observers.pop(cur, None)
+                    ledger.released += 1
+                    report = Report(mname, inst, pname, cur)
+                    try:  # what is given to inst meanwhile is the plan's (PLAN_RUNNING)
+                        res = (fn or raw[kind])(ctx, cur)
+                    except Exception as e:  # every step runs; the error is reported
+                        res = None
+                        report.errors.append(EffectError(
+                            mname, pname, name or f"release {kind}", best_effort, e))
+                    if res is not None:
+                        step = name or f"release {kind}"
+                        task = step_result(res, report, step, best_effort)
+                        if task is not None:
+                            ledger._keep(task, report, step, best_effort)
+                    if inst._owns is not None:  # given to it while its releaser ran
+                        ledger._run_steps(ctx, inst, steps[i + 1:], report)
+            finally:
+                ctx._live = False
+            runs[pid] += 1
+            if report._errors:
+                inst._m._plan_failed(report, ledger)
+        except Exception as e:
+            q = inst._q
+            if q is busy:
+                inst._q = None
+                raise
+            inst._q = q = list(q)  # the plan is done: what is given to it now is late
+            return inst._m._drain(inst, q, [e])
+        q = inst._q
+        if q is not busy:  # events its effects fired at this instance, in order
+            inst._q = q = list(q)
+            return inst._m._drain(inst, q, [], report)
+        inst._q = None
+        return report
+
+    return fire_terminal
+
+
+class Instance(Holder):
+    """One live machine: a state id and nothing else the engine needs (and, in the
+    slots of its base `ledger.Holder`, what it owns).
 
     Subclass it with `__slots__` for the data your guards read. Only the engine
     changes the state (`fire`); `state`, `terminal` and `busy` read it.
     """
 
-    __slots__ = ("_m", "_q", "_s", "key")
+    __slots__ = ("key",)
+
+    _m: Machine
 
     def __init__(self, machine: Machine, key: Any = None) -> None:
         self._m = machine
         self._s = machine.initial
         self._q: list[Any] | None = None
+        self._owns = None
         self.key = key
 
     def fire(self, event: Any) -> PlanReport | None:
@@ -478,8 +816,12 @@ class Instance:
             if code >= 0:
                 self._s = code
                 return None
-            # The cell's code names (state, event): the slow path need not look again.
-            return self._m._fire_slow(self, event, -1 - code)
+            # The cell's code names (state, event): its compiled function, or the
+            # general path told which cell it is.
+            on = self._m._on[-1 - code]
+            if on is None:
+                return self._m._fire_step(-1 - code, self, event)
+            return on(self, event)
         return self._m._fire_slow(self, event)
 
     @property

@@ -18,14 +18,32 @@ Machine = Any  # a `fsm.Machine`: this module sits below it and only passes it a
 
 
 class Stats:
-    """Counters a machine keeps off the fast path: ignores, plan runs, effect errors."""
+    """Counters a machine keeps off the fast path: ignores, plan runs, effect errors.
 
-    __slots__ = ("effect_errors", "ignored", "plans_run")
+    `plans_run` is a Counter of plan name -> runs. The engine counts a scalar plan run
+    in a list slot indexed by plan (`_runs`, names in `_names`), which is cheaper than a
+    Counter's `+=`; reading `plans_run` folds those counts into the Counter first, so a
+    Counter held across later transitions is up to date only after the next read.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_names", "_plans_run", "_runs", "effect_errors", "ignored")
+
+    def __init__(self, plan_names: tuple[str, ...] = ()) -> None:
         self.ignored: Counter[tuple[str, str]] = Counter()
-        self.plans_run: Counter[str] = Counter()
+        self._plans_run: Counter[str] = Counter()
+        self._names = plan_names
+        self._runs = [0] * len(plan_names)
         self.effect_errors = 0
+
+    @property
+    def plans_run(self) -> Counter[str]:
+        """Release plans run, by name (scalar instances and batched rows)."""
+        runs = self._runs
+        for i, n in enumerate(runs):
+            if n:
+                self._plans_run[self._names[i]] += n
+                runs[i] = 0
+        return self._plans_run
 
 
 class TransitionRecord(msgspec.Struct, frozen=True, gc=False):

@@ -35,7 +35,22 @@ from .errors import FsmError, ReleaseOutsideTerminal
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_ENGINE = object()  # only the engine holds this; ReleaseContext refuses anything else
+
+class _Edge:
+    """What a release context says about its edge, shared by every plan run over it: the
+    engine makes one per terminal cell when a machine is bound, so opening a context
+    stores three fields, not nine."""
+
+    __slots__ = ("ledger", "machine", "plan", "rows", "source", "target")
+
+    def __init__(self, machine: str, plan: str, source: str, target: str, ledger: Any,
+                 rows: Any = None) -> None:
+        self.machine = machine
+        self.plan = plan
+        self.source = source
+        self.target = target
+        self.ledger = ledger
+        self.rows = rows
 
 
 class ReleaseContext:
@@ -47,35 +62,19 @@ class ReleaseContext:
     was given, for effects), and `rows` (for a batched plan, the int64 indices of the
     rows that took an edge running it in this step; None for a scalar instance).
 
-    Only the engine makes one, through `release_context()`.
+    Only the engine makes one, through `release_context()` (or, on its terminal fast
+    path, `_open`); calling the class raises `ReleaseOutsideTerminal`.
     """
 
-    __slots__ = ("_live", "event", "instance", "ledger", "machine", "plan", "rows",
-                 "source", "target")
+    __slots__ = ("_edge", "_live", "event", "instance")
 
-    def __init__(
-        self,
-        token: object,
-        machine: str,
-        instance: Any,
-        event: Any,
-        plan: str,
-        source: str,
-        target: str,
-        ledger: Any,
-        rows: Any = None,
-    ) -> None:
-        if token is not _ENGINE:
-            raise ReleaseOutsideTerminal("ReleaseContext()")
-        self._live = True
-        self.rows = rows
-        self.machine = machine
-        self.instance = instance
-        self.event = event
-        self.plan = plan
-        self.source = source
-        self.target = target
-        self.ledger = ledger
+    _edge: _Edge
+    _live: bool
+    event: Any
+    instance: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise ReleaseOutsideTerminal("ReleaseContext()")
 
     @property
     def live(self) -> bool:
@@ -83,9 +82,40 @@ class ReleaseContext:
         return self._live
 
     @property
+    def machine(self) -> str:
+        """The machine's name."""
+        return self._edge.machine
+
+    @property
+    def plan(self) -> str:
+        """The plan's name."""
+        return self._edge.plan
+
+    @property
+    def source(self) -> str:
+        """The state the terminal transition left."""
+        return self._edge.source
+
+    @property
+    def target(self) -> str:
+        """The terminal state it entered."""
+        return self._edge.target
+
+    @property
+    def ledger(self) -> Any:
+        """The machine's `Ledger`, or None."""
+        return self._edge.ledger
+
+    @property
+    def rows(self) -> Any:
+        """For a batched plan, the int64 indices of its rows in this step; else None."""
+        return self._edge.rows
+
+    @property
     def resources(self) -> Any:
         """The resources object given to the ledger (`Ledger(resources=...)`)."""
-        return None if self.ledger is None else self.ledger.resources
+        ledger = self._edge.ledger
+        return None if ledger is None else ledger.resources
 
     def __enter__(self) -> ReleaseContext:
         return self
@@ -94,21 +124,36 @@ class ReleaseContext:
         self._live = False  # closed here, for every way a release block ends
 
     def __repr__(self) -> str:
-        return (f"ReleaseContext({self.machine}:{self.source}->{self.target}, "
-                f"plan={self.plan!r}, live={self._live})")
+        e = self._edge
+        return (f"ReleaseContext({e.machine}:{e.source}->{e.target}, "
+                f"plan={e.plan!r}, live={self._live})")
 
 
-release_context: Callable[..., ReleaseContext] = functools.partial(ReleaseContext, _ENGINE)
-"""`release_context(machine, instance, event, plan, source, target, ledger, rows=None)`:
-the one place a `ReleaseContext` is opened (engine only); use it as
-`with release_context(...) as ctx:`.
+_new = object.__new__
 
-The machine (a terminal transition), the ledger (a late release) and a batch (a batched
-plan) run their release steps inside it; the context is dead once the block ends,
-whatever it raised (`ReleaseContext.__exit__`), so an effect that kept it cannot run
-later (I1). A partial of the constructor with the engine's token, so opening one costs
-no extra Python call.
-"""
+
+def _open(instance: Any, event: Any, edge: _Edge) -> ReleaseContext:
+    """A live context over `edge` (engine only; the machine inlines these stores on its
+    terminal fast path)."""
+    ctx: ReleaseContext = _new(ReleaseContext)
+    ctx._live = True
+    ctx.instance = instance
+    ctx.event = event
+    ctx._edge = edge
+    return ctx
+
+
+def release_context(machine: str, instance: Any, event: Any, plan: str, source: str,
+                    target: str, ledger: Any, rows: Any = None) -> ReleaseContext:
+    """The one place a `ReleaseContext` is opened (engine only); use it as
+    `with release_context(...) as ctx:`.
+
+    The machine (a terminal transition), the ledger (a late release) and a batch (a
+    batched plan) run their release steps inside it; the context is dead once the block
+    ends, whatever it raised (`ReleaseContext.__exit__`), so an effect that kept it
+    cannot run later (I1).
+    """
+    return _open(instance, event, _Edge(machine, plan, source, target, ledger, rows))
 
 
 def release_effect(fn: F) -> F:
@@ -124,7 +169,20 @@ def release_effect(fn: F) -> F:
         return fn(ctx, *args, **kwargs)
 
     guarded.__terminus_release__ = True  # type: ignore[attr-defined]
+    # The engine, which holds the live context it just opened, calls `fn` itself
+    # (`unwrapped`); the pair names this very wrapper, so another decorator that copied
+    # the attribute with functools.wraps is never skipped.
+    guarded.__terminus_raw__ = (guarded, fn)  # type: ignore[attr-defined]
     return guarded  # type: ignore[return-value]
+
+
+def unwrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The function a `@release_effect` wraps, for the engine to call inside a context it
+    holds live; anything else (another decorator around it, a plain function) as is."""
+    raw = getattr(fn, "__terminus_raw__", None)
+    if type(raw) is tuple and len(raw) == 2 and raw[0] is fn:
+        return raw[1]
+    return fn
 
 
 def is_release_effect(fn: Any) -> bool:
@@ -239,24 +297,52 @@ class PlanReport(msgspec.Struct, eq=False):
     """What one run of a release plan did: `released` (the `Handle`s it released, in
     order), `errors` (the step errors), `tasks` (async steps still running).
 
-    A msgspec Struct: built in C, once per terminal transition.
+    A msgspec Struct: built in C, once per terminal transition. The three lists are
+    made on first use (most plans release one handle, raise nothing and start no task:
+    the engine builds the report with that handle bare, `_released`).
     """
 
     machine: str
     instance: Any
     plan: str
-    released: list[Any] = msgspec.field(default_factory=list)
-    errors: list[EffectError] = msgspec.field(default_factory=list)
-    tasks: list[asyncio.Future[Any]] = msgspec.field(default_factory=list)
+    _released: Any = None  # None, one Handle, or the list `released` returns
+    _errors: list[EffectError] | None = None
+    _tasks: list[asyncio.Future[Any]] | None = None
+
+    @property
+    def released(self) -> list[Any]:
+        """The handles the plan released, in order."""
+        released = self._released
+        if released is None:
+            released = self._released = []
+        elif released.__class__ is not list:
+            released = self._released = [released]
+        return released
+
+    @property
+    def errors(self) -> list[EffectError]:
+        """The errors of the steps that raised, in order."""
+        errors = self._errors
+        if errors is None:
+            errors = self._errors = []
+        return errors
+
+    @property
+    def tasks(self) -> list[asyncio.Future[Any]]:
+        """The async steps started, as tasks on the running loop."""
+        tasks = self._tasks
+        if tasks is None:
+            tasks = self._tasks = []
+        return tasks
 
     @property
     def ok(self) -> bool:
         """True when no step raised (best-effort ones included)."""
-        return not self.errors
+        return not self._errors
 
     def __repr__(self) -> str:
         return (f"PlanReport({self.machine}:{self.plan}, released={len(self.released)}, "
-                f"errors={len(self.errors)}, tasks={len(self.tasks)})")
+                f"errors={len(self._errors or ())}, tasks={len(self._tasks or ())})")
 
 
 def call_step(
@@ -273,7 +359,16 @@ def call_step(
     except Exception as e:  # every step runs; the error is reported, never swallowed
         report.errors.append(EffectError(report.machine, report.plan, step, best_effort, e))
         return None
-    if res is None or not inspect.isawaitable(res):
+    if res is None:
+        return None
+    return step_result(res, report, step, best_effort)
+
+
+def step_result(res: Any, report: PlanReport, step: str,
+                best_effort: bool) -> asyncio.Future[Any] | None:
+    """What a step returned (not None): an awaitable becomes a task on the running loop
+    (listed in `report.tasks` and returned), anything else is ignored."""
+    if not inspect.isawaitable(res):
         return None
     try:
         loop = asyncio.get_running_loop()

@@ -22,7 +22,10 @@ from terminus.fsm.bench import Finish, Resume, bench_spec
 from terminus.fsm.graph import invert, reachable, shortest_routes
 from terminus.fsm.plan import release_context
 from terminus.kernels import TokenKVAllocator
+from tests.engine_paths import engine_path  # noqa: F401  (a fixture)
 from tests.lifecycle import LIFECYCLE, Abort, Job
+
+pytestmark = pytest.mark.usefixtures("engine_path")
 
 
 def test_shortest_routes_are_bfs_ordered_and_break_ties_by_edge_order():

@@ -15,7 +15,10 @@ from terminus.fsm import (
     release_effect,
 )
 from terminus.kernels import TokenKVAllocator
+from tests.engine_paths import engine_path  # noqa: F401  (a fixture)
 from tests.lifecycle import LIFECYCLE, Abort, Chunk, Finish, Start
+
+pytestmark = pytest.mark.usefixtures("engine_path")
 
 
 @release_effect
@@ -255,3 +258,64 @@ def test_an_async_release_step_without_a_running_loop_is_reported_not_lost(kv, l
     assert len(report.errors) == 1
     assert "needs a running event loop" in str(report.errors[0])
     ledger.errors.clear()
+
+
+class _Proxy:
+    """An owner that is not an `fsm.Instance`: the `Owner` protocol (machine, state,
+    terminal) over an instance it stands for."""
+
+    def __init__(self, inst):
+        self.inst = inst
+
+    @property
+    def machine(self):
+        return self.inst.machine
+
+    @property
+    def state(self):
+        return self.inst.state
+
+    @property
+    def terminal(self):
+        return self.inst.terminal
+
+    def __repr__(self):
+        return f"<proxy of {self.inst!r}>"
+
+
+def test_an_owner_that_is_not_an_instance_owns_transfers_and_is_released_late(kv, ledger):
+    m = bound(ledger)
+    job, other = m.create("job"), m.create("other")
+    proxy = _Proxy(job)
+    a = ledger.acquire(proxy, "kv", kv.alloc(4))
+    b = ledger.acquire(proxy, "kv", kv.alloc(2))
+    mine = ledger.acquire(other, "kv", kv.alloc(1))
+    assert ledger.owned(proxy) == [a, b] and ledger.owned(job) == []
+    assert ledger.count() == 3 and ledger.outstanding() == {proxy: [a, b], other: [mine]}
+    ledger.transfer(a, to=other)  # out of the dict, into an instance's slot
+    assert ledger.owned(proxy) == [b] and ledger.owned(other) == [mine, a]
+    ledger.transfer(mine, to=proxy)  # and back
+    assert ledger.owned(proxy) == [b, mine] and ledger.owned(other) == [a]
+    ledger.transfer(b, to=other)
+    ledger.transfer(mine, to=other)  # the proxy owns nothing now: no dict entry left
+    assert ledger.owned(proxy) == [] and not ledger._owned
+    assert other.fire(Abort()).released == [a, b, mine]
+    job.fire(Abort())  # the proxy's instance is terminal: a handle for it is released
+    late = ledger.acquire(proxy, "kv", kv.alloc(3))  # at once
+    assert late.released and ledger.late_released == 1
+    assert ledger.count() == 0 and ledger.outstanding() == {}
+
+
+def test_released_handles_are_dropped_from_the_ledger_walk_as_it_grows(kv, ledger):
+    m = LIFECYCLE.bind({"release_aborted": Plan(Release("kv")),
+                        "release_finished": Plan(Release("kv"))}, ledger, partial=True)
+    kept = m.create("kept")
+    first = ledger.acquire(kept, "kv", kv.alloc(1))
+    for i in range(5000):  # more than a compaction's minimum (4096)
+        inst = m.create(i)
+        ledger.acquire(inst, "kv", kv.alloc(1))
+        inst.fire(Abort())
+    assert len(ledger._all) < 5000  # compacted: released handles are not kept
+    assert ledger.count() == 1 and ledger.outstanding() == {kept: [first]}
+    assert ledger.released == 5000
+    kept.fire(Abort())

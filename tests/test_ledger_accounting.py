@@ -26,7 +26,10 @@ from terminus.fsm import (
     release_effect,
 )
 from terminus.kernels import MetadataSlots, TokenKVAllocator
+from tests.engine_paths import engine_path  # noqa: F401  (a fixture)
 from tests.lifecycle import LIFECYCLE, Abort
+
+pytestmark = pytest.mark.usefixtures("engine_path")
 
 
 @release_effect

@@ -27,7 +27,10 @@ from terminus.fsm import (
     release_effect,
 )
 from terminus.kernels import TokenKVAllocator
+from tests.engine_paths import engine_path  # noqa: F401  (a fixture)
 from tests.lifecycle import LIFECYCLE, Abort, Start
+
+pytestmark = pytest.mark.usefixtures("engine_path")
 
 
 class Pools:

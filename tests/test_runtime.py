@@ -25,7 +25,10 @@ from terminus.fsm import (
     release_effect,
 )
 from terminus.kernels import MetadataSlots, TokenKVAllocator
+from tests.engine_paths import engine_path  # noqa: F401  (a fixture)
 from tests.lifecycle import LIFECYCLE, Abort, Chunk, Finish, Job, Start
+
+pytestmark = pytest.mark.usefixtures("engine_path")
 
 
 class World:
@@ -407,4 +410,7 @@ def test_binding_with_partial_runs_missing_plans_as_empty_ones():
 def test_instances_are_small():
     import sys
 
-    assert sys.getsizeof(LIFECYCLE.create()) <= 64
+    # Five slots: machine, state, queue, key, and what it owns (`ledger.Holder._owns`,
+    # which saves the ledger a dict entry per owner: 72 + 80 B for an instance and its
+    # handle where it was 64 + 124 B).
+    assert sys.getsizeof(LIFECYCLE.create()) <= 72

@@ -1,0 +1,230 @@
+"""A terminal edge whose plan releases one handle: what the compiled path
+(`fsm.machine._compile_terminal`) must keep of the general one, on both engine paths."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from terminus.fsm import (
+    Ledger,
+    Plan,
+    Release,
+    ReleaseFailed,
+    ReleaseOutsideTerminal,
+    TransitionNotAllowed,
+    release_effect,
+)
+from terminus.fsm.plan import unwrapped
+from terminus.kernels import TokenKVAllocator
+from tests.engine_paths import engine_path  # noqa: F401  (a fixture)
+from tests.lifecycle import LIFECYCLE, Abort, Start
+
+pytestmark = pytest.mark.usefixtures("engine_path")
+
+
+@pytest.fixture
+def kv():
+    pool = TokenKVAllocator(64, strict=True)
+    yield pool
+    pool.assert_full()
+
+
+def make(kv, releaser, **plans):
+    ledger = Ledger({"kv": releaser}, resources=kv)
+    default = {"release_aborted": Plan(Release("kv")), "release_finished": Plan(Release("kv"))}
+    default.update(plans)
+    return LIFECYCLE.bind(default, ledger), ledger
+
+
+def test_events_a_releaser_fires_at_its_own_instance_run_after_its_plan(kv):
+    order: list[str] = []
+
+    @release_effect
+    def free(ctx, handle):
+        order.append("release")
+        assert ctx.instance.busy
+        ctx.instance.fire(Abort())  # queued: ignored in 'aborted' after the plan
+        ctx.instance.fire(Start())  # queued: an error there, raised after the plan
+        ctx.resources.free(handle.value)
+        order.append("freed")
+
+    m, ledger = make(kv, free)
+    job = m.create("r")
+    h = ledger.acquire(job, "kv", kv.alloc(4))
+    with pytest.raises(TransitionNotAllowed, match="'Start' is not allowed in state 'aborted'"):
+        job.fire(Abort())
+    assert order == ["release", "freed"] and h.released and not job.busy
+    assert m.stats.ignored[("aborted", "Abort")] == 1
+    assert m.stats.plans_run == {"release_aborted": 1}
+    ledger.assert_empty()
+
+
+def test_a_failing_releaser_is_reported_its_handle_counted_released_and_the_context_dies(kv):
+    kept = []
+
+    @release_effect
+    def free(ctx, handle):
+        kept.append(ctx)
+        ctx.resources.free(handle.value)
+        raise RuntimeError("pool said no")
+
+    m, ledger = make(kv, free)
+    job = m.create("r")
+    h = ledger.acquire(job, "kv", kv.alloc(4))
+    with pytest.raises(ReleaseFailed) as info:
+        job.fire(Abort())
+    report = info.value.report
+    assert report.released == [h] and h.released and ledger.released == 1
+    assert [(e.step, e.best_effort) for e in report.errors] == [("release kv", False)]
+    assert ledger.errors == report.errors and m.stats.effect_errors == 1
+    assert not kept[0].live and not job.busy and job.state == "aborted"
+    with pytest.raises(ReleaseOutsideTerminal):
+        free(kept[0], h)  # the wrapper still refuses a context kept past its plan
+    ledger.assert_empty()
+
+
+def test_a_handle_acquired_by_a_releaser_for_its_own_instance_is_the_plan_s(kv):
+    grabbed = []
+
+    @release_effect
+    def free(ctx, handle):
+        ctx.resources.free(handle.value)
+        if not grabbed:
+            grabbed.append(ctx.ledger.acquire(ctx.instance, "kv", ctx.resources.alloc(2)))
+
+    m, ledger = make(kv, free)
+    job = m.create("r")
+    first = ledger.acquire(job, "kv", kv.alloc(4))
+    report = job.fire(Abort())
+    assert report.released == [first, *grabbed] and grabbed[0].released
+    assert ledger.late_released == 0 and ledger.released == 2
+    ledger.assert_empty()
+
+
+def test_the_step_naming_the_handle_s_kind_releases_it_with_its_own_function(kv):
+    calls: list[str] = []
+
+    @release_effect
+    def default(ctx, handle):
+        calls.append("default")
+        ctx.resources.free(handle.value)
+
+    @release_effect
+    def own(ctx, handle):
+        calls.append(f"own {ctx.plan} {ctx.source}->{ctx.target}")
+        ctx.resources.free(handle.value)
+
+    m, ledger = make(kv, default, release_aborted=Plan(Release("meta_unused", own),
+                                                       Release("kv", own)))
+    job = m.create("r")
+    ledger.acquire(job, "kv", kv.alloc(4))
+    report = job.fire(Abort())
+    assert calls == ["own release_aborted queued->aborted"] and report.ok
+    ledger.assert_empty()
+
+
+def test_a_decorator_around_a_release_effect_is_never_skipped(kv):
+    seen: list[str] = []
+
+    def logged(fn):
+        @functools.wraps(fn)  # copies the release effect's attributes, its raw pair too
+        def wrapper(ctx, handle):
+            seen.append("wrapper")
+            return fn(ctx, handle)
+        return wrapper
+
+    @logged
+    @release_effect
+    def free(ctx, handle):
+        seen.append("effect")
+        ctx.resources.free(handle.value)
+
+    assert unwrapped(free) is free  # the engine calls what it was given
+    m, ledger = make(kv, free)
+    job = m.create("r")
+    ledger.acquire(job, "kv", kv.alloc(4))
+    job.fire(Abort())
+    assert seen == ["wrapper", "effect"]
+    ledger.assert_empty()
+
+
+def test_plan_runs_are_counted_per_plan_and_a_read_sees_every_run_so_far(kv):
+    @release_effect
+    def free(ctx, handle):
+        ctx.resources.free(handle.value)
+
+    m, ledger = make(kv, free)
+    jobs = [m.create(i) for i in range(3)]
+    for j in jobs:
+        ledger.acquire(j, "kv", kv.alloc(1))
+    jobs[0].fire(Abort())
+    assert m.stats.plans_run == {"release_aborted": 1}
+    jobs[1].fire(Abort())
+    jobs[2].fire(Abort())
+    assert m.stats.plans_run == {"release_aborted": 3}
+    m.stats.plans_run["release_aborted"] += 2  # what a batched step does with its rows
+    assert m.stats.plans_run == {"release_aborted": 5}
+    ledger.assert_empty()
+
+
+def test_a_recorder_that_raises_on_a_terminal_edge_does_not_skip_its_plan(kv):
+    from terminus.fsm import observe
+
+    @release_effect
+    def free(ctx, handle):
+        ctx.resources.free(handle.value)
+
+    class Raising:
+        def __init__(self):
+            self.seen = []
+
+        def record(self, machine, source, event, alt):
+            self.seen.append((machine.states[source], machine.event_names[event], alt))
+            if machine.states[source] == "queued" and machine.event_names[event] == "Abort":
+                raise RuntimeError("recorder broke")
+
+        def record_counts(self, machine, counts):
+            pass
+
+    m, ledger = make(kv, free)
+    job, other = m.create("r"), m.create("s")
+    h = ledger.acquire(job, "kv", kv.alloc(4))
+    ledger.acquire(other, "kv", kv.alloc(2))
+    rec = Raising()
+    prev = observe.set_recorder(rec)
+    try:
+        with pytest.raises(RuntimeError, match="recorder broke"):
+            job.fire(Abort())
+        other.fire(Start())  # recorded plain transition
+        report = other.fire(Abort())  # recorded terminal edge, from 'prefilling'
+    finally:
+        observe.set_recorder(prev)
+    assert h.released and job.state == "aborted" and not job.busy
+    assert report.ok and len(report.released) == 1
+    assert rec.seen == [("queued", "Abort", 0), ("queued", "Start", 0),
+                        ("prefilling", "Abort", 1)]
+    assert m.stats.plans_run == {"release_aborted": 2}
+    ledger.assert_empty()
+
+
+def test_a_handle_given_after_the_releaser_queued_an_event_is_still_the_plan_s(kv):
+    grabbed = []
+
+    @release_effect
+    def free(ctx, handle):
+        ctx.resources.free(handle.value)
+        if not grabbed:
+            ctx.instance.fire(Abort())  # queued behind the running step
+            grabbed.append(ctx.ledger.acquire(ctx.instance, "kv", ctx.resources.alloc(2)))
+
+    m, ledger = make(kv, free)
+    job = m.create("r")
+    first = ledger.acquire(job, "kv", kv.alloc(4))
+    report = job.fire(Abort())
+    assert report.released == [first, *grabbed] and ledger.late_released == 0
+    assert m.stats.ignored[("aborted", "Abort")] == 1 and not job.busy
+    late = ledger.acquire(job, "kv", kv.alloc(1))  # after the step: released at once
+    assert late.released and ledger.late_released == 1
+    ledger.assert_empty()
