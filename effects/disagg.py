@@ -61,6 +61,7 @@ from terminus.kernels.protocols import (
     page_size_of,
     require,
 )
+from terminus.kernels.radix import RadixInsert
 from terminus.kernels.req_table import ReqToTokenTable
 from terminus.states.chunk import CHUNK, Abandon, Chunk, Commit, Launch, NextLaunched, Result
 from terminus.states.disagg import (
@@ -199,7 +200,9 @@ class DisaggResources:
     transport: Transport
     cache: PrefixCache
     sink: OutputSink
-    staged: dict[Any, list[torch.Tensor]] = field(default_factory=dict)
+    staged: dict[Any, dict[int, torch.Tensor]] = field(default_factory=dict)
+    """Per request whose KV was just inserted: what each of its KV handles (by `id`)
+    still frees, the indices the tree did not take (a handle not named frees all)."""
 
 
 # -- release effects ---------------------------------------------------------------------
@@ -264,7 +267,8 @@ def insert_kv_into_cache(ctx: ReleaseContext) -> None:
     res = _res(ctx)
     inst = ctx.instance
     assert ctx.ledger is not None
-    parts = [h.value for h in ctx.ledger.owned(inst, "kv")]
+    handles = ctx.ledger.owned(inst, "kv")
+    parts = [h.value for h in handles]
     locks = [h.value for h in ctx.ledger.owned(inst, PREFIX_LOCK)]
     if not parts:
         return
@@ -277,7 +281,31 @@ def insert_kv_into_cache(ctx: ReleaseContext) -> None:
         kv = kv[:len(tokens)]
     result = res.cache.insert(inst.key, tokens[:kv.numel()], kv,
                               owned_from=min(owned_from, kv.numel()))
-    res.staged[inst] = [result.taken]
+    res.staged[inst] = _not_taken(handles, owned_from, result)
+
+
+def _not_taken(handles: list[Any], start: int,
+               result: RadixInsert) -> dict[int, torch.Tensor]:
+    """What each KV handle keeps after an insert (by `id`; those the tree took nothing
+    of are left out). The handles' values lie end to end from position `start` of the
+    sequence inserted, and the tree took one run of it, `result.taken`, from
+    `result.prefix_len`: slices, not a search of every index among those taken."""
+    t0 = result.prefix_len
+    t1 = t0 + int(result.taken.numel())
+    out: dict[int, torch.Tensor] = {}
+    if t1 <= t0:
+        return out
+    pos = start
+    for h in handles:
+        v = h.value
+        end = pos + int(v.numel())
+        a, b = max(t0, pos), min(t1, end)
+        if a < b:
+            head, tail = v[:a - pos], v[b - pos:]
+            out[id(h)] = (tail if a == pos else head if b == end
+                          else torch.cat((head, tail)))
+        pos = end
+    return out
 
 
 @release_effect
@@ -285,10 +313,10 @@ def free_kv_not_cached(ctx: ReleaseContext, handle: Any) -> None:
     """Free the pages of a KV handle that the prefix cache did not take (all of them
     when nothing was inserted)."""
     res = _res(ctx)
-    taken = res.staged.get(ctx.instance)
+    kept = res.staged.get(ctx.instance)
     idx = handle.value
-    if taken and taken[0].numel():
-        idx = idx[~torch.isin(idx.to(torch.int64), taken[0].to(idx.device))]
+    if kept:
+        idx = kept.get(id(handle), idx)
     if idx.numel():
         res.pools.kv.free(idx)
 
