@@ -186,8 +186,13 @@ class TokenizerSide:
 
     @property
     def live(self) -> dict[RequestKey, Instance]:
-        """Instances not yet terminal, by key."""
+        """Instances not yet terminal, by key (a copy)."""
         return dict(self._live)
+
+    @property
+    def live_count(self) -> int:
+        """How many instances are not yet terminal (`len(live)`, without the copy)."""
+        return len(self._live)
 
     def children(self, rid: Any) -> list[Request]:
         """The child requests a sampling group fanned out to (empty before fan-out)."""

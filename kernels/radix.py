@@ -337,27 +337,49 @@ class RadixTree:
             yield n
             stack.extend(n.children.values())
 
+    def _leaves(self) -> list[tuple[int, int, RadixNode]]:
+        """The unlocked leaves as (last_access, tiebreak, node), in one walk that skips
+        every locked subtree's interior only where it must (a locked node's children
+        may still be unlocked leaves)."""
+        out: list[tuple[int, int, RadixNode]] = []
+        stack = list(self.root.children.values())
+        pop, push, add = stack.pop, stack.extend, out.append
+        while stack:
+            n = pop()
+            ch = n.children
+            if ch:
+                push(ch.values())
+            elif n.lock_ref == 0:
+                add((n.last_access, len(out), n))
+        return out
+
     def evict(self, num_tokens: int) -> torch.Tensor:
         """Drop least-recently-used unlocked leaves until `num_tokens` tokens are dropped
         (or nothing evictable is left); returns their KV indices, for the caller to free.
         Never drops a locked node (nor, so, any ancestor of one)."""
         if num_tokens < 0:
             raise ValueError(f"RadixTree.evict: num_tokens must be >= 0, got {num_tokens}")
-        heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+        if num_tokens == 0 or not self._evictable:
+            return self._empty
+        # (recency, tiebreak, node): the heap compares ints in C, not nodes in Python.
+        heap = self._leaves()
         heapq.heapify(heap)
         dropped: list[torch.Tensor] = []
         count = 0
+        page = self.page_size
+        tie = len(heap)
         while count < num_tokens and heap:
-            leaf = heapq.heappop(heap)
+            leaf = heapq.heappop(heap)[2]
             parent = leaf.parent
             assert parent is not None
-            del parent.children[self._child_key(leaf.key)]
+            del parent.children[leaf.key[:page]]
             leaf.parent = None
             dropped.append(leaf.value)
             count += len(leaf.key)
             self._evictable -= len(leaf.key)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, parent)
+                tie += 1
+                heapq.heappush(heap, (parent.last_access, tie, parent))
         if not dropped:
             return self._empty
         return torch.cat(dropped) if len(dropped) > 1 else dropped[0]

@@ -58,6 +58,11 @@ class NaiveTokenizer:
         """Requests whose state is still held."""
         return self.rid_to_state
 
+    @property
+    def live_count(self) -> int:
+        """How many requests' states are still held."""
+        return len(self.rid_to_state)
+
     async def drain(self) -> None:
         """Nothing asynchronous to wait for."""
 

@@ -621,8 +621,8 @@ class Shared:
 class Parts(Protocol):
     """The half of a serving loop that differs between the machines and the naive
     baseline. `tokenizer` is a tokenizer side (`submit`, `submit_batch`, `abort`,
-    `drain`, `live`, and the scheduler's `on_output` / `on_finish` / `on_error`);
-    `disagg` takes the disaggregated-prefill requests (`add`, `abort`, `step`, `idle`,
+    `drain`, `live`, `live_count`, and the scheduler's `on_output` / `on_finish` /
+    `on_error`); `disagg` takes the disaggregated-prefill requests (`add`, `abort`, `step`, `idle`,
     `pools`, `leaks()`, `stuck()`)."""
 
     @property
@@ -700,7 +700,7 @@ class MachineParts:
     @property
     def settled(self) -> bool:
         """No request of the tokenizer side is live."""
-        return not self.tokenizer.live
+        return not self.tokenizer.live_count
 
     def leaks(self) -> dict[str, int]:
         """Handles the LoRA ledger still records as owned."""
@@ -850,7 +850,7 @@ class ServingLoop:
             "metadata_slots": du["metadata"],
             "host_pages": sum(s.host.occupied for s in self.prefetch.sites)
             + d.host.occupied,
-            "live_requests": len(self.tokenizer.live),
+            "live_requests": self.tokenizer.live_count,
             "cached_tokens": sum(c.held_tokens for c in self._caches()),
         }
         peak = self._peak
