@@ -407,8 +407,8 @@ def make_ledger(resources: DisaggResources) -> Ledger:
 class PrefillRequest(DisaggReq):
     """A request instance plus what the loop needs to cut it into chunks."""
 
-    __slots__ = ("cached", "chunk_size", "n_chunks", "prompt_len", "sender_deadline",
-                 "tokens")
+    __slots__ = ("cached", "chunk_size", "n_chunks", "prompt_len", "row",
+                 "sender_deadline", "tokens")
 
     def __init__(self, machine: Machine, key: str, prompt_len: int, chunk_size: int,
                  tokens: tuple[int, ...] = ()) -> None:
@@ -421,6 +421,9 @@ class PrefillRequest(DisaggReq):
         """Prompt tokens matched in the prefix cache (not prefilled again)."""
         self.n_chunks = -(-prompt_len // chunk_size)
         self.sender_deadline: float | None = None  # set when it starts awaiting_sender
+        self.row = -1
+        """The request table row of the slot it owns (read when its first chunk is
+        scheduled; the slot itself is the ledger's `req_slot` handle)."""
 
     def set_cached(self, n: int) -> None:
         """The first `n` prompt tokens came from the prefix cache: chunks cover the rest."""
@@ -621,36 +624,44 @@ class DisaggPrefill:
         """
         req = self.req(rid)
         k = len(req.chunks)
-        if req.state not in ("waiting", "prefilling") or k >= req.n_chunks:
+        if k >= req.n_chunks or req.state not in ("waiting", "prefilling"):
             return None
         pools = self.pools
         ps = pools.page_size
+        n = req.chunk_len(k)
         # All or nothing, decided before taking anything: every unit taken below has
         # an owner in the ledger at once, so nothing is ever given back by hand. A
         # chunk's KV starts on a page of its own (an abandoned chunk frees only its own).
-        if pools.kv.available_size() < -(-req.chunk_len(k) // ps) * ps or (k == 0 and (
+        if pools.kv.available_size() < -(-n // ps) * ps or (k == 0 and (
                 pools.table.available < 1
                 or pools.mamba.available_size() < self.mamba_per_request)):
             return None
-        if k == 0 and not self.ledger.owned(req, "req_slot"):
-            # Each unit is recorded the moment it is taken: a pool that raises on the
-            # next alloc leaves this one owned by the request (its release frees it).
-            slot = pools.table.alloc(1)
-            assert slot is not None  # checked just above
-            self.ledger.acquire(req, "req_slot", slot)
-        if k == 0 and not self.ledger.owned(req, "mamba"):
-            mamba = pools.mamba.alloc(self.mamba_per_request)
-            assert mamba is not None  # checked just above
-            self.ledger.acquire(req, "mamba", mamba)
-        kv = pools.kv_alloc(req.chunk_len(k))
+        ledger = self.ledger
+        if k == 0:
+            slots = ledger.owned(req, "req_slot")
+            if not slots:
+                # Each unit is recorded the moment it is taken: a pool that raises on
+                # the next alloc leaves this one owned by the request (its release
+                # frees it).
+                slot = pools.table.alloc(1)
+                assert slot is not None  # checked just above
+                ledger.acquire(req, "req_slot", slot)
+            else:
+                slot = slots[0].value
+            req.row = int(slot[0])
+            if not ledger.owned(req, "mamba"):
+                mamba = pools.mamba.alloc(self.mamba_per_request)
+                assert mamba is not None  # checked just above
+                ledger.acquire(req, "mamba", mamba)
+        kv = pools.kv_alloc(n)
         assert kv is not None  # checked just above
         chunk = Chunk(self.chunks_machine, (rid, k), parent=req, index=k,
                       last=k == req.n_chunks - 1)
-        self.ledger.acquire(chunk, "kv", kv)
-        row = int(self.ledger.owned(req, "req_slot")[0].value[0])
+        ledger.acquire(chunk, "kv", kv)
+        row = req.row
         try:
             if k == 0:
-                for h in self.ledger.owned(req, PREFIX_LOCK):
+                for h in ledger.owned(req, PREFIX_LOCK):
                     pools.table.write(row, 0, h.value.indices)
             pools.table.write(row, req.cached + k * req.chunk_size, kv)
         except BaseException:

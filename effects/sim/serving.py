@@ -407,6 +407,10 @@ def disagg_leaks(pools: DisaggPools, cache: PrefixCache) -> dict[str, int]:
     }
 
 
+_SCHEDULING = ("waiting", "prefilling")  # where `DisaggPrefill.schedule` may launch
+_TRANSFERRING = ("transferring", "awaiting_sender")  # where `poll_transfer` polls
+
+
 class SimDisagg:
     """Disaggregated-prefill requests over a fake KV sender that fails on cue."""
 
@@ -463,20 +467,26 @@ class SimDisagg:
         if kv.available < kv.capacity // 4:  # memory pressure: evict unlocked pages
             e.cache.evict(kv.capacity // 4 - kv.available)
         done = []
+        requests = e.requests
         for rid, in_flight in self.live.items():
-            req = e.req(rid)
-            if req.state == "bootstrapping":
+            req = requests[rid]
+            state = req.state
+            if state == "bootstrapping":
                 e.bootstrap(rid)
-                if req.state == "bootstrapping":
+                state = req.state
+                if state == "bootstrapping":
                     continue  # no metadata slot free yet: poll again next step
             if in_flight:
                 self._call(e.result, rid, in_flight.popleft())
-            while len(in_flight) < 2:
+                state = req.state
+            while len(in_flight) < 2 and state in _SCHEDULING:
                 chunk = self._call(e.schedule, rid)
                 if chunk is None:
                     break
                 in_flight.append(chunk.index)
-            self._call(e.poll_transfer, rid)
+                state = req.state
+            if req.state in _TRANSFERRING:
+                self._call(e.poll_transfer, rid)
             if req.terminal and not in_flight:
                 done.append(rid)
         for rid in done:
