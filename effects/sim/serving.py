@@ -595,9 +595,12 @@ class SimPrefetch:
         return self.ranks.abort(rid, fail=rid in self.failing)
 
     def evict(self) -> None:
-        """The host cache drops every prefix it holds."""
+        """The host cache drops every prefix it holds (one free per rank)."""
+        by_rank: dict[int, list[torch.Tensor]] = {}
         for (rank, _), pages in self.cache.items():
-            self.sites[rank].host.free(pages)
+            by_rank.setdefault(rank, []).append(pages)
+        for rank, parts in by_rank.items():
+            self.sites[rank].host.free(torch.cat(parts) if len(parts) > 1 else parts[0])
         self.cache.clear()
 
     @property
