@@ -274,8 +274,8 @@ def proxy(target: Any, resource: str, plan: FaultPlan,
 
     A method is looked up on `target` at its first use through the proxy and kept;
     replace one by setting it on the proxy (which sets it on `target`), not on `target`
-    behind the proxy's back. `returns` proxies what some methods return under another resource name (the
-    `Prefetch` of `host.prefetch` as ``"host_prefetch"``).
+    behind the proxy's back. `returns` proxies what some methods return under another
+    resource name (the `Prefetch` of `host.prefetch` as ``"host_prefetch"``).
     """
     return _Proxy(target, resource, plan, dict(returns or {}))
 

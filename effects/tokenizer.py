@@ -72,6 +72,15 @@ from .sanitize import sanitized, track_lora_side
 __all__ = ["InvalidRequest", "NotCreatedYet", "RequestKey", "Tokenizer", "TokenizerSide"]
 
 
+# Events without a payload to speak of, made once (events are frozen).
+_SUBMIT = Submitted(acquire=False)
+_SUBMIT_ACQUIRE = Submitted(acquire=True)
+_VALIDATED = Validated()
+_OUTPUT = Output()
+_FAN_OUT = FanOut()
+_WARMUP_FINISHED = WarmupFinished()
+
+
 class InvalidRequest(Exception):
     """Raised by a `Tokenizer` for input the client got wrong (status 4xx by default)."""
 
@@ -266,7 +275,7 @@ class TokenizerSide:
     async def _run_request(self, req: Request) -> None:
         lora = req.lora
         try:
-            self._fire(req, Submitted(acquire=lora is not None))
+            self._fire(req, _SUBMIT_ACQUIRE if lora is not None else _SUBMIT)
             if lora is not None:
                 try:
                     lora_id = await self.registry.acquire(lora)
@@ -287,7 +296,7 @@ class TokenizerSide:
             except Exception as e:
                 self._fire(req, ValidationFailed(500, f"tokenizer failed: {e!r}"))
                 return
-            self._fire(req, Validated())  # absorbed when an abort came first
+            self._fire(req, _VALIDATED)  # absorbed when an abort came first
             self._send(req)
         except BaseException:
             self._end(req, "submission was interrupted")
@@ -397,7 +406,7 @@ class TokenizerSide:
             return  # aborted before its preparation started: it never acquired anything
         try:
             names = [lo for lo in group.loras if lo is not None for _ in range(group.n)]
-            self._fire(group, Submitted(acquire=bool(names)))
+            self._fire(group, _SUBMIT_ACQUIRE if names else _SUBMIT)
             if names:
                 try:
                     ids = list(await self.registry.acquire(names))
@@ -436,7 +445,7 @@ class TokenizerSide:
             except Exception as e:
                 self._fire(group, ValidationFailed(500, f"tokenizer failed: {e!r}"))
                 return
-            self._fire(group, Validated())
+            self._fire(group, _VALIDATED)
             if group.state != "warming_up":
                 return
             handles = self.ledger.owned(group, LORA)
@@ -460,8 +469,8 @@ class TokenizerSide:
             for w in warmups:
                 if group.terminal:
                     break
-                self._fire(w, Submitted(acquire=False))
-                self._fire(w, Validated())
+                self._fire(w, _SUBMIT)
+                self._fire(w, _VALIDATED)
                 self._send(w)
         except BaseException:
             batch.interrupted = True  # no sibling may fan out any more
@@ -514,10 +523,10 @@ class TokenizerSide:
             group.children = children
             for c in children:
                 self._created(c)
-            self._fire(group, FanOut())  # transfers one reference to each child
+            self._fire(group, _FAN_OUT)  # transfers one reference to each child
             for c in children:
-                self._fire(c, Submitted(acquire=False))
-                self._fire(c, Validated())
+                self._fire(c, _SUBMIT)
+                self._fire(c, _VALIDATED)
                 self._send(c)
 
     # -- events from the client and the scheduler ----------------------------------------
@@ -544,7 +553,7 @@ class TokenizerSide:
     @sanitized
     def on_output(self, rid: Any) -> bool:
         """The scheduler streamed a non-final output for `rid`."""
-        return self._deliver(rid, Output())
+        return self._deliver(rid, _OUTPUT)
 
     @sanitized
     def on_finish(self, rid: Any, reason: str = "stop") -> bool:
@@ -584,11 +593,12 @@ class TokenizerSide:
     # -- the one place events are delivered ----------------------------------------------
 
     def _fire(self, inst: Instance, event: Any) -> None:
-        was_terminal = inst.terminal
         try:
             inst.fire(event)
         finally:
-            if inst.terminal and not was_terminal:
+            # Newly terminal: every instance is live (in `_live`) from its creation
+            # until it is retired here, once.
+            if inst.terminal and self._live.get(inst.key) is inst:
                 self._retired(inst, event)
 
     def _end(self, inst: Instance, message: str) -> None:
@@ -612,8 +622,7 @@ class TokenizerSide:
                 f"ending {len(errors)} requests of an interrupted batch raised", errors)
 
     def _retired(self, inst: Instance, event: Any) -> None:
-        if self._live.get(inst.key) is inst:
-            del self._live[inst.key]
+        del self._live[inst.key]
         if isinstance(inst, SamplingGroup):
             for d in _derived_keys(inst.key, len(inst.prompts), inst.n):
                 if self._reserved.get(d.rid) == d:  # ids it never used are free again
@@ -627,11 +636,13 @@ class TokenizerSide:
 
     def _family_check(self, top: Instance) -> None:
         """Forget a family once every member has ended (its ids are free again)."""
+        if not top.terminal:
+            return
         members: list[Instance] = [top]
         if isinstance(top, SamplingGroup):
             members += top.warmups + top.children
-        if not all(m.terminal for m in members):
-            return
+            if not all(m.terminal for m in members):
+                return
         for m in members:
             name = m.key.rid if isinstance(m.key, RequestKey) else m.key
             if self._names.get(name) is m:
@@ -661,7 +672,7 @@ class TokenizerSide:
         group = w.parent
         if w.state == "finished":
             group.pending_warmups -= 1
-            self._fire(group, WarmupFinished())
+            self._fire(group, _WARMUP_FINISHED)
             batch = self._batches.get(group.key)
             if batch is not None and group.state == "ready":
                 self._fan_out(batch)

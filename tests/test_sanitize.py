@@ -220,7 +220,7 @@ def test_a_refused_call_is_audited_whichever_way_the_switch_was_turned_on(monkey
     e.add("r", 8, chunk_size=4)  # not audited
     monkeypatch.setenv(sanitize.ENV, "1")
     sanitize.refresh()
-    with pytest.raises(LeakSanitizerError, match="DisaggPrefill.abort"):
+    with pytest.raises(LeakSanitizerError, match=r"DisaggPrefill\.abort"):
         e.abort("r")
     e.pools.kv.free(stray)
     with sanitizing(False):
