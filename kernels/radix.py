@@ -29,6 +29,9 @@ Where this differs from SGLang's ``RadixCache`` (0.5.x):
 - ``evict`` returns the indices it dropped instead of freeing them, so the effects free
   them through the ledger; it never drops a locked node or the root.
 - Recency is a counter, not a clock: runs are reproducible.
+- The unlocked leaves are kept as the tree changes, with a heap by recency (stale
+  entries skipped when popped): an eviction pops what it drops, O(k log n), instead of
+  walking every node to find the leaves.
 - ``dec_lock_ref`` below zero, or on a node that is no longer in the tree, raises
   (SGLang asserts, or silently corrupts its sizes).
 """
@@ -148,6 +151,13 @@ class RadixTree:
         self._clock = 0
         self._evictable = 0
         self._protected = 0
+        # The unlocked leaves (what eviction may drop), kept as the tree changes, and a
+        # heap of (last_access, tiebreak, node) over them with stale entries skipped at
+        # pop time (a node no longer an unlocked leaf, or accessed since): an eviction
+        # pops what it drops instead of walking the whole tree.
+        self._leaves: dict[RadixNode, None] = {}
+        self._heap: list[tuple[int, int, RadixNode]] = []
+        self._tie = 0
 
     # -- sizes ----------------------------------------------------------------------------
 
@@ -178,6 +188,16 @@ class RadixTree:
 
     def _child_key(self, key: tuple[int, ...]) -> tuple[int, ...]:
         return key[:self.page_size]
+
+    def _leaf(self, n: RadixNode) -> None:
+        """`n` is an unlocked leaf now (or was accessed as one): queue it for eviction."""
+        self._leaves[n] = None
+        self._tie += 1
+        heapq.heappush(self._heap, (n.last_access, self._tie, n))
+        if len(self._heap) > 2 * len(self._leaves) + 64:  # mostly stale: rebuild
+            self._heap = [(m.last_access, i, m) for i, m in enumerate(self._leaves)]
+            heapq.heapify(self._heap)
+            self._tie = len(self._heap)
 
     def _split(self, child: RadixNode, at: int) -> RadixNode:
         """Cut `child` after `at` tokens (a page boundary): a new parent holds the head."""
@@ -210,6 +230,8 @@ class RadixTree:
             child.last_access = now
             values.append(child.value)
             node, done = child, done + n
+        if node in self._leaves:  # its recency changed
+            self._leaf(node)
         return node, done, values
 
     def match_prefix(self, tokens: Sequence[int]) -> RadixMatch:
@@ -264,6 +286,8 @@ class RadixTree:
             new.last_access = self._tick()
             node.children[self._child_key(new.key)] = new
             self._evictable += len(new.key)
+            self._leaves.pop(node, None)  # a leaf no more
+            self._leaf(new)
             node = new
         dup_end = max(prefix_len, owned_from)
         duplicates = values[owned_from:dup_end]
@@ -304,6 +328,7 @@ class RadixTree:
         for n in self._path(node):
             if n.lock_ref == 0:
                 delta += len(n.key)
+                self._leaves.pop(n, None)
             n.lock_ref += 1
         self._evictable -= delta
         self._protected += delta
@@ -324,6 +349,8 @@ class RadixTree:
             n.lock_ref -= 1
             if n.lock_ref == 0:
                 delta += len(n.key)
+                if not n.children:
+                    self._leaf(n)
         self._evictable += delta
         self._protected -= delta
         return delta
@@ -337,22 +364,6 @@ class RadixTree:
             yield n
             stack.extend(n.children.values())
 
-    def _leaves(self) -> list[tuple[int, int, RadixNode]]:
-        """The unlocked leaves as (last_access, tiebreak, node), in one walk that skips
-        every locked subtree's interior only where it must (a locked node's children
-        may still be unlocked leaves)."""
-        out: list[tuple[int, int, RadixNode]] = []
-        stack = list(self.root.children.values())
-        pop, push, add = stack.pop, stack.extend, out.append
-        while stack:
-            n = pop()
-            ch = n.children
-            if ch:
-                push(ch.values())
-            elif n.lock_ref == 0:
-                add((n.last_access, len(out), n))
-        return out
-
     def evict(self, num_tokens: int) -> torch.Tensor:
         """Drop least-recently-used unlocked leaves until `num_tokens` tokens are dropped
         (or nothing evictable is left); returns their KV indices, for the caller to free.
@@ -361,15 +372,15 @@ class RadixTree:
             raise ValueError(f"RadixTree.evict: num_tokens must be >= 0, got {num_tokens}")
         if num_tokens == 0 or not self._evictable:
             return self._empty
-        # (recency, tiebreak, node): the heap compares ints in C, not nodes in Python.
-        heap = self._leaves()
-        heapq.heapify(heap)
+        heap, leaves = self._heap, self._leaves
         dropped: list[torch.Tensor] = []
         count = 0
         page = self.page_size
-        tie = len(heap)
         while count < num_tokens and heap:
-            leaf = heapq.heappop(heap)[2]
+            access, _, leaf = heapq.heappop(heap)
+            if leaf not in leaves or leaf.last_access != access:
+                continue  # stale: locked, a parent, evicted, or accessed since
+            del leaves[leaf]
             parent = leaf.parent
             assert parent is not None
             del parent.children[leaf.key[:page]]
@@ -378,8 +389,8 @@ class RadixTree:
             count += len(leaf.key)
             self._evictable -= len(leaf.key)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                tie += 1
-                heapq.heappush(heap, (parent.last_access, tie, parent))
+                self._leaf(parent)
+                heap = self._heap  # (rebuilt when mostly stale)
         if not dropped:
             return self._empty
         return torch.cat(dropped) if len(dropped) > 1 else dropped[0]
@@ -395,7 +406,8 @@ class RadixTree:
     def check(self) -> None:
         """Recount the tree and raise AssertionError naming the first inconsistency: keys
         not whole pages, a child under the wrong key, a value of the wrong length, a lock
-        count below its children's, or sizes that disagree with the nodes."""
+        count below its children's, sizes that disagree with the nodes, or an eviction
+        queue that misses an unlocked leaf (or holds anything else)."""
         evictable = protected = 0
         for n in self._nodes():
             assert n.parent is not None
@@ -408,6 +420,13 @@ class RadixTree:
                 protected += len(n.key)
             else:
                 evictable += len(n.key)
+            leaf = not n.children and not n.lock_ref
+            assert leaf == (n in self._leaves), (
+                f"{n!r}: {'an' if leaf else 'not an'} unlocked leaf, but "
+                f"{'missing from' if leaf else 'kept in'} the eviction queue")
         assert (evictable, protected) == (self._evictable, self._protected), (
             f"sizes: counted evictable={evictable}, protected={protected}; kept "
             f"{self._evictable}, {self._protected}")
+        assert all(n.parent is not None for n in self._leaves), "evicted node queued"
+        current = {id(m) for a, _, m in self._heap if a == m.last_access}
+        assert all(id(n) in current for n in self._leaves), "queued leaf not in the heap"
