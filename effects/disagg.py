@@ -200,9 +200,10 @@ class DisaggResources:
     transport: Transport
     cache: PrefixCache
     sink: OutputSink
-    staged: dict[Any, dict[int, torch.Tensor]] = field(default_factory=dict)
+    staged: dict[Any, dict[int, torch.Tensor | None]] = field(default_factory=dict)
     """Per request whose KV was just inserted: what each of its KV handles (by `id`)
-    still frees, the indices the tree did not take (a handle not named frees all)."""
+    still frees, the indices the tree did not take (None: nothing; a handle not named
+    frees all)."""
 
 
 # -- release effects ---------------------------------------------------------------------
@@ -285,14 +286,15 @@ def insert_kv_into_cache(ctx: ReleaseContext) -> None:
 
 
 def _not_taken(handles: list[Any], start: int,
-               result: RadixInsert) -> dict[int, torch.Tensor]:
-    """What each KV handle keeps after an insert (by `id`; those the tree took nothing
-    of are left out). The handles' values lie end to end from position `start` of the
-    sequence inserted, and the tree took one run of it, `result.taken`, from
-    `result.prefix_len`: slices, not a search of every index among those taken."""
+               result: RadixInsert) -> dict[int, torch.Tensor | None]:
+    """What each KV handle keeps after an insert, by `id`: None when the tree took all
+    of it; those it took nothing of are left out. The handles' values lie end to end
+    from position `start` of the sequence inserted, and the tree took one run of it,
+    `result.taken`, from `result.prefix_len`: slices, not a search of every index
+    among those taken."""
     t0 = result.prefix_len
     t1 = t0 + int(result.taken.numel())
-    out: dict[int, torch.Tensor] = {}
+    out: dict[int, torch.Tensor | None] = {}
     if t1 <= t0:
         return out
     pos = start
@@ -301,9 +303,9 @@ def _not_taken(handles: list[Any], start: int,
         end = pos + int(v.numel())
         a, b = max(t0, pos), min(t1, end)
         if a < b:
-            head, tail = v[:a - pos], v[b - pos:]
-            out[id(h)] = (tail if a == pos else head if b == end
-                          else torch.cat((head, tail)))
+            out[id(h)] = (None if a == pos and b == end else v[b - pos:] if a == pos
+                          else v[:a - pos] if b == end
+                          else torch.cat((v[:a - pos], v[b - pos:])))
         pos = end
     return out
 
@@ -317,6 +319,8 @@ def free_kv_not_cached(ctx: ReleaseContext, handle: Any) -> None:
     idx = handle.value
     if kept:
         idx = kept.get(id(handle), idx)
+        if idx is None:  # the tree took all of it
+            return
     if idx.numel():
         res.pools.kv.free(idx)
 

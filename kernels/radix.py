@@ -98,18 +98,37 @@ class RadixInsert:
     ``taken``: now held by the tree; ``duplicates``: the tree already held those tokens
     (the caller frees these indices); ``leftover``: the tail past the last whole page,
     not cached (the caller frees these too). ``prefix_len``: tokens that were already
-    cached; ``node``: the node the inserted sequence ends at.
+    cached; ``node``: the node the inserted sequence ends at. ``duplicates`` and
+    ``leftover`` are views of the caller's indices, cut when first read;
+    ``duplicate_count`` says how many duplicates there are without cutting.
     """
 
-    __slots__ = ("duplicates", "leftover", "node", "prefix_len", "taken")
+    __slots__ = ("_dup", "_values", "node", "prefix_len", "taken")
 
     def __init__(self, prefix_len: int, node: RadixNode, taken: torch.Tensor,
-                 duplicates: torch.Tensor, leftover: torch.Tensor) -> None:
+                 values: torch.Tensor, owned_from: int, dup_end: int, cached_end: int) -> None:
         self.prefix_len = prefix_len
         self.node = node
         self.taken = taken
-        self.duplicates = duplicates
-        self.leftover = leftover
+        self._values = values
+        self._dup = (owned_from, dup_end, max(cached_end, owned_from))
+
+    @property
+    def duplicates(self) -> torch.Tensor:
+        """The caller's indices of tokens the tree already held (the caller frees them)."""
+        lo, hi, _ = self._dup
+        return self._values[lo:hi]
+
+    @property
+    def duplicate_count(self) -> int:
+        """``duplicates.numel()``, without cutting the view."""
+        lo, hi, _ = self._dup
+        return hi - lo
+
+    @property
+    def leftover(self) -> torch.Tensor:
+        """The caller's indices past the last whole page (not cached; the caller frees)."""
+        return self._values[self._dup[2]:]
 
 
 def _common(a: tuple[int, ...], b: tuple[int, ...], page: int) -> int:
@@ -270,8 +289,8 @@ class RadixTree:
             raise ValueError(f"RadixTree.insert: owned_from={owned_from} is outside "
                              f"0..{len(tokens)} (the length of the sequence)")
         key = self._aligned(tokens)
-        # Read-only pass first: decide, then mutate.
-        cached = self._cached_len(key)
+        # Read-only pass first: decide, then mutate (nothing to check without a prefix).
+        cached = self._cached_len(key) if owned_from else 0
         if cached < min(owned_from, len(key)):
             raise ValueError(
                 f"RadixTree.insert: the caller's matched prefix ({owned_from} tokens) is "
@@ -290,9 +309,7 @@ class RadixTree:
             self._leaf(new)
             node = new
         dup_end = max(prefix_len, owned_from)
-        duplicates = values[owned_from:dup_end]
-        leftover = values[max(len(key), owned_from):]
-        return RadixInsert(prefix_len, node, taken, duplicates, leftover)
+        return RadixInsert(prefix_len, node, taken, values, owned_from, dup_end, len(key))
 
     def _cached_len(self, key: tuple[int, ...]) -> int:
         node, done = self.root, 0
