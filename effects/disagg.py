@@ -494,6 +494,20 @@ class DisaggPrefill:
     def __iter__(self) -> Iterator[PrefillRequest]:
         return iter(self.requests.values())
 
+    def forget(self, rid: str) -> None:
+        """Drop a request that ended (it and every chunk terminal), so a long-running
+        server does not keep every request it ever served; a later event for `rid` is
+        then an unknown id (KeyError), as for one never added. Raises ValueError, and
+        changes nothing, for a request that may still own or receive anything."""
+        req = self.req(rid)
+        live = [c.index for c in req.chunks if not c.terminal]
+        if not req.terminal or live:
+            raise ValueError(
+                f"request {rid!r} cannot be forgotten: it is {req.state}"
+                + (f" with chunk(s) {live} not settled" if live else "")
+                + "; forget a request once it and its chunks ended")
+        del self.requests[rid]
+
     # -- happenings --------------------------------------------------------------------
 
     @sanitized

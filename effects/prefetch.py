@@ -288,6 +288,17 @@ class PrefetchSite:
                              f"(it is {now!r}); nothing was changed")
         return inst
 
+    def forget(self, rid: Any) -> None:
+        """Drop the ended prefetch of ``rid`` (a later call for it then finds none, as
+        for one never queued); raises ValueError, changing nothing, unless it is
+        terminal."""
+        inst = self.requests.get(rid)
+        if inst is None or not inst.terminal:
+            now = "none" if inst is None else inst.state
+            raise ValueError(f"rank {self.rank}: request {rid!r} has no ended prefetch to "
+                             f"forget (it is {now!r}); nothing was changed")
+        del self.requests[rid]
+
     @sanitized
     def queue(self, rid: Any, anchor: torch.Tensor | None = None) -> PrefetchReq:
         """Queue a prefetch for ``rid``; it locks ``anchor`` (cached pages it extends)."""

@@ -491,6 +491,7 @@ class SimDisagg:
                 done.append(rid)
         for rid in done:
             del self.live[rid]
+            e.forget(rid)  # a later client abort of it is an unknown id: absorbed here
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         # An injected fault (a refused alloc, a refused cache insert) surfaces as the
@@ -563,6 +564,8 @@ class SimPrefetch:
                 done.append(rid)
         for rid in done:
             del self.live[rid]
+            for s in self.sites:
+                s.forget(rid)  # ended on every rank: nothing can reach it any more
         # Cache eviction under pressure, as a real host cache does.
         if any(s.host.available < s.host.capacity // 4 for s in self.sites):
             self.evict()
@@ -589,6 +592,9 @@ class SimPrefetch:
                 self.sites[e.rank].close_group(rid)
         elif errors:
             self.deadlocks += 1
+        for s in self.sites:  # what ended is dropped; a rank left waiting keeps its own
+            if s.requests[rid].terminal:
+                s.forget(rid)
 
     def abort_on_ranks(self, rid: Any) -> list[Any]:
         """Run the rank-collective abort protocol of `rid`; each rank's outcome."""

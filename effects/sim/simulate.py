@@ -12,6 +12,7 @@ Bad input is one line on stderr and exit status 2.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 from collections import Counter
@@ -171,9 +172,13 @@ def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu",
         watch_loop(metrics, loop)
     counter = _Counting()
     prev = observe.set_recorder(counter)
+    # What exists before the run (torch, the workload, the loop's pools) is not garbage
+    # during it: frozen, the collector's full passes scan only what the run made.
+    gc.freeze()
     try:
         asyncio.run(loop.run())
     finally:
+        gc.unfreeze()
         observe.set_recorder(prev)
         torch.set_num_threads(threads)
     prefix_cache = loop.prefix_cache()
