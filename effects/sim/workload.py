@@ -26,6 +26,7 @@ import functools
 import random
 
 import msgspec
+import numpy
 
 __all__ = ["FAULTS", "FAULT_KINDS", "KINDS", "RequestSpec", "WorkloadConfig", "generate",
            "prompt_tokens", "reply_tokens"]
@@ -119,16 +120,14 @@ class WorkloadConfig(msgspec.Struct, frozen=True):
             raise ValueError(f"arrivals_per_step must be >= 1, got {self.arrivals_per_step}")
 
 
-_TOKEN = tuple(t % 32000 + 1 for t in range(1 << 16))
-"""Token id of each 16-bit draw (a table: one C-level lookup per token)."""
-
-
 @functools.lru_cache(maxsize=4096)
 def _segment(key: str, n: int) -> tuple[int, ...]:
     """`n` token ids (1..32000) seeded by `key` (the same key always gives the same ids;
-    system prompts and conversation turns recur, so recent segments are kept)."""
-    raw = memoryview(random.Random(key).randbytes(2 * n)).cast("H")
-    return tuple(map(_TOKEN.__getitem__, raw))
+    system prompts and conversation turns recur, so recent segments are kept): each
+    id is a native-order 16-bit draw mod 32000, plus 1 (array arithmetic, not a loop
+    in Python)."""
+    raw = numpy.frombuffer(random.Random(key).randbytes(2 * n), dtype=numpy.uint16)
+    return tuple((raw % 32000 + 1).tolist())
 
 
 @functools.lru_cache(maxsize=1024)
