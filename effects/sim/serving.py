@@ -142,8 +142,8 @@ class FakeTokenizer:
 class _Seq:
     """The scheduler's view of one sequence: its spec, progress and row."""
 
-    __slots__ = ("aborted", "chunks_left", "decoding", "fail", "generated", "in_flight",
-                 "max_new", "prompt", "reply", "rid", "row", "status", "tokens")
+    __slots__ = ("aborted", "chunks_left", "decoding", "fail", "fail_status", "generated",
+                 "in_flight", "max_new", "prompt", "reply", "rid", "row", "status", "tokens")
 
     def __init__(self, rid: Any, prompt: int, max_new: int, fail: str | None,
                  tokens: list[int] | None = None, reply: list[int] | None = None) -> None:
@@ -153,6 +153,8 @@ class _Seq:
         self.reply = reply or []
         self.max_new = max_new
         self.fail = fail
+        self.fail_status = _STATUS.get(fail, 0) if fail is not None else 0
+        """The status the scheduler fails it with halfway through decode (0: none)."""
         self.row = -1
         self.chunks_left = 0
         self.in_flight: deque[bool] = deque()  # True for the final chunk
@@ -160,6 +162,10 @@ class _Seq:
         self.aborted = False
         self.decoding = False  # its final chunk's result was delivered (not aborted)
         self.status = 0
+
+
+def _row(seq: _Seq) -> int:
+    return seq.row
 
 
 class SimScheduler:
@@ -240,34 +246,35 @@ class SimScheduler:
                 seq.chunks_left -= 1
                 seq.in_flight.append(seq.chunks_left == 0)
             rb.queue(rows, ChunkLaunched)
-        # Decode: every decoding row gets one token (one KV slot each, one alloc).
-        decoding = sorted(seq.row for seq in self.by_row.values()
-                          if seq.decoding and not seq.aborted)
+        # Decode: every decoding row gets one token (one KV slot each, one alloc), in
+        # row order.
+        decoding = [seq for seq in self.by_row.values() if seq.decoding and not seq.aborted]
         if decoding:
-            by_row = self.by_row
-            failing = [r for r in decoding if by_row[r].fail in _STATUS
-                       and by_row[r].generated >= by_row[r].max_new // 2]
-            for r in failing:
-                by_row[r].status = _STATUS[str(by_row[r].fail)]
-                by_row[r].decoding = False
-            rb.queue(failing, Fail)
-            gone = set(failing)
-            rows = [r for r in decoding if r not in gone]
+            decoding.sort(key=_row)
+            failing = [seq for seq in decoding
+                       if seq.fail_status and seq.generated >= seq.max_new // 2]
+            if failing:
+                for seq in failing:
+                    seq.status = seq.fail_status
+                    seq.decoding = False
+                rb.queue([seq.row for seq in failing], Fail)
+                decoding = [seq for seq in decoding if seq.decoding]
+            rows = [seq.row for seq in decoding]
             dev = rb.batch.device
             if rows and rb.append_kv(torch.tensor(rows, dtype=torch.int64, device=dev),
                                      torch.ones(len(rows), dtype=torch.int64, device=dev)):
                 rb.queue(rows, Token)
                 finished = []
-                for r in rows:
-                    seq = by_row[r]
+                tok = self.tokenizer
+                for seq in decoding:
+                    g = seq.generated
                     if seq.tokens is not None:
-                        seq.tokens.append(seq.reply[seq.generated] if seq.generated
-                                          < len(seq.reply) else 1)
-                    seq.generated += 1
-                    if seq.generated == 1 and self.tokenizer is not None:
-                        self.tokenizer.on_output(seq.rid)
-                    if seq.generated >= seq.max_new:
-                        finished.append(r)
+                        seq.tokens.append(seq.reply[g] if g < len(seq.reply) else 1)
+                    seq.generated = g = g + 1
+                    if g == 1 and tok is not None:
+                        tok.on_output(seq.rid)
+                    if g >= seq.max_new:
+                        finished.append(seq.row)
                         seq.decoding = False
                 rb.queue(finished, Finish)
         rb.flush()
