@@ -214,6 +214,7 @@ class NaiveScheduler(SimScheduler):
                 # Marked only; the row's KV, Mamba state and slot are never released.
                 seq.aborted = True
                 del self.by_row[seq.row]
+                self.prefilling.pop(seq.row, None)
                 del self.by_rid[rid]
                 self.dropped += 1
                 self._echo(seq, "aborted")

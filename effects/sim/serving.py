@@ -179,6 +179,8 @@ class SimScheduler:
         self.tokenizer: TokenizerSide | None = None
         self.queue: deque[_Seq] = deque()
         self.by_row: dict[int, _Seq] = {}
+        self.prefilling: dict[int, _Seq] = {}
+        """The rows of `by_row` (in its order) with chunks to launch or in flight."""
         self.by_rid: dict[Any, _Seq] = {}
         self.aborts: list[Any] = []
         self.dispatch_failures: set[Any] = set()
@@ -223,18 +225,23 @@ class SimScheduler:
         # Chunk results of the chunks launched last step (one result per row per step).
         done: list[int] = []
         last: list[int] = []
-        for seq in self.by_row.values():
+        prefilled: list[int] = []
+        for seq in self.prefilling.values():
             if seq.in_flight:
                 if seq.in_flight.popleft():
                     last.append(seq.row)
                     seq.decoding = not seq.aborted
                 else:
                     done.append(seq.row)
+                if not seq.in_flight and not seq.chunks_left:
+                    prefilled.append(seq.row)
+        for r in prefilled:
+            del self.prefilling[r]
         rb.queue(done, ChunkDone)
         rb.queue(last, LastChunkDone)
         # Launch chunks: up to two in flight per row (the next overlapped).
         for _ in range(2):
-            rows = [seq.row for seq in self.by_row.values()
+            rows = [seq.row for seq in self.prefilling.values()
                     if seq.chunks_left and not seq.aborted and len(seq.in_flight) < 2]
             if not rows:
                 break
@@ -334,6 +341,7 @@ class SimScheduler:
             seq.prompt -= rb.matched(r)  # the cached prefix is not prefilled again
             seq.chunks_left = max(1, -(-seq.prompt // self.cfg.chunk_size))
             self.by_row[r] = seq
+            self.prefilling[r] = seq
 
     def _apply_aborts(self) -> None:
         rows = []
@@ -353,6 +361,8 @@ class SimScheduler:
 
     def _retired(self, rows: torch.Tensor, state: str) -> None:
         seqs = [self.by_row.pop(r) for r in rows.tolist()]
+        for seq in seqs:
+            self.prefilling.pop(seq.row, None)
         errors: list[Exception] = []
         for seq in seqs:  # one echo refused (a LoRA release underflowing) stops no other
             self.by_rid.pop(seq.rid, None)
