@@ -131,19 +131,19 @@ class RadixInsert:
         return self._values[self._dup[2]:]
 
 
-def _common(a: tuple[int, ...], b: tuple[int, ...], page: int) -> int:
-    """Length of the common prefix of `a` and `b`, rounded down to whole pages.
+def _common(a: tuple[int, ...], b: tuple[int, ...], page: int, at: int = 0) -> int:
+    """Length of the common prefix of `a` and `b[at:]`, rounded down to whole pages.
 
     A binary search over slice equality: O(log n) comparisons done in C, instead of a
-    Python loop over every token.
+    Python loop over every token (and no copy of `b`'s tail).
     """
-    hi = min(len(a), len(b)) // page
-    if a[:hi * page] == b[:hi * page]:
+    hi = min(len(a), len(b) - at) // page
+    if a[:hi * page] == b[at:at + hi * page]:
         return hi * page
-    lo = 0  # a[:lo*page] == b[:lo*page] holds; a[:hi*page] != b[:hi*page]
+    lo = 0  # a[:lo*page] == b[at:at+lo*page] holds; a[:hi*page] != b[at:at+hi*page]
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if a[:mid * page] == b[:mid * page]:
+        if a[:mid * page] == b[at:at + mid * page]:
             lo = mid
         else:
             hi = mid
@@ -237,11 +237,12 @@ class RadixTree:
         node, done, values = self.root, 0, []
         now = self._tick()
         node.last_access = now
+        page = self.page_size
         while done < len(key):
-            child = node.children.get(self._child_key(key[done:]))
+            child = node.children.get(key[done:done + page])
             if child is None:
                 break
-            n = _common(child.key, key[done:], self.page_size)
+            n = _common(child.key, key, page, done)
             if n == 0:
                 break
             if n < len(child.key):
@@ -313,11 +314,12 @@ class RadixTree:
 
     def _cached_len(self, key: tuple[int, ...]) -> int:
         node, done = self.root, 0
+        page = self.page_size
         while done < len(key):
-            child = node.children.get(self._child_key(key[done:]))
+            child = node.children.get(key[done:done + page])
             if child is None:
                 break
-            n = _common(child.key, key[done:], self.page_size)
+            n = _common(child.key, key, page, done)
             done += n
             if n < len(child.key):
                 break
