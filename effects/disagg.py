@@ -500,7 +500,7 @@ class DisaggPrefill:
         then an unknown id (KeyError), as for one never added. Raises ValueError, and
         changes nothing, for a request that may still own or receive anything."""
         req = self.req(rid)
-        live = [c.index for c in req.chunks if not c.terminal]
+        live = [i for i, c in enumerate(req.chunks) if not c.terminal]
         if not req.terminal or live:
             raise ValueError(
                 f"request {rid!r} cannot be forgotten: it is {req.state}"
