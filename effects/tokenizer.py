@@ -189,6 +189,9 @@ class TokenizerSide:
         """The instance (a Request or a SamplingGroup) of a live family that `rid` names:
         its `RequestKey`, or the id its client sees."""
         if isinstance(rid, RequestKey):
+            inst = self._live.get(rid)  # a live instance is its family's under its id
+            if inst is not None:
+                return inst
             inst = self._names.get(rid.rid)
             return inst if inst is not None and inst.key == rid else None
         return self._names.get(rid)
