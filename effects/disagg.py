@@ -192,6 +192,16 @@ class DisaggPools:
                                           rounding_mode="floor")).numel()) * self.page_size
 
 
+# Payload-free events, made once (events are frozen).
+_BOOTSTRAPPED = Bootstrapped()
+_NEXTLAUNCHED = NextLaunched()
+_LAUNCH = Launch()
+_RESULT = Result()
+_COMMIT = Commit()
+_ABANDON = Abandon()
+_TRANSFERDONE = TransferDone()
+
+
 @dataclass
 class DisaggResources:
     """Everything the release effects reach through `ctx.resources`."""
@@ -570,7 +580,7 @@ class DisaggPrefill:
         if req.state != "bootstrapping":
             # A poll after the handshake: ignored by a terminal request, and nothing to
             # do for a live one (firing it there would be a declared error).
-            return req.fire(Bootstrapped()) if req.terminal else None
+            return req.fire(_BOOTSTRAPPED) if req.terminal else None
         try:
             self.transport.bootstrap(rid)
         except TransportError as e:
@@ -579,7 +589,7 @@ class DisaggPrefill:
         if slot is None:
             return None
         self.ledger.acquire(req, "metadata", slot)
-        req.fire(Bootstrapped())
+        req.fire(_BOOTSTRAPPED)
         try:
             self.transport.init(rid, req.prompt_len, slot.index)
         except TransportError as e:
@@ -683,14 +693,14 @@ class DisaggPrefill:
                     pools.table.write(row, 0, h.value.indices)
             pools.table.write(row, req.cached + k * req.chunk_size, kv)
         except BaseException:
-            chunk.fire(Abandon())  # never launched: its pages go to the request
+            chunk.fire(_ABANDON)  # never launched: its pages go to the request
             raise
         for prev in req.chunks:
             if prev.state == "running":
-                prev.fire(NextLaunched())
+                prev.fire(_NEXTLAUNCHED)
         req.chunks.append(chunk)
         req.fire(ChunkScheduled(k))
-        chunk.fire(Launch())
+        chunk.fire(_LAUNCH)
         return chunk
 
     @sanitized
@@ -713,7 +723,7 @@ class DisaggPrefill:
         chunk = req.chunks[k]
         assert isinstance(chunk, Chunk)
         if chunk.terminal:
-            chunk.fire(Result())  # a duplicate: ignored by the chunk
+            chunk.fire(_RESULT)  # a duplicate: ignored by the chunk
             return None
         early = [i for i, c in enumerate(req.chunks[:k]) if not c.terminal]
         if early:
@@ -722,13 +732,13 @@ class DisaggPrefill:
             raise ValueError(
                 f"result of chunk {k} of request {rid!r} arrived before that of chunk(s) "
                 f"{early}; deliver chunk results in launch order")
-        chunk.fire(Result())
+        chunk.fire(_RESULT)
         if req.state == "prefilling":
             for h in self.ledger.owned(chunk, "kv"):
                 self.ledger.transfer(h, req)
-            chunk.fire(Commit())
+            chunk.fire(_COMMIT)
         else:
-            chunk.fire(Abandon())
+            chunk.fire(_ABANDON)
         report = req.fire(ChunkSettled(k, chunk.last))
         if req.state == "transferring":
             kv = [h.value.indices for h in self.ledger.owned(req, PREFIX_LOCK)]
@@ -751,7 +761,7 @@ class DisaggPrefill:
             return None
         p = self.transport.poll(rid)
         if p is Poll.SUCCESS:
-            return req.fire(TransferDone())
+            return req.fire(_TRANSFERDONE)
         if p is Poll.FAILED:
             return req.fire(TransferFailed("transfer failed"))
         if req.state == "transferring":
