@@ -618,12 +618,9 @@ class SimPrefetch:
         return self.ranks.abort(rid, fail=rid in self.failing)
 
     def evict(self) -> None:
-        """The host cache drops every prefix it holds (one free per rank)."""
-        by_rank: dict[int, list[torch.Tensor]] = {}
+        """The host cache drops every prefix it holds."""
         for (rank, _), pages in self.cache.items():
-            by_rank.setdefault(rank, []).append(pages)
-        for rank, parts in by_rank.items():
-            self.sites[rank].host.free(torch.cat(parts) if len(parts) > 1 else parts[0])
+            self.sites[rank].host.free(pages)
         self.cache.clear()
 
     @property
