@@ -224,7 +224,11 @@ class FaultPlan:
 
 
 class _Proxy:
-    __slots__ = ("_plan", "_resource", "_target", "_wrap")
+    # A method's recording wrapper is made at its first use and kept in the proxy's own
+    # __dict__ (later calls find it without `__getattr__`); setting an attribute
+    # through the proxy drops them all, so a method replaced that way is read again
+    # (replace a method through the proxy, not on the object behind it).
+    __slots__ = ("__dict__", "_plan", "_resource", "_target", "_wrap")
 
     def __init__(self, target: Any, resource: str, plan: FaultPlan,
                  wrap: dict[str, str]) -> None:
@@ -237,16 +241,17 @@ class _Proxy:
         value = getattr(self._target, name)
         if name.startswith("_") or not callable(value):
             return value
-        plan, resource, wrap = self._plan, self._resource, self._wrap
+        plan, resource = self._plan, self._resource
+        inner = self._wrap.get(name)
 
         def call(*args: Any, **kwargs: Any) -> Any:
             plan.call(resource, name, args, value)
             out = value(*args, **kwargs)
-            inner = wrap.get(name)
             if inner is not None and out is not None:
                 return _Proxy(out, inner, plan, {})
             return out
 
+        self.__dict__[name] = call
         return call
 
     @property
@@ -256,6 +261,7 @@ class _Proxy:
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._target, name, value)
+        self.__dict__.clear()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._plan.call(self._resource, "__call__", args, self._target)
@@ -266,8 +272,10 @@ def proxy(target: Any, resource: str, plan: FaultPlan,
           returns: dict[str, str] | None = None) -> Any:
     """`target` seen through `plan`: each method call is recorded (and may raise).
 
-    `returns` proxies what some methods return under another resource name (the
-    `Prefetch` of `host.prefetch` as ``"host_prefetch"``).
+    A method is looked up on `target` at its first use through the proxy and kept;
+    replace one by setting it on the proxy (which sets it on `target`), not on `target`
+    behind the proxy's back. `returns` proxies what some methods return under another
+    resource name (the `Prefetch` of `host.prefetch` as ``"host_prefetch"``).
     """
     return _Proxy(target, resource, plan, dict(returns or {}))
 

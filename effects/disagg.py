@@ -61,6 +61,7 @@ from terminus.kernels.protocols import (
     page_size_of,
     require,
 )
+from terminus.kernels.radix import RadixInsert
 from terminus.kernels.req_table import ReqToTokenTable
 from terminus.states.chunk import CHUNK, Abandon, Chunk, Commit, Launch, NextLaunched, Result
 from terminus.states.disagg import (
@@ -191,6 +192,16 @@ class DisaggPools:
                                           rounding_mode="floor")).numel()) * self.page_size
 
 
+# Payload-free events, made once (events are frozen).
+_BOOTSTRAPPED = Bootstrapped()
+_NEXTLAUNCHED = NextLaunched()
+_LAUNCH = Launch()
+_RESULT = Result()
+_COMMIT = Commit()
+_ABANDON = Abandon()
+_TRANSFERDONE = TransferDone()
+
+
 @dataclass
 class DisaggResources:
     """Everything the release effects reach through `ctx.resources`."""
@@ -199,7 +210,10 @@ class DisaggResources:
     transport: Transport
     cache: PrefixCache
     sink: OutputSink
-    staged: dict[Any, list[torch.Tensor]] = field(default_factory=dict)
+    staged: dict[Any, dict[int, torch.Tensor | None]] = field(default_factory=dict)
+    """Per request whose KV was just inserted: what each of its KV handles (by `id`)
+    still frees, the indices the tree did not take (None: nothing; a handle not named
+    frees all)."""
 
 
 # -- release effects ---------------------------------------------------------------------
@@ -264,7 +278,8 @@ def insert_kv_into_cache(ctx: ReleaseContext) -> None:
     res = _res(ctx)
     inst = ctx.instance
     assert ctx.ledger is not None
-    parts = [h.value for h in ctx.ledger.owned(inst, "kv")]
+    handles = ctx.ledger.owned(inst, "kv")
+    parts = [h.value for h in handles]
     locks = [h.value for h in ctx.ledger.owned(inst, PREFIX_LOCK)]
     if not parts:
         return
@@ -277,7 +292,32 @@ def insert_kv_into_cache(ctx: ReleaseContext) -> None:
         kv = kv[:len(tokens)]
     result = res.cache.insert(inst.key, tokens[:kv.numel()], kv,
                               owned_from=min(owned_from, kv.numel()))
-    res.staged[inst] = [result.taken]
+    res.staged[inst] = _not_taken(handles, owned_from, result)
+
+
+def _not_taken(handles: list[Any], start: int,
+               result: RadixInsert) -> dict[int, torch.Tensor | None]:
+    """What each KV handle keeps after an insert, by `id`: None when the tree took all
+    of it; those it took nothing of are left out. The handles' values lie end to end
+    from position `start` of the sequence inserted, and the tree took one run of it,
+    `result.taken`, from `result.prefix_len`: slices, not a search of every index
+    among those taken."""
+    t0 = result.prefix_len
+    t1 = t0 + int(result.taken.numel())
+    out: dict[int, torch.Tensor | None] = {}
+    if t1 <= t0:
+        return out
+    pos = start
+    for h in handles:
+        v = h.value
+        end = pos + int(v.numel())
+        a, b = max(t0, pos), min(t1, end)
+        if a < b:
+            out[id(h)] = (None if a == pos and b == end else v[b - pos:] if a == pos
+                          else v[:a - pos] if b == end
+                          else torch.cat((v[:a - pos], v[b - pos:])))
+        pos = end
+    return out
 
 
 @release_effect
@@ -285,10 +325,12 @@ def free_kv_not_cached(ctx: ReleaseContext, handle: Any) -> None:
     """Free the pages of a KV handle that the prefix cache did not take (all of them
     when nothing was inserted)."""
     res = _res(ctx)
-    taken = res.staged.get(ctx.instance)
+    kept = res.staged.get(ctx.instance)
     idx = handle.value
-    if taken and taken[0].numel():
-        idx = idx[~torch.isin(idx.to(torch.int64), taken[0].to(idx.device))]
+    if kept:
+        idx = kept.get(id(handle), idx)
+        if idx is None:  # the tree took all of it
+            return
     if idx.numel():
         res.pools.kv.free(idx)
 
@@ -379,8 +421,8 @@ def make_ledger(resources: DisaggResources) -> Ledger:
 class PrefillRequest(DisaggReq):
     """A request instance plus what the loop needs to cut it into chunks."""
 
-    __slots__ = ("cached", "chunk_size", "n_chunks", "prompt_len", "sender_deadline",
-                 "tokens")
+    __slots__ = ("cached", "chunk_size", "n_chunks", "prompt_len", "row",
+                 "sender_deadline", "tokens")
 
     def __init__(self, machine: Machine, key: str, prompt_len: int, chunk_size: int,
                  tokens: tuple[int, ...] = ()) -> None:
@@ -393,6 +435,9 @@ class PrefillRequest(DisaggReq):
         """Prompt tokens matched in the prefix cache (not prefilled again)."""
         self.n_chunks = -(-prompt_len // chunk_size)
         self.sender_deadline: float | None = None  # set when it starts awaiting_sender
+        self.row = -1
+        """The request table row of the slot it owns (read when its first chunk is
+        scheduled; the slot itself is the ledger's `req_slot` handle)."""
 
     def set_cached(self, n: int) -> None:
         """The first `n` prompt tokens came from the prefix cache: chunks cover the rest."""
@@ -459,6 +504,20 @@ class DisaggPrefill:
     def __iter__(self) -> Iterator[PrefillRequest]:
         return iter(self.requests.values())
 
+    def forget(self, rid: str) -> None:
+        """Drop a request that ended (it and every chunk terminal), so a long-running
+        server does not keep every request it ever served; a later event for `rid` is
+        then an unknown id (KeyError), as for one never added. Raises ValueError, and
+        changes nothing, for a request that may still own or receive anything."""
+        req = self.req(rid)
+        live = [i for i, c in enumerate(req.chunks) if not c.terminal]
+        if not req.terminal or live:
+            raise ValueError(
+                f"request {rid!r} cannot be forgotten: it is {req.state}"
+                + (f" with chunk(s) {live} not settled" if live else "")
+                + "; forget a request once it and its chunks ended")
+        del self.requests[rid]
+
     # -- happenings --------------------------------------------------------------------
 
     @sanitized
@@ -521,7 +580,7 @@ class DisaggPrefill:
         if req.state != "bootstrapping":
             # A poll after the handshake: ignored by a terminal request, and nothing to
             # do for a live one (firing it there would be a declared error).
-            return req.fire(Bootstrapped()) if req.terminal else None
+            return req.fire(_BOOTSTRAPPED) if req.terminal else None
         try:
             self.transport.bootstrap(rid)
         except TransportError as e:
@@ -530,7 +589,7 @@ class DisaggPrefill:
         if slot is None:
             return None
         self.ledger.acquire(req, "metadata", slot)
-        req.fire(Bootstrapped())
+        req.fire(_BOOTSTRAPPED)
         try:
             self.transport.init(rid, req.prompt_len, slot.index)
         except TransportError as e:
@@ -593,47 +652,55 @@ class DisaggPrefill:
         """
         req = self.req(rid)
         k = len(req.chunks)
-        if req.state not in ("waiting", "prefilling") or k >= req.n_chunks:
+        if k >= req.n_chunks or req.state not in ("waiting", "prefilling"):
             return None
         pools = self.pools
         ps = pools.page_size
+        n = req.chunk_len(k)
         # All or nothing, decided before taking anything: every unit taken below has
         # an owner in the ledger at once, so nothing is ever given back by hand. A
         # chunk's KV starts on a page of its own (an abandoned chunk frees only its own).
-        if pools.kv.available_size() < -(-req.chunk_len(k) // ps) * ps or (k == 0 and (
+        if pools.kv.available_size() < -(-n // ps) * ps or (k == 0 and (
                 pools.table.available < 1
                 or pools.mamba.available_size() < self.mamba_per_request)):
             return None
-        if k == 0 and not self.ledger.owned(req, "req_slot"):
-            # Each unit is recorded the moment it is taken: a pool that raises on the
-            # next alloc leaves this one owned by the request (its release frees it).
-            slot = pools.table.alloc(1)
-            assert slot is not None  # checked just above
-            self.ledger.acquire(req, "req_slot", slot)
-        if k == 0 and not self.ledger.owned(req, "mamba"):
-            mamba = pools.mamba.alloc(self.mamba_per_request)
-            assert mamba is not None  # checked just above
-            self.ledger.acquire(req, "mamba", mamba)
-        kv = pools.kv_alloc(req.chunk_len(k))
+        ledger = self.ledger
+        if k == 0:
+            slots = ledger.owned(req, "req_slot")
+            if not slots:
+                # Each unit is recorded the moment it is taken: a pool that raises on
+                # the next alloc leaves this one owned by the request (its release
+                # frees it).
+                slot = pools.table.alloc(1)
+                assert slot is not None  # checked just above
+                ledger.acquire(req, "req_slot", slot)
+            else:
+                slot = slots[0].value
+            req.row = int(slot[0])
+            if not ledger.owned(req, "mamba"):
+                mamba = pools.mamba.alloc(self.mamba_per_request)
+                assert mamba is not None  # checked just above
+                ledger.acquire(req, "mamba", mamba)
+        kv = pools.kv_alloc(n)
         assert kv is not None  # checked just above
         chunk = Chunk(self.chunks_machine, (rid, k), parent=req, index=k,
                       last=k == req.n_chunks - 1)
-        self.ledger.acquire(chunk, "kv", kv)
-        row = int(self.ledger.owned(req, "req_slot")[0].value[0])
+        ledger.acquire(chunk, "kv", kv)
+        row = req.row
         try:
             if k == 0:
-                for h in self.ledger.owned(req, PREFIX_LOCK):
+                for h in ledger.owned(req, PREFIX_LOCK):
                     pools.table.write(row, 0, h.value.indices)
             pools.table.write(row, req.cached + k * req.chunk_size, kv)
         except BaseException:
-            chunk.fire(Abandon())  # never launched: its pages go to the request
+            chunk.fire(_ABANDON)  # never launched: its pages go to the request
             raise
         for prev in req.chunks:
             if prev.state == "running":
-                prev.fire(NextLaunched())
+                prev.fire(_NEXTLAUNCHED)
         req.chunks.append(chunk)
         req.fire(ChunkScheduled(k))
-        chunk.fire(Launch())
+        chunk.fire(_LAUNCH)
         return chunk
 
     @sanitized
@@ -656,7 +723,7 @@ class DisaggPrefill:
         chunk = req.chunks[k]
         assert isinstance(chunk, Chunk)
         if chunk.terminal:
-            chunk.fire(Result())  # a duplicate: ignored by the chunk
+            chunk.fire(_RESULT)  # a duplicate: ignored by the chunk
             return None
         early = [i for i, c in enumerate(req.chunks[:k]) if not c.terminal]
         if early:
@@ -665,13 +732,13 @@ class DisaggPrefill:
             raise ValueError(
                 f"result of chunk {k} of request {rid!r} arrived before that of chunk(s) "
                 f"{early}; deliver chunk results in launch order")
-        chunk.fire(Result())
+        chunk.fire(_RESULT)
         if req.state == "prefilling":
             for h in self.ledger.owned(chunk, "kv"):
                 self.ledger.transfer(h, req)
-            chunk.fire(Commit())
+            chunk.fire(_COMMIT)
         else:
-            chunk.fire(Abandon())
+            chunk.fire(_ABANDON)
         report = req.fire(ChunkSettled(k, chunk.last))
         if req.state == "transferring":
             kv = [h.value.indices for h in self.ledger.owned(req, PREFIX_LOCK)]
@@ -694,7 +761,7 @@ class DisaggPrefill:
             return None
         p = self.transport.poll(rid)
         if p is Poll.SUCCESS:
-            return req.fire(TransferDone())
+            return req.fire(_TRANSFERDONE)
         if p is Poll.FAILED:
             return req.fire(TransferFailed("transfer failed"))
         if req.state == "transferring":

@@ -86,6 +86,12 @@ __all__ = [
 ]
 
 
+# Payload-free events, made once (events are frozen).
+_QUEUE = Queue()
+_START = Start()
+_COMPLETE = Complete()
+
+
 # -- release effects -----------------------------------------------------------------------
 
 
@@ -288,6 +294,17 @@ class PrefetchSite:
                              f"(it is {now!r}); nothing was changed")
         return inst
 
+    def forget(self, rid: Any) -> None:
+        """Drop the ended prefetch of ``rid`` (a later call for it then finds none, as
+        for one never queued); raises ValueError, changing nothing, unless it is
+        terminal."""
+        inst = self.requests.get(rid)
+        if inst is None or not inst.terminal:
+            now = "none" if inst is None else inst.state
+            raise ValueError(f"rank {self.rank}: request {rid!r} has no ended prefetch to "
+                             f"forget (it is {now!r}); nothing was changed")
+        del self.requests[rid]
+
     @sanitized
     def queue(self, rid: Any, anchor: torch.Tensor | None = None) -> PrefetchReq:
         """Queue a prefetch for ``rid``; it locks ``anchor`` (cached pages it extends)."""
@@ -296,7 +313,7 @@ class PrefetchSite:
             raise ValueError(f"rank {self.rank}: request {rid!r} already has a prefetch in "
                              f"state {old.state!r}; abort or complete it first")
         inst = PrefetchReq(self.machine, rid)
-        inst.fire(Queue())
+        inst.fire(_QUEUE)
         self.requests[rid] = inst
         if anchor is not None and anchor.numel():
             self.host.lock(anchor)
@@ -311,7 +328,7 @@ class PrefetchSite:
         if p is None:
             return None
         self.ledger.acquire(inst, "host_pages", p)
-        inst.fire(Start())
+        inst.fire(_START)
         return p
 
     def prefetch_of(self, rid: Any) -> Prefetch | None:
@@ -339,11 +356,11 @@ class PrefetchSite:
         """
         inst = self.requests.get(rid)
         if inst is not None and inst.state not in _ABORTABLE:
-            return inst.fire(Complete())  # declared ignore in every such state
+            return inst.fire(_COMPLETE)  # declared ignore in every such state
         if self.insert is None:
             raise ValueError("PrefetchSite(insert=...) is needed to complete a prefetch: "
                              "something must own the pages the cache takes")
-        return self._live(rid, "active").fire(Complete())
+        return self._live(rid, "active").fire(_COMPLETE)
 
     @property
     def occupancy_tokens(self) -> int:

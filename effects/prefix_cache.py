@@ -144,7 +144,7 @@ class PrefixCache:
         res = self.tree.insert(tokens, kv_indices, owned_from=owned_from)
         self.inserts[rid] += 1
         self.inserted_tokens += int(res.taken.numel())
-        self.duplicate_tokens += int(res.duplicates.numel())
+        self.duplicate_tokens += res.duplicate_count
         self.peak_cached_tokens = max(self.peak_cached_tokens, self.held_tokens)
         return res
 

@@ -20,6 +20,13 @@ Drivers opt in with the `sanitized` decorator on their public methods, and an au
 function registered for their class (`register_audit`); a handle kind's unit count comes
 from `register_units`. The check is a few tensor reductions per call, so it is for test
 suites, not production.
+
+The switch costs nothing while it is off: ``ENV`` is read once per process (at the first
+call of a sanitized method, or by `refresh()`), and a decorated method is the plain
+function on its class while the sanitizer is off, the auditing wrapper only while it is
+on (`sanitizing()` and `refresh()` swap them). A process that changes ``ENV`` after its
+first driver call calls `refresh()` to have it read again (the pytest plugin does, for
+``--terminus-sanitize``, the ini option and each ``terminus_no_sanitize`` test).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ __all__ = [
     "LeakSanitizerError",
     "audit",
     "enabled",
+    "refresh",
     "register_audit",
     "register_units",
     "sanitized",
@@ -51,26 +59,88 @@ __all__ = [
 ]
 
 ENV = "TERMINUS_SANITIZE"
-"""The environment variable that turns the sanitizer on (``1``, ``true``, ``yes``)."""
+"""The environment variable that turns the sanitizer on (``1``, ``true``, ``yes``).
+Read once per process; `refresh()` reads it again."""
 
 _forced: list[bool] = []
+_env: list[bool] = []  # ENV as last read: empty until the first read
+_installed: list[bool | None] = [None]  # what the decorated classes carry now
+
+
+def _read_env() -> bool:
+    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def enabled() -> bool:
     """Whether driver calls are audited now."""
     if _forced:
         return _forced[-1]
-    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    if not _env:
+        _env.append(_read_env())
+        _install()
+    return _env[0]
+
+
+def refresh() -> bool:
+    """Read `ENV` again (after the process changed it); returns whether driver calls are
+    audited now. The variable is otherwise read once per process, at the first call of a
+    sanitized method."""
+    _env[:] = [_read_env()]
+    _install()
+    return enabled()
 
 
 @contextmanager
 def sanitizing(on: bool = True) -> Iterator[None]:
     """Turn the sanitizer on (or off, ``on=False``) inside the block, whatever `ENV` says."""
     _forced.append(on)
+    _install()
     try:
         yield
     finally:
         _forced.pop()
+        _install()
+
+
+class _Switch:
+    """A sanitized method while its class is being made: once the class exists it puts
+    the plain function or the auditing wrapper on it (`_install` swaps them). Used
+    outside a class body it stays, and always calls the wrapper."""
+
+    __slots__ = ("name", "owner", "plain", "wrapper")
+
+    def __init__(self, plain: Callable[..., Any], wrapper: Callable[..., Any]) -> None:
+        self.plain = plain
+        self.wrapper = wrapper
+        self.owner: type | None = None
+        self.name = plain.__name__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.owner, self.name = owner, name
+        _SWITCHES.append(self)
+        on = _installed[0]
+        setattr(owner, name, self.plain if on is False else self.wrapper)
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        return self.wrapper.__get__(obj, objtype)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.wrapper(*args, **kwargs)
+
+
+_SWITCHES: list[_Switch] = []
+
+
+def _install() -> None:
+    """Put the wrapper (sanitizer on, or ENV not read yet) or the plain function (off)
+    on every class with a sanitized method, when that changed."""
+    on: bool | None = _forced[-1] if _forced else (_env[0] if _env else None)
+    if on is _installed[0]:
+        return
+    _installed[0] = on
+    for sw in _SWITCHES:
+        if sw.owner is not None:
+            setattr(sw.owner, sw.name, sw.plain if on is False else sw.wrapper)
 
 
 @dataclass
@@ -184,6 +254,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 def sanitized(method: F) -> F:
     """Audit the driver after each call of `method` when the sanitizer is on.
 
+    On a method in a class body, the class carries the plain method while the
+    sanitizer is off (no cost per call) and the auditing wrapper while it is on.
+
     Nested calls of one driver's sanitized methods are audited once, at the outermost
     (a driver may be mid-way between two of its own steps inside). A coroutine method
     is audited when it returns (every await point of a driver keeps pools and ledger
@@ -209,7 +282,7 @@ def sanitized(method: F) -> F:
             _check(self, name, site, None)
             return out
 
-        return gwrapper  # type: ignore[return-value]
+        return _Switch(method, gwrapper)  # type: ignore[return-value]
     if inspect.iscoroutinefunction(method):
 
         @functools.wraps(method)
@@ -225,7 +298,7 @@ def sanitized(method: F) -> F:
             _check(self, name, site, None)
             return out
 
-        return awrapper  # type: ignore[return-value]
+        return _Switch(method, awrapper)  # type: ignore[return-value]
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -248,7 +321,7 @@ def sanitized(method: F) -> F:
             _check(self, name, site, None)
         return out
 
-    return wrapper  # type: ignore[return-value]
+    return _Switch(method, wrapper)  # type: ignore[return-value]
 
 
 _depth: dict[int, int] = {}

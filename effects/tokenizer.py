@@ -72,6 +72,15 @@ from .sanitize import sanitized, track_lora_side
 __all__ = ["InvalidRequest", "NotCreatedYet", "RequestKey", "Tokenizer", "TokenizerSide"]
 
 
+# Events without a payload to speak of, made once (events are frozen).
+_SUBMIT = Submitted(acquire=False)
+_SUBMIT_ACQUIRE = Submitted(acquire=True)
+_VALIDATED = Validated()
+_OUTPUT = Output()
+_FAN_OUT = FanOut()
+_WARMUP_FINISHED = WarmupFinished()
+
+
 class InvalidRequest(Exception):
     """Raised by a `Tokenizer` for input the client got wrong (status 4xx by default)."""
 
@@ -180,14 +189,22 @@ class TokenizerSide:
         """The instance (a Request or a SamplingGroup) of a live family that `rid` names:
         its `RequestKey`, or the id its client sees."""
         if isinstance(rid, RequestKey):
+            inst = self._live.get(rid)  # a live instance is its family's under its id
+            if inst is not None:
+                return inst
             inst = self._names.get(rid.rid)
             return inst if inst is not None and inst.key == rid else None
         return self._names.get(rid)
 
     @property
     def live(self) -> dict[RequestKey, Instance]:
-        """Instances not yet terminal, by key."""
+        """Instances not yet terminal, by key (a copy)."""
         return dict(self._live)
+
+    @property
+    def live_count(self) -> int:
+        """How many instances are not yet terminal (`len(live)`, without the copy)."""
+        return len(self._live)
 
     def children(self, rid: Any) -> list[Request]:
         """The child requests a sampling group fanned out to (empty before fan-out)."""
@@ -261,7 +278,7 @@ class TokenizerSide:
     async def _run_request(self, req: Request) -> None:
         lora = req.lora
         try:
-            self._fire(req, Submitted(acquire=lora is not None))
+            self._fire(req, _SUBMIT_ACQUIRE if lora is not None else _SUBMIT)
             if lora is not None:
                 try:
                     lora_id = await self.registry.acquire(lora)
@@ -282,7 +299,7 @@ class TokenizerSide:
             except Exception as e:
                 self._fire(req, ValidationFailed(500, f"tokenizer failed: {e!r}"))
                 return
-            self._fire(req, Validated())  # absorbed when an abort came first
+            self._fire(req, _VALIDATED)  # absorbed when an abort came first
             self._send(req)
         except BaseException:
             self._end(req, "submission was interrupted")
@@ -392,7 +409,7 @@ class TokenizerSide:
             return  # aborted before its preparation started: it never acquired anything
         try:
             names = [lo for lo in group.loras if lo is not None for _ in range(group.n)]
-            self._fire(group, Submitted(acquire=bool(names)))
+            self._fire(group, _SUBMIT_ACQUIRE if names else _SUBMIT)
             if names:
                 try:
                     ids = list(await self.registry.acquire(names))
@@ -431,7 +448,7 @@ class TokenizerSide:
             except Exception as e:
                 self._fire(group, ValidationFailed(500, f"tokenizer failed: {e!r}"))
                 return
-            self._fire(group, Validated())
+            self._fire(group, _VALIDATED)
             if group.state != "warming_up":
                 return
             handles = self.ledger.owned(group, LORA)
@@ -455,8 +472,8 @@ class TokenizerSide:
             for w in warmups:
                 if group.terminal:
                     break
-                self._fire(w, Submitted(acquire=False))
-                self._fire(w, Validated())
+                self._fire(w, _SUBMIT)
+                self._fire(w, _VALIDATED)
                 self._send(w)
         except BaseException:
             batch.interrupted = True  # no sibling may fan out any more
@@ -509,10 +526,10 @@ class TokenizerSide:
             group.children = children
             for c in children:
                 self._created(c)
-            self._fire(group, FanOut())  # transfers one reference to each child
+            self._fire(group, _FAN_OUT)  # transfers one reference to each child
             for c in children:
-                self._fire(c, Submitted(acquire=False))
-                self._fire(c, Validated())
+                self._fire(c, _SUBMIT)
+                self._fire(c, _VALIDATED)
                 self._send(c)
 
     # -- events from the client and the scheduler ----------------------------------------
@@ -539,7 +556,7 @@ class TokenizerSide:
     @sanitized
     def on_output(self, rid: Any) -> bool:
         """The scheduler streamed a non-final output for `rid`."""
-        return self._deliver(rid, Output())
+        return self._deliver(rid, _OUTPUT)
 
     @sanitized
     def on_finish(self, rid: Any, reason: str = "stop") -> bool:
@@ -579,11 +596,12 @@ class TokenizerSide:
     # -- the one place events are delivered ----------------------------------------------
 
     def _fire(self, inst: Instance, event: Any) -> None:
-        was_terminal = inst.terminal
         try:
             inst.fire(event)
         finally:
-            if inst.terminal and not was_terminal:
+            # Newly terminal: every instance is live (in `_live`) from its creation
+            # until it is retired here, once.
+            if inst.terminal and self._live.get(inst.key) is inst:
                 self._retired(inst, event)
 
     def _end(self, inst: Instance, message: str) -> None:
@@ -607,8 +625,7 @@ class TokenizerSide:
                 f"ending {len(errors)} requests of an interrupted batch raised", errors)
 
     def _retired(self, inst: Instance, event: Any) -> None:
-        if self._live.get(inst.key) is inst:
-            del self._live[inst.key]
+        del self._live[inst.key]
         if isinstance(inst, SamplingGroup):
             for d in _derived_keys(inst.key, len(inst.prompts), inst.n):
                 if self._reserved.get(d.rid) == d:  # ids it never used are free again
@@ -622,11 +639,13 @@ class TokenizerSide:
 
     def _family_check(self, top: Instance) -> None:
         """Forget a family once every member has ended (its ids are free again)."""
+        if not top.terminal:
+            return
         members: list[Instance] = [top]
         if isinstance(top, SamplingGroup):
             members += top.warmups + top.children
-        if not all(m.terminal for m in members):
-            return
+            if not all(m.terminal for m in members):
+                return
         for m in members:
             name = m.key.rid if isinstance(m.key, RequestKey) else m.key
             if self._names.get(name) is m:
@@ -656,7 +675,7 @@ class TokenizerSide:
         group = w.parent
         if w.state == "finished":
             group.pending_warmups -= 1
-            self._fire(group, WarmupFinished())
+            self._fire(group, _WARMUP_FINISHED)
             batch = self._batches.get(group.key)
             if batch is not None and group.state == "ready":
                 self._fan_out(batch)

@@ -33,12 +33,15 @@ ledger audited after every driver call), off by default:
     ini: terminus_sanitize = true      the same, for a project's whole suite
     @pytest.mark.terminus_no_sanitize  one test without it (say why in the reason)
 
-fsm knows nothing of pools: the switch is the environment variable the effects read.
+fsm knows nothing of pools: the switch is the environment variable the effects read
+(once per process; after changing it the plugin asks `terminus.effects.sanitize` to read
+it again, if that module is loaded, without importing it).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -98,18 +101,29 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "without the leak sanitizer")
     if config.option.terminus_sanitize or config.getini("terminus_sanitize"):
         os.environ[SANITIZE_ENV] = "1"
+        _sanitize_env_changed()
     if _enabled(config):
         config.pluginmanager.register(FsmCoverage(config), f"{_KEY}_session")
 
 
+def _sanitize_env_changed() -> None:
+    """Have the sanitizer read `SANITIZE_ENV` again (it caches it per process)."""
+    mod = sys.modules.get("terminus.effects.sanitize")
+    if mod is not None:
+        mod.refresh()
+
+
 @pytest.fixture(autouse=True)
 def _terminus_no_sanitize(request: pytest.FixtureRequest) -> Any:
-    """Tests marked `terminus_no_sanitize` run with the sanitizer off."""
+    """Tests marked `terminus_no_sanitize` run with the sanitizer off; after every test
+    the sanitizer reads the variable again (a test may have changed it)."""
     if request.node.get_closest_marker("terminus_no_sanitize") is None:
         yield
+        _sanitize_env_changed()
         return
     old = os.environ.get(SANITIZE_ENV)
     os.environ[SANITIZE_ENV] = "0"
+    _sanitize_env_changed()
     try:
         yield
     finally:
@@ -117,6 +131,7 @@ def _terminus_no_sanitize(request: pytest.FixtureRequest) -> Any:
             del os.environ[SANITIZE_ENV]
         else:
             os.environ[SANITIZE_ENV] = old
+        _sanitize_env_changed()
 
 
 class FsmCoverage:

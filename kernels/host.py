@@ -38,6 +38,10 @@ class HostPagePool(StackPool):
         # the unlock that drops their last lock reference.
         self._doomed = torch.zeros(num_pages, dtype=torch.bool, device=self._free.device)
         self._prefetching = 0
+        # Host-side counts of lock references and doomed pages: while both are 0 (the
+        # common case) a free reads neither tensor back (no sync).
+        self._refs = 0
+        self._n_doomed = 0
 
     @property
     def occupied(self) -> int:
@@ -52,8 +56,8 @@ class HostPagePool(StackPool):
     @property
     def deferred(self) -> int:
         """Pages their owner released while a reader held a lock: the reader's last
-        unlock frees them (one sync)."""
-        return int(self._doomed.sum())
+        unlock frees them (a host-side count)."""
+        return self._n_doomed
 
     def locked_pages(self) -> int:
         """How many pages hold at least one lock reference (one sync)."""
@@ -69,16 +73,18 @@ class HostPagePool(StackPool):
         if not ids.numel():
             return
         self._validate(ids)
-        locked = self.lock_refs.index_select(0, ids) > 0
-        if bool(locked.any()):
-            raise PageLocked("HostPagePool", ids[locked].tolist())
+        if self._refs:
+            locked = self.lock_refs.index_select(0, ids) > 0
+            if bool(locked.any()):
+                raise PageLocked("HostPagePool", ids[locked].tolist())
         self._free.push(ids)
 
     def _validate(self, ids: torch.Tensor) -> None:
         self._free.validate(ids)
-        doomed = self._doomed.index_select(0, ids)
-        if bool(doomed.any()):  # released already; its last unlock frees it
-            raise DoubleFree("HostPagePool", ids[doomed].tolist())
+        if self._n_doomed:
+            doomed = self._doomed.index_select(0, ids)
+            if bool(doomed.any()):  # released already; its last unlock frees it
+                raise DoubleFree("HostPagePool", ids[doomed].tolist())
 
     def free_when_unlocked(self, pages: IdsLike) -> int:
         """Return pages now, except locked ones, which go back at their last unlock.
@@ -90,9 +96,13 @@ class HostPagePool(StackPool):
         if not ids.numel():
             return 0
         self._validate(ids)
+        if not self._refs:  # nothing is locked: every page goes back now
+            self._free.push(ids)
+            return 0
         locked = self.lock_refs.index_select(0, ids) > 0
         later = ids[locked]
         self._doomed.index_fill_(0, later, True)
+        self._n_doomed += later.numel()
         now = ids[~locked]
         if now.numel():
             self._free.push(now)
@@ -102,6 +112,7 @@ class HostPagePool(StackPool):
         """Add one lock reference to each page (a page listed twice gets two)."""
         ids = as_ids(pages, self.device, "HostPagePool").long()
         self.lock_refs.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        self._refs += ids.numel()
 
     def unlock(self, pages: IdsLike) -> None:
         """Drop one lock reference per listed page; raises (changing nothing) on underflow."""
@@ -122,10 +133,14 @@ class HostPagePool(StackPool):
 
     def _unlock_commit(self, ids: torch.Tensor, after: torch.Tensor) -> None:
         self.lock_refs.copy_(after)
+        self._refs -= ids.numel()
+        if not self._n_doomed:
+            return
         ready = ids[self._doomed.index_select(0, ids) & (after.index_select(0, ids) == 0)]
         if ready.numel():
             ready = torch.unique(ready)
             self._doomed.index_fill_(0, ready, False)
+            self._n_doomed -= ready.numel()
             self._free.push(ready)
 
     def prefetch(self, n: int, anchor: IdsLike | None = None) -> Prefetch | None:

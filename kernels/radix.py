@@ -29,6 +29,9 @@ Where this differs from SGLang's ``RadixCache`` (0.5.x):
 - ``evict`` returns the indices it dropped instead of freeing them, so the effects free
   them through the ledger; it never drops a locked node or the root.
 - Recency is a counter, not a clock: runs are reproducible.
+- The unlocked leaves are kept as the tree changes, with a heap by recency (stale
+  entries skipped when popped): an eviction pops what it drops, O(k log n), instead of
+  walking every node to find the leaves.
 - ``dec_lock_ref`` below zero, or on a node that is no longer in the tree, raises
   (SGLang asserts, or silently corrupts its sizes).
 """
@@ -95,33 +98,52 @@ class RadixInsert:
     ``taken``: now held by the tree; ``duplicates``: the tree already held those tokens
     (the caller frees these indices); ``leftover``: the tail past the last whole page,
     not cached (the caller frees these too). ``prefix_len``: tokens that were already
-    cached; ``node``: the node the inserted sequence ends at.
+    cached; ``node``: the node the inserted sequence ends at. ``duplicates`` and
+    ``leftover`` are views of the caller's indices, cut when first read;
+    ``duplicate_count`` says how many duplicates there are without cutting.
     """
 
-    __slots__ = ("duplicates", "leftover", "node", "prefix_len", "taken")
+    __slots__ = ("_dup", "_values", "node", "prefix_len", "taken")
 
     def __init__(self, prefix_len: int, node: RadixNode, taken: torch.Tensor,
-                 duplicates: torch.Tensor, leftover: torch.Tensor) -> None:
+                 values: torch.Tensor, owned_from: int, dup_end: int, cached_end: int) -> None:
         self.prefix_len = prefix_len
         self.node = node
         self.taken = taken
-        self.duplicates = duplicates
-        self.leftover = leftover
+        self._values = values
+        self._dup = (owned_from, dup_end, max(cached_end, owned_from))
+
+    @property
+    def duplicates(self) -> torch.Tensor:
+        """The caller's indices of tokens the tree already held (the caller frees them)."""
+        lo, hi, _ = self._dup
+        return self._values[lo:hi]
+
+    @property
+    def duplicate_count(self) -> int:
+        """``duplicates.numel()``, without cutting the view."""
+        lo, hi, _ = self._dup
+        return hi - lo
+
+    @property
+    def leftover(self) -> torch.Tensor:
+        """The caller's indices past the last whole page (not cached; the caller frees)."""
+        return self._values[self._dup[2]:]
 
 
-def _common(a: tuple[int, ...], b: tuple[int, ...], page: int) -> int:
-    """Length of the common prefix of `a` and `b`, rounded down to whole pages.
+def _common(a: tuple[int, ...], b: tuple[int, ...], page: int, at: int = 0) -> int:
+    """Length of the common prefix of `a` and `b[at:]`, rounded down to whole pages.
 
     A binary search over slice equality: O(log n) comparisons done in C, instead of a
-    Python loop over every token.
+    Python loop over every token (and no copy of `b`'s tail).
     """
-    hi = min(len(a), len(b)) // page
-    if a[:hi * page] == b[:hi * page]:
+    hi = min(len(a), len(b) - at) // page
+    if a[:hi * page] == b[at:at + hi * page]:
         return hi * page
-    lo = 0  # a[:lo*page] == b[:lo*page] holds; a[:hi*page] != b[:hi*page]
+    lo = 0  # a[:lo*page] == b[at:at+lo*page] holds; a[:hi*page] != b[at:at+hi*page]
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if a[:mid * page] == b[:mid * page]:
+        if a[:mid * page] == b[at:at + mid * page]:
             lo = mid
         else:
             hi = mid
@@ -148,6 +170,13 @@ class RadixTree:
         self._clock = 0
         self._evictable = 0
         self._protected = 0
+        # The unlocked leaves (what eviction may drop), kept as the tree changes, and a
+        # heap of (last_access, tiebreak, node) over them with stale entries skipped at
+        # pop time (a node no longer an unlocked leaf, or accessed since): an eviction
+        # pops what it drops instead of walking the whole tree.
+        self._leaves: dict[RadixNode, None] = {}
+        self._heap: list[tuple[int, int, RadixNode]] = []
+        self._tie = 0
 
     # -- sizes ----------------------------------------------------------------------------
 
@@ -179,6 +208,16 @@ class RadixTree:
     def _child_key(self, key: tuple[int, ...]) -> tuple[int, ...]:
         return key[:self.page_size]
 
+    def _leaf(self, n: RadixNode) -> None:
+        """`n` is an unlocked leaf now (or was accessed as one): queue it for eviction."""
+        self._leaves[n] = None
+        self._tie += 1
+        heapq.heappush(self._heap, (n.last_access, self._tie, n))
+        if len(self._heap) > 2 * len(self._leaves) + 64:  # mostly stale: rebuild
+            self._heap = [(m.last_access, i, m) for i, m in enumerate(self._leaves)]
+            heapq.heapify(self._heap)
+            self._tie = len(self._heap)
+
     def _split(self, child: RadixNode, at: int) -> RadixNode:
         """Cut `child` after `at` tokens (a page boundary): a new parent holds the head."""
         parent = child.parent
@@ -198,11 +237,12 @@ class RadixTree:
         node, done, values = self.root, 0, []
         now = self._tick()
         node.last_access = now
+        page = self.page_size
         while done < len(key):
-            child = node.children.get(self._child_key(key[done:]))
+            child = node.children.get(key[done:done + page])
             if child is None:
                 break
-            n = _common(child.key, key[done:], self.page_size)
+            n = _common(child.key, key, page, done)
             if n == 0:
                 break
             if n < len(child.key):
@@ -210,6 +250,8 @@ class RadixTree:
             child.last_access = now
             values.append(child.value)
             node, done = child, done + n
+        if node in self._leaves:  # its recency changed
+            self._leaf(node)
         return node, done, values
 
     def match_prefix(self, tokens: Sequence[int]) -> RadixMatch:
@@ -248,8 +290,8 @@ class RadixTree:
             raise ValueError(f"RadixTree.insert: owned_from={owned_from} is outside "
                              f"0..{len(tokens)} (the length of the sequence)")
         key = self._aligned(tokens)
-        # Read-only pass first: decide, then mutate.
-        cached = self._cached_len(key)
+        # Read-only pass first: decide, then mutate (nothing to check without a prefix).
+        cached = self._cached_len(key) if owned_from else 0
         if cached < min(owned_from, len(key)):
             raise ValueError(
                 f"RadixTree.insert: the caller's matched prefix ({owned_from} tokens) is "
@@ -264,19 +306,20 @@ class RadixTree:
             new.last_access = self._tick()
             node.children[self._child_key(new.key)] = new
             self._evictable += len(new.key)
+            self._leaves.pop(node, None)  # a leaf no more
+            self._leaf(new)
             node = new
         dup_end = max(prefix_len, owned_from)
-        duplicates = values[owned_from:dup_end]
-        leftover = values[max(len(key), owned_from):]
-        return RadixInsert(prefix_len, node, taken, duplicates, leftover)
+        return RadixInsert(prefix_len, node, taken, values, owned_from, dup_end, len(key))
 
     def _cached_len(self, key: tuple[int, ...]) -> int:
         node, done = self.root, 0
+        page = self.page_size
         while done < len(key):
-            child = node.children.get(self._child_key(key[done:]))
+            child = node.children.get(key[done:done + page])
             if child is None:
                 break
-            n = _common(child.key, key[done:], self.page_size)
+            n = _common(child.key, key, page, done)
             done += n
             if n < len(child.key):
                 break
@@ -304,6 +347,7 @@ class RadixTree:
         for n in self._path(node):
             if n.lock_ref == 0:
                 delta += len(n.key)
+                self._leaves.pop(n, None)
             n.lock_ref += 1
         self._evictable -= delta
         self._protected += delta
@@ -324,6 +368,8 @@ class RadixTree:
             n.lock_ref -= 1
             if n.lock_ref == 0:
                 delta += len(n.key)
+                if not n.children:
+                    self._leaf(n)
         self._evictable += delta
         self._protected -= delta
         return delta
@@ -343,21 +389,27 @@ class RadixTree:
         Never drops a locked node (nor, so, any ancestor of one)."""
         if num_tokens < 0:
             raise ValueError(f"RadixTree.evict: num_tokens must be >= 0, got {num_tokens}")
-        heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
-        heapq.heapify(heap)
+        if num_tokens == 0 or not self._evictable:
+            return self._empty
+        heap, leaves = self._heap, self._leaves
         dropped: list[torch.Tensor] = []
         count = 0
+        page = self.page_size
         while count < num_tokens and heap:
-            leaf = heapq.heappop(heap)
+            access, _, leaf = heapq.heappop(heap)
+            if leaf not in leaves or leaf.last_access != access:
+                continue  # stale: locked, a parent, evicted, or accessed since
+            del leaves[leaf]
             parent = leaf.parent
             assert parent is not None
-            del parent.children[self._child_key(leaf.key)]
+            del parent.children[leaf.key[:page]]
             leaf.parent = None
             dropped.append(leaf.value)
             count += len(leaf.key)
             self._evictable -= len(leaf.key)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, parent)
+                self._leaf(parent)
+                heap = self._heap  # (rebuilt when mostly stale)
         if not dropped:
             return self._empty
         return torch.cat(dropped) if len(dropped) > 1 else dropped[0]
@@ -373,7 +425,8 @@ class RadixTree:
     def check(self) -> None:
         """Recount the tree and raise AssertionError naming the first inconsistency: keys
         not whole pages, a child under the wrong key, a value of the wrong length, a lock
-        count below its children's, or sizes that disagree with the nodes."""
+        count below its children's, sizes that disagree with the nodes, or an eviction
+        queue that misses an unlocked leaf (or holds anything else)."""
         evictable = protected = 0
         for n in self._nodes():
             assert n.parent is not None
@@ -386,6 +439,13 @@ class RadixTree:
                 protected += len(n.key)
             else:
                 evictable += len(n.key)
+            leaf = not n.children and not n.lock_ref
+            assert leaf == (n in self._leaves), (
+                f"{n!r}: {'an' if leaf else 'not an'} unlocked leaf, but "
+                f"{'missing from' if leaf else 'kept in'} the eviction queue")
         assert (evictable, protected) == (self._evictable, self._protected), (
             f"sizes: counted evictable={evictable}, protected={protected}; kept "
             f"{self._evictable}, {self._protected}")
+        assert all(n.parent is not None for n in self._leaves), "evicted node queued"
+        current = {id(m) for a, _, m in self._heap if a == m.last_access}
+        assert all(id(n) in current for n in self._leaves), "queued leaf not in the heap"

@@ -600,3 +600,22 @@ def test_a_final_result_before_an_earlier_ones_is_refused_and_changes_nothing():
     e.abort("r", "done with it")
     e.poll_transfer("r")  # the sender confirms it stopped reading the KV
     e.finish()
+
+
+def test_forget_drops_an_ended_request_and_refuses_a_live_one():
+    e, _ = engine()
+    started(e, "r", prompt=8, chunk=4, chunks=1)
+    with pytest.raises(ValueError, match=r"cannot be forgotten: it is prefilling with "
+                                         r"chunk\(s\) \[0\] not settled"):
+        e.forget("r")
+    assert "r" in e.requests  # refused: nothing changed
+    e.abort("r")  # drains: chunk 0 still runs
+    with pytest.raises(ValueError, match="draining"):
+        e.forget("r")
+    e.result("r", 0)
+    assert e.req("r").state == "aborted"
+    e.forget("r")
+    assert "r" not in e.requests
+    with pytest.raises(KeyError, match="no disaggregated-prefill request 'r'"):
+        e.abort("r")  # a late event for a forgotten id: an unknown id
+    e.finish()

@@ -598,3 +598,22 @@ def test_a_collective_error_names_request_rank_and_group_and_close_group_release
                        r"'released'\); nothing was changed"):
         site.close_group("rid")
     r.finish()
+
+
+def test_forget_drops_an_ended_prefetch_and_refuses_a_live_one() -> None:
+    taken: list[torch.Tensor] = []
+    site = PrefetchSite(HostPagePool(8), insert=lambda rid, pages: taken.append(pages))
+    site.queue("r")
+    site.start("r", 2)
+    with pytest.raises(ValueError, match="no ended prefetch to forget"):
+        site.forget("r")
+    assert site.requests["r"].state == "active"  # refused: nothing changed
+    site.transfer("r", 2)
+    site.complete("r")
+    site.forget("r")
+    assert "r" not in site.requests
+    with pytest.raises(ValueError, match="it is 'none'"):
+        site.forget("r")
+    site.host.free(taken[0])  # the cache's pages back to the pool
+    site.assert_released()
+    site.host.assert_full()

@@ -4,6 +4,8 @@ Every test ends with the pool full and the tree empty."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from hypothesis import settings
@@ -276,3 +278,38 @@ def test_the_radix_benchmark_reports_every_figure_beside_its_baseline():
         assert r[k] > 0 and r[f"baseline_{k}"] > 0
         assert r["speedup_vs_dict"][k.rsplit("_", 1)[0]] > 0
     assert len(bench_radix.rows(r)) == 3
+
+
+def test_eviction_pops_the_least_recent_unlocked_leaf_under_random_operations():
+    # The queue of unlocked leaves is kept as the tree changes; each single-leaf
+    # eviction must drop what a full walk of the tree would pick.
+    rng = random.Random(3)
+    tree = RadixTree(page_size=2)
+    locked: list = []
+    nxt = 0
+    for _ in range(600):
+        op = rng.random()
+        tokens = [rng.randrange(3) for _ in range(2 * rng.randrange(1, 5))]
+        if op < 0.4:
+            tree.insert(tokens, torch.arange(nxt, nxt + len(tokens)))
+            nxt += len(tokens)
+        elif op < 0.6:
+            m = tree.match_prefix(tokens)
+            tree.inc_lock_ref(m.node)
+            locked.append(m.node)
+        elif op < 0.75 and locked:
+            tree.dec_lock_ref(locked.pop(rng.randrange(len(locked))))
+        else:
+            leaves = [n for n in tree._nodes() if not n.children and n.lock_ref == 0]
+            dropped = tree.evict(1)
+            if leaves:
+                want = min(leaves, key=lambda n: n.last_access)
+                assert torch.equal(dropped, want.value)
+            else:
+                assert dropped.numel() == 0
+        tree.check()
+    for node in locked:
+        tree.dec_lock_ref(node)
+    tree.evict(tree.evictable_size())
+    tree.check()
+    assert tree.total_size() == 0

@@ -34,6 +34,7 @@ def test_the_suite_runs_with_the_sanitizer_on():
 
 def test_it_is_off_by_default(monkeypatch):
     monkeypatch.delenv(sanitize.ENV, raising=False)
+    assert not sanitize.refresh()  # the variable is read once per process: read it again
     assert not sanitize.enabled()
     e = disagg()
     stray = e.pools.kv.alloc(3)  # not recorded: with the sanitizer off nobody notices
@@ -181,3 +182,47 @@ def test_the_pytest_switch_sets_the_environment_variable(pytester, monkeypatch):
     pytester.runpytest_subprocess().assert_outcomes(passed=2)
     pytester.makeini("[pytest]\n")
     pytester.runpytest_subprocess().assert_outcomes(passed=1, failed=1)  # off by default
+
+
+def test_the_variable_is_read_once_per_process_and_again_on_refresh(monkeypatch):
+    assert sanitize.enabled()
+    monkeypatch.setenv(sanitize.ENV, "0")
+    assert sanitize.enabled()  # cached: no environment lookup per driver call
+    assert not sanitize.refresh()
+    assert not sanitize.enabled()
+    monkeypatch.setenv(sanitize.ENV, "yes")
+    assert sanitize.refresh() and sanitize.enabled()
+
+
+def test_off_the_class_carries_the_plain_method_and_on_the_auditing_wrapper(monkeypatch):
+    from terminus.effects.tokenizer import TokenizerSide
+
+    plain = TokenizerSide.__dict__["on_finish"]
+    assert plain.__wrapped__.__name__ == "on_finish"  # on: the wrapper is installed
+    with sanitizing(False):
+        off = TokenizerSide.__dict__["on_finish"]
+        assert off is plain.__wrapped__ and not hasattr(off, "__wrapped__")
+        with sanitizing(True):
+            assert TokenizerSide.__dict__["on_finish"] is plain
+        assert TokenizerSide.__dict__["on_finish"] is off
+    assert TokenizerSide.__dict__["on_finish"] is plain
+    monkeypatch.setenv(sanitize.ENV, "0")
+    sanitize.refresh()
+    assert TokenizerSide.__dict__["on_finish"] is off
+
+
+def test_a_refused_call_is_audited_whichever_way_the_switch_was_turned_on(monkeypatch):
+    # Off by the variable, on again by refresh: the wrapper is back and catches a leak.
+    monkeypatch.setenv(sanitize.ENV, "0")
+    sanitize.refresh()
+    e = disagg()
+    stray = e.pools.kv.alloc(3)
+    e.add("r", 8, chunk_size=4)  # not audited
+    monkeypatch.setenv(sanitize.ENV, "1")
+    sanitize.refresh()
+    with pytest.raises(LeakSanitizerError, match=r"DisaggPrefill\.abort"):
+        e.abort("r")
+    e.pools.kv.free(stray)
+    with sanitizing(False):
+        e.finish()
+    e.pools.assert_full()

@@ -4,6 +4,7 @@ with zero leaks, the naive baseline shows the seeds' leaks, and bad input is one
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import msgspec
 import pytest
@@ -226,3 +227,18 @@ def test_the_prefix_lock_leak_scenario_exhausts_the_naive_pool_only(tmp_path, pa
     assert machines["aborted"] == machines["conversations"]
     assert machines["evicted_tokens"] > 0
     assert machines["locked_at_end"] == machines["kv_tokens_leaked"] == 0
+
+
+def test_transitions_fired_agree_with_a_trace_of_every_decision():
+    # The counting recorder reads each machine's cells into a table once; every
+    # decision traced as a transition must be counted, per machine, and nothing else.
+    traced: Counter[str] = Counter()
+
+    def sink(record):
+        if record.decision == "transition":
+            traced[record.machine] += 1
+
+    r = run_simulation(WorkloadConfig(requests=300, seed=4, n=3), trace=sink)
+    assert r["transitions_by_machine"] == dict(sorted(traced.items()))
+    assert r["transitions"] == sum(traced.values()) > r["requests"]
+    assert not any(r["leaks"].values())

@@ -58,6 +58,11 @@ class NaiveTokenizer:
         """Requests whose state is still held."""
         return self.rid_to_state
 
+    @property
+    def live_count(self) -> int:
+        """How many requests' states are still held."""
+        return len(self.rid_to_state)
+
     async def drain(self) -> None:
         """Nothing asynchronous to wait for."""
 
@@ -209,6 +214,7 @@ class NaiveScheduler(SimScheduler):
                 # Marked only; the row's KV, Mamba state and slot are never released.
                 seq.aborted = True
                 del self.by_row[seq.row]
+                self.prefilling.pop(seq.row, None)
                 del self.by_rid[rid]
                 self.dropped += 1
                 self._echo(seq, "aborted")

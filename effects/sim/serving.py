@@ -142,8 +142,8 @@ class FakeTokenizer:
 class _Seq:
     """The scheduler's view of one sequence: its spec, progress and row."""
 
-    __slots__ = ("aborted", "chunks_left", "decoding", "fail", "generated", "in_flight",
-                 "max_new", "prompt", "reply", "rid", "row", "status", "tokens")
+    __slots__ = ("aborted", "chunks_left", "decoding", "fail", "fail_status", "generated",
+                 "in_flight", "max_new", "prompt", "reply", "rid", "row", "status", "tokens")
 
     def __init__(self, rid: Any, prompt: int, max_new: int, fail: str | None,
                  tokens: list[int] | None = None, reply: list[int] | None = None) -> None:
@@ -153,6 +153,8 @@ class _Seq:
         self.reply = reply or []
         self.max_new = max_new
         self.fail = fail
+        self.fail_status = _STATUS.get(fail, 0) if fail is not None else 0
+        """The status the scheduler fails it with halfway through decode (0: none)."""
         self.row = -1
         self.chunks_left = 0
         self.in_flight: deque[bool] = deque()  # True for the final chunk
@@ -160,6 +162,10 @@ class _Seq:
         self.aborted = False
         self.decoding = False  # its final chunk's result was delivered (not aborted)
         self.status = 0
+
+
+def _row(seq: _Seq) -> int:
+    return seq.row
 
 
 class SimScheduler:
@@ -173,6 +179,8 @@ class SimScheduler:
         self.tokenizer: TokenizerSide | None = None
         self.queue: deque[_Seq] = deque()
         self.by_row: dict[int, _Seq] = {}
+        self.prefilling: dict[int, _Seq] = {}
+        """The rows of `by_row` (in its order) with chunks to launch or in flight."""
         self.by_rid: dict[Any, _Seq] = {}
         self.aborts: list[Any] = []
         self.dispatch_failures: set[Any] = set()
@@ -217,18 +225,23 @@ class SimScheduler:
         # Chunk results of the chunks launched last step (one result per row per step).
         done: list[int] = []
         last: list[int] = []
-        for seq in self.by_row.values():
+        prefilled: list[int] = []
+        for seq in self.prefilling.values():
             if seq.in_flight:
                 if seq.in_flight.popleft():
                     last.append(seq.row)
                     seq.decoding = not seq.aborted
                 else:
                     done.append(seq.row)
+                if not seq.in_flight and not seq.chunks_left:
+                    prefilled.append(seq.row)
+        for r in prefilled:
+            del self.prefilling[r]
         rb.queue(done, ChunkDone)
         rb.queue(last, LastChunkDone)
         # Launch chunks: up to two in flight per row (the next overlapped).
         for _ in range(2):
-            rows = [seq.row for seq in self.by_row.values()
+            rows = [seq.row for seq in self.prefilling.values()
                     if seq.chunks_left and not seq.aborted and len(seq.in_flight) < 2]
             if not rows:
                 break
@@ -240,34 +253,35 @@ class SimScheduler:
                 seq.chunks_left -= 1
                 seq.in_flight.append(seq.chunks_left == 0)
             rb.queue(rows, ChunkLaunched)
-        # Decode: every decoding row gets one token (one KV slot each, one alloc).
-        decoding = sorted(seq.row for seq in self.by_row.values()
-                          if seq.decoding and not seq.aborted)
+        # Decode: every decoding row gets one token (one KV slot each, one alloc), in
+        # row order.
+        decoding = [seq for seq in self.by_row.values() if seq.decoding and not seq.aborted]
         if decoding:
-            by_row = self.by_row
-            failing = [r for r in decoding if by_row[r].fail in _STATUS
-                       and by_row[r].generated >= by_row[r].max_new // 2]
-            for r in failing:
-                by_row[r].status = _STATUS[str(by_row[r].fail)]
-                by_row[r].decoding = False
-            rb.queue(failing, Fail)
-            gone = set(failing)
-            rows = [r for r in decoding if r not in gone]
+            decoding.sort(key=_row)
+            failing = [seq for seq in decoding
+                       if seq.fail_status and seq.generated >= seq.max_new // 2]
+            if failing:
+                for seq in failing:
+                    seq.status = seq.fail_status
+                    seq.decoding = False
+                rb.queue([seq.row for seq in failing], Fail)
+                decoding = [seq for seq in decoding if seq.decoding]
+            rows = [seq.row for seq in decoding]
             dev = rb.batch.device
             if rows and rb.append_kv(torch.tensor(rows, dtype=torch.int64, device=dev),
                                      torch.ones(len(rows), dtype=torch.int64, device=dev)):
                 rb.queue(rows, Token)
                 finished = []
-                for r in rows:
-                    seq = by_row[r]
+                tok = self.tokenizer
+                for seq in decoding:
+                    g = seq.generated
                     if seq.tokens is not None:
-                        seq.tokens.append(seq.reply[seq.generated] if seq.generated
-                                          < len(seq.reply) else 1)
-                    seq.generated += 1
-                    if seq.generated == 1 and self.tokenizer is not None:
-                        self.tokenizer.on_output(seq.rid)
-                    if seq.generated >= seq.max_new:
-                        finished.append(r)
+                        seq.tokens.append(seq.reply[g] if g < len(seq.reply) else 1)
+                    seq.generated = g = g + 1
+                    if g == 1 and tok is not None:
+                        tok.on_output(seq.rid)
+                    if g >= seq.max_new:
+                        finished.append(seq.row)
                         seq.decoding = False
                 rb.queue(finished, Finish)
         rb.flush()
@@ -327,6 +341,7 @@ class SimScheduler:
             seq.prompt -= rb.matched(r)  # the cached prefix is not prefilled again
             seq.chunks_left = max(1, -(-seq.prompt // self.cfg.chunk_size))
             self.by_row[r] = seq
+            self.prefilling[r] = seq
 
     def _apply_aborts(self) -> None:
         rows = []
@@ -346,6 +361,8 @@ class SimScheduler:
 
     def _retired(self, rows: torch.Tensor, state: str) -> None:
         seqs = [self.by_row.pop(r) for r in rows.tolist()]
+        for seq in seqs:
+            self.prefilling.pop(seq.row, None)
         errors: list[Exception] = []
         for seq in seqs:  # one echo refused (a LoRA release underflowing) stops no other
             self.by_rid.pop(seq.rid, None)
@@ -407,6 +424,10 @@ def disagg_leaks(pools: DisaggPools, cache: PrefixCache) -> dict[str, int]:
     }
 
 
+_SCHEDULING = ("waiting", "prefilling")  # where `DisaggPrefill.schedule` may launch
+_TRANSFERRING = ("transferring", "awaiting_sender")  # where `poll_transfer` polls
+
+
 class SimDisagg:
     """Disaggregated-prefill requests over a fake KV sender that fails on cue."""
 
@@ -463,24 +484,31 @@ class SimDisagg:
         if kv.available < kv.capacity // 4:  # memory pressure: evict unlocked pages
             e.cache.evict(kv.capacity // 4 - kv.available)
         done = []
+        requests = e.requests
         for rid, in_flight in self.live.items():
-            req = e.req(rid)
-            if req.state == "bootstrapping":
+            req = requests[rid]
+            state = req.state
+            if state == "bootstrapping":
                 e.bootstrap(rid)
-                if req.state == "bootstrapping":
+                state = req.state
+                if state == "bootstrapping":
                     continue  # no metadata slot free yet: poll again next step
             if in_flight:
                 self._call(e.result, rid, in_flight.popleft())
-            while len(in_flight) < 2:
+                state = req.state
+            while len(in_flight) < 2 and state in _SCHEDULING:
                 chunk = self._call(e.schedule, rid)
                 if chunk is None:
                     break
                 in_flight.append(chunk.index)
-            self._call(e.poll_transfer, rid)
+                state = req.state
+            if req.state in _TRANSFERRING:
+                self._call(e.poll_transfer, rid)
             if req.terminal and not in_flight:
                 done.append(rid)
         for rid in done:
             del self.live[rid]
+            e.forget(rid)  # a later client abort of it is an unknown id: absorbed here
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         # An injected fault (a refused alloc, a refused cache insert) surfaces as the
@@ -553,6 +581,8 @@ class SimPrefetch:
                 done.append(rid)
         for rid in done:
             del self.live[rid]
+            for s in self.sites:
+                s.forget(rid)  # ended on every rank: nothing can reach it any more
         # Cache eviction under pressure, as a real host cache does.
         if any(s.host.available < s.host.capacity // 4 for s in self.sites):
             self.evict()
@@ -579,6 +609,9 @@ class SimPrefetch:
                 self.sites[e.rank].close_group(rid)
         elif errors:
             self.deadlocks += 1
+        for s in self.sites:  # what ended is dropped; a rank left waiting keeps its own
+            if s.requests[rid].terminal:
+                s.forget(rid)
 
     def abort_on_ranks(self, rid: Any) -> list[Any]:
         """Run the rank-collective abort protocol of `rid`; each rank's outcome."""
@@ -621,8 +654,8 @@ class Shared:
 class Parts(Protocol):
     """The half of a serving loop that differs between the machines and the naive
     baseline. `tokenizer` is a tokenizer side (`submit`, `submit_batch`, `abort`,
-    `drain`, `live`, and the scheduler's `on_output` / `on_finish` / `on_error`);
-    `disagg` takes the disaggregated-prefill requests (`add`, `abort`, `step`, `idle`,
+    `drain`, `live`, `live_count`, and the scheduler's `on_output` / `on_finish` /
+    `on_error`); `disagg` takes the disaggregated-prefill requests (`add`, `abort`, `step`, `idle`,
     `pools`, `leaks()`, `stuck()`)."""
 
     @property
@@ -700,7 +733,7 @@ class MachineParts:
     @property
     def settled(self) -> bool:
         """No request of the tokenizer side is live."""
-        return not self.tokenizer.live
+        return not self.tokenizer.live_count
 
     def leaks(self) -> dict[str, int]:
         """Handles the LoRA ledger still records as owned."""
@@ -850,7 +883,7 @@ class ServingLoop:
             "metadata_slots": du["metadata"],
             "host_pages": sum(s.host.occupied for s in self.prefetch.sites)
             + d.host.occupied,
-            "live_requests": len(self.tokenizer.live),
+            "live_requests": self.tokenizer.live_count,
             "cached_tokens": sum(c.held_tokens for c in self._caches()),
         }
         peak = self._peak

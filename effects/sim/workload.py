@@ -26,6 +26,7 @@ import functools
 import random
 
 import msgspec
+import numpy
 
 __all__ = ["FAULTS", "FAULT_KINDS", "KINDS", "RequestSpec", "WorkloadConfig", "generate",
            "prompt_tokens", "reply_tokens"]
@@ -122,14 +123,16 @@ class WorkloadConfig(msgspec.Struct, frozen=True):
 @functools.lru_cache(maxsize=4096)
 def _segment(key: str, n: int) -> tuple[int, ...]:
     """`n` token ids (1..32000) seeded by `key` (the same key always gives the same ids;
-    system prompts and conversation turns recur, so recent segments are kept)."""
-    raw = memoryview(random.Random(key).randbytes(2 * n)).cast("H")
-    return tuple(t % 32000 + 1 for t in raw)
+    system prompts and conversation turns recur, so recent segments are kept): each
+    id is a native-order 16-bit draw mod 32000, plus 1 (array arithmetic, not a loop
+    in Python)."""
+    raw = numpy.frombuffer(random.Random(key).randbytes(2 * n), dtype=numpy.uint16)
+    return tuple((raw % 32000 + 1).tolist())
 
 
-def prompt_tokens(spec: RequestSpec, seed: int = 0) -> list[int]:
-    """The prompt's token ids (`spec.prompt_len` of them); see the module docstring."""
-    out: list[int] = []
+@functools.lru_cache(maxsize=1024)
+def _prompt(spec: RequestSpec, seed: int) -> tuple[int, ...]:
+    out: tuple[int, ...] = ()
     if spec.system >= 0:
         out += _segment(f"{seed}/system/{spec.system}", spec.system_len)
     if spec.conv >= 0:
@@ -137,6 +140,12 @@ def prompt_tokens(spec: RequestSpec, seed: int = 0) -> list[int]:
             out += _segment(f"{seed}/conv/{spec.conv}/{j}", n)
     out += _segment(f"{seed}/{spec.rid}", spec.prompt_len - len(out))
     return out[:spec.prompt_len]
+
+
+def prompt_tokens(spec: RequestSpec, seed: int = 0) -> list[int]:
+    """The prompt's token ids (`spec.prompt_len` of them); see the module docstring.
+    (A request's group asks for them once per member: recent prompts are kept.)"""
+    return list(_prompt(spec, seed))
 
 
 def reply_tokens(spec: RequestSpec, n: int, seed: int = 0) -> list[int]:
