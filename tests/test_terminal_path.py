@@ -228,3 +228,59 @@ def test_a_handle_given_after_the_releaser_queued_an_event_is_still_the_plan_s(k
     late = ledger.acquire(job, "kv", kv.alloc(1))  # after the step: released at once
     assert late.released and ledger.late_released == 1
     ledger.assert_empty()
+
+
+def test_a_context_kept_past_its_plan_stays_dead_through_later_plans_on_its_edge(kv):
+    """A compiled cell reuses a dead context only when nobody kept it: one an effect kept
+    is never handed to a later plan, so it cannot come back to life (I1)."""
+    seen: list[tuple[int, object, object]] = []
+    kept = []
+
+    @release_effect
+    def free(ctx, handle):
+        seen.append((id(ctx), ctx.instance, ctx.event))
+        assert ctx.live
+        if handle.value[0] == kept_page[0]:
+            kept.append(ctx)
+        ctx.resources.free(handle.value)
+
+    m, ledger = make(kv, free)
+    jobs = [m.create(i) for i in range(4)]
+    handles = [ledger.acquire(j, "kv", kv.alloc(2)) for j in jobs]
+    kept_page = handles[1].value
+    events = [Abort() for _ in jobs]
+    for j, e in zip(jobs, events, strict=True):
+        j.fire(e)
+        assert not j.busy and j.state == "aborted"
+    assert [(inst, ev) for _, inst, ev in seen] == list(zip(jobs, events, strict=True))
+    assert len(kept) == 1 and kept[0].instance is jobs[1] and not kept[0].live
+    assert id(kept[0]) not in {i for i, _, _ in seen[2:]}  # never handed out again
+    with pytest.raises(ReleaseOutsideTerminal):
+        free(kept[0], handles[1])
+    assert all(h.released for h in handles) and m.stats.plans_run == {"release_aborted": 4}
+    ledger.assert_empty()
+
+
+def test_a_plan_run_inside_a_releaser_on_the_same_edge_gets_its_own_context(kv):
+    """An effect that fires another instance's terminal event on the same edge: the inner
+    plan opens its own context, and the outer one is live until its own plan ends."""
+    contexts = []
+
+    @release_effect
+    def free(ctx, handle):
+        contexts.append(ctx)
+        ctx.resources.free(handle.value)
+        if ctx.instance is outer:
+            inner.fire(Abort())
+            assert ctx.live and not contexts[1].live and contexts[1] is not ctx
+        # what a releaser holds in a local is dropped with its frame
+
+    m, ledger = make(kv, free)
+    outer, inner = m.create("outer"), m.create("inner")
+    ledger.acquire(outer, "kv", kv.alloc(2))
+    ledger.acquire(inner, "kv", kv.alloc(2))
+    outer.fire(Abort())
+    assert [c.instance for c in contexts] == [outer, inner]
+    assert not any(c.live for c in contexts)
+    assert outer.state == inner.state == "aborted" and m.stats.plans_run == {"release_aborted": 2}
+    ledger.assert_empty()
