@@ -145,8 +145,11 @@ class Ledger:
         self._in_plan: set[int] = set()
         self.errors: list[EffectError] = []
         """Errors of async steps and of late releases, in the order they happened."""
-        self.released = 0
-        """Handles released so far (by plans, and late releases)."""
+        self._released = 0
+        # Compiled terminal steps (`machine._compile_terminal`) count the handles they
+        # release in a small int of their own (no allocation per release); each adds
+        # its count here when called, as `released` does first.
+        self._flushes: list[Callable[[], None]] = []
         self.late_released = 0
         """Handles released at once because their owner was already terminal (I6)."""
 
@@ -155,6 +158,13 @@ class Ledger:
         require_effect(release, f"releaser for kind {kind!r}")
         self._releasers[kind] = release
         self._raw[kind] = unwrapped(release)
+
+    @property
+    def released(self) -> int:
+        """Handles released so far (by plans, and late releases)."""
+        for flush in self._flushes:
+            flush()
+        return self._released
 
     @property
     def kinds(self) -> frozenset[str]:
@@ -381,7 +391,7 @@ class Ledger:
         self._unlink(handle.owner, handle)
         if self._observers:
             self._observers.pop(handle, None)
-        self.released += 1
+        self._released += 1
 
     def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], report: PlanReport,
               step: str, best_effort: bool) -> None:
@@ -418,7 +428,7 @@ class Ledger:
             self._put(owner, None)
             if self._observers:
                 self._observers.pop(cur, None)
-            self.released += 1
+            self._released += 1
             report.released.append(cur)
             name = step or f"release {cur.kind}"
             task = call_step(fn or self._releasers[cur.kind], (ctx, cur), report, name,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -164,7 +165,7 @@ class Machine:
         self._partial = partial
         self._bound = bound
         self.ledger = ledger
-        self.stats = Stats((*self.tables.plan_names, _OWNED))
+        self.stats = _Stats((*self.tables.plan_names, _OWNED))
         self._sinks = []
         self._rows = self._fast_rows
         # Per (state, event) cell, what `Instance.fire` calls for a code < 0 (None: the
@@ -552,6 +553,24 @@ class Machine:
                 list(fatal), report)
 
 
+class _Stats(Stats):
+    """A machine's `Stats`, which first adds what its compiled terminal steps counted
+    on their own (`_compile_terminal`) to the plan runs it reports."""
+
+    __slots__ = ("_flushes",)
+
+    def __init__(self, plan_names: tuple[str, ...] = ()) -> None:
+        super().__init__(plan_names)
+        self._flushes: list[Callable[[], None]] = []
+
+    @property
+    def plans_run(self) -> Counter[str]:
+        """Release plans run, by name (scalar instances and batched rows)."""
+        for flush in self._flushes:
+            flush()
+        return Stats.plans_run.fget(self)  # type: ignore[attr-defined]
+
+
 _OWNED = "<release owned>"
 """The plan name of a terminal edge that names none (it releases what the instance owns)."""
 
@@ -745,9 +764,19 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
     # building one per plan (about a fifth of a terminal fire).
     spare: ReleaseContext | None = None
     refs = _refs
+    # Runs of the one-handle path not yet added to `runs[pid]` and `ledger._released`:
+    # one count for both, kept a cached small int (under 256) so that counting
+    # allocates nothing; `Stats.plans_run` and `Ledger.released` add it first (`flush`).
+    n = 0
+
+    def flush() -> None:
+        nonlocal n
+        k, n = n, 0
+        runs[pid] += k
+        ledger._released += k
 
     def fire_terminal(inst: Instance, event: Any) -> PlanReport | None:
-        nonlocal spare
+        nonlocal spare, n
         inst._s = target
         inst._q = busy
         try:
@@ -763,6 +792,7 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
             try:
                 cur = inst._owns
                 if cur.__class__ is not Hd:
+                    runs[pid] += 1
                     report = Report(mname, inst, pname)
                     if cur is not None:  # several handles
                         ledger._run_steps(ctx, inst, steps, report)
@@ -773,7 +803,9 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
                     inst._owns = None
                     if observers:
                         observers.pop(cur, None)
-                    ledger.released += 1
+                    n += 1  # a run of the plan and a handle released
+                    if n > 200:
+                        flush()
                     report = Report(mname, inst, pname, cur)
                     try:  # what is given to inst meanwhile is the plan's (PLAN_RUNNING)
                         res = (fn or raw[kind])(ctx, cur)
@@ -796,7 +828,6 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
                 if refs(ctx) == 2:  # ours and the call's: nobody kept it
                     ctx.instance = ctx.event = None
                     spare = ctx
-            runs[pid] += 1
             if report._errors:
                 inst._m._plan_failed(report, ledger)
         except Exception as e:
@@ -813,6 +844,10 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
         inst._q = None
         return report
 
+    ledger._flushes.append(flush)
+    stats = m.stats
+    assert isinstance(stats, _Stats)
+    stats._flushes.append(flush)
     return fire_terminal
 
 

@@ -284,3 +284,32 @@ def test_a_plan_run_inside_a_releaser_on_the_same_edge_gets_its_own_context(kv):
     assert not any(c.live for c in contexts)
     assert outer.state == inner.state == "aborted" and m.stats.plans_run == {"release_aborted": 2}
     ledger.assert_empty()
+
+
+def test_runs_and_releases_are_counted_exactly_across_machines_sharing_a_ledger(kv):
+    """The compiled one-handle path counts in a small int of its own and adds it to the
+    ledger's and the machine's counters when they are read: every read is exact, on
+    either side of the point (200) where it adds them itself."""
+    reads = []
+
+    @release_effect
+    def free(ctx, handle):
+        ctx.resources.free(handle.value)
+        reads.append(ctx.ledger.released)  # a read from inside a plan
+
+    ledger = Ledger({"kv": free}, resources=kv)
+    plans = {"release_aborted": Plan(Release("kv")), "release_finished": Plan(Release("kv"))}
+    a, b = LIFECYCLE.bind(plans, ledger), LIFECYCLE.bind(plans, ledger)
+    done = 0
+    for n in (3, 250, 1, 198):
+        for m in (a, b):
+            for _ in range(n):
+                job = m.create()
+                ledger.acquire(job, "kv", kv.alloc(1))
+                job.fire(Abort())
+            done += n
+            assert ledger.released == done and m.stats.plans_run["release_aborted"] == n
+            m.stats.plans_run.clear()
+    assert reads == list(range(1, done + 1))
+    assert a.stats.plans_run == b.stats.plans_run == {}
+    ledger.assert_empty()
