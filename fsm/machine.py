@@ -590,9 +590,10 @@ def _no_reuse(ctx: Any) -> int:
 _REUSE: bool = (sys.version_info < (3, 14) and getattr(sys, "_is_gil_enabled", lambda: True)()
                 and _sole_refs() == 2)
 """Whether a compiled terminal cell reuses a dead context nobody kept (`_compile_terminal`).
-Its take is two stores, which only the GIL keeps other threads from coming between; and
-"nobody kept it" is `getrefcount(ctx) == 2` (the local and the call's argument), which
-3.14's borrowed references no longer guarantee. Elsewhere every plan opens a new one."""
+Its take is a load and a store with no jump or call between, where the GIL never lets
+another thread in; and "nobody kept it" is `getrefcount(ctx) == 2` (the local and the
+call's argument), which 3.14's borrowed references no longer guarantee. Elsewhere every
+plan opens a new one."""
 _refs: Callable[[Any], int] = sys.getrefcount if _REUSE else _no_reuse
 
 _BUSY = PLAN_RUNNING
@@ -781,11 +782,10 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
         inst._q = busy
         try:
             ctx = spare
-            if ctx is None:
+            spare = None  # taken (no jump or call between: no other thread runs between)
+            if ctx is None:  # none, or a plan run meanwhile (an effect's fire) holds it
                 ctx = new(Context)
                 ctx._edge = edge
-            else:
-                spare = None  # taken: a plan run meanwhile (an effect's fire) opens its own
             ctx._live = True  # live until the finally below (I1)
             ctx.instance = inst
             ctx.event = event
@@ -828,6 +828,7 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
                 if refs(ctx) == 2:  # ours and the call's: nobody kept it
                     ctx.instance = ctx.event = None
                     spare = ctx
+                    del ctx  # nor does this frame, should a traceback keep it
             if report._errors:
                 inst._m._plan_failed(report, ledger)
         except Exception as e:
@@ -844,7 +845,7 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
         inst._q = None
         return report
 
-    ledger._flushes.append(flush)
+    ledger._flushes.append(flush)  # one per compiled cell of each machine bound to it
     stats = m.stats
     assert isinstance(stats, _Stats)
     stats._flushes.append(flush)

@@ -313,3 +313,34 @@ def test_runs_and_releases_are_counted_exactly_across_machines_sharing_a_ledger(
     assert reads == list(range(1, done + 1))
     assert a.stats.plans_run == b.stats.plans_run == {}
     ledger.assert_empty()
+
+
+def test_a_context_whose_releaser_raised_is_never_reused_while_a_traceback_holds_it(kv):
+    """The error a failing releaser raised keeps its frames (and the context in them)
+    through the report: that context stays dead, the next plan gets another."""
+    contexts = []
+
+    @release_effect
+    def free(ctx, handle):
+        contexts.append(id(ctx))
+        ctx.resources.free(handle.value)
+        if len(contexts) == 1:
+            raise RuntimeError("first one fails")
+
+    m, ledger = make(kv, free)
+    jobs = [m.create(i) for i in range(2)]
+    for j in jobs:
+        ledger.acquire(j, "kv", kv.alloc(1))
+    with pytest.raises(ReleaseFailed) as info:
+        jobs[0].fire(Abort())
+    tb = info.value.report.errors[0].error.__traceback__
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    held = [v for f in frames for v in f.f_locals.values() if type(v).__name__ == "ReleaseContext"]
+    assert held and not any(c.live for c in held)
+    jobs[1].fire(Abort())
+    assert contexts[1] not in {id(c) for c in held} and not any(c.live for c in held)
+    assert all(j.state == "aborted" for j in jobs)
+    ledger.assert_empty()
