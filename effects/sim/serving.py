@@ -431,8 +431,15 @@ _TRANSFERRING = ("transferring", "awaiting_sender")  # where `poll_transfer` pol
 class SimDisagg:
     """Disaggregated-prefill requests over a fake KV sender that fails on cue."""
 
-    def __init__(self, cfg: SimConfig, sink: OutputLog) -> None:
+    def __init__(self, cfg: SimConfig, sink: OutputLog,
+                 specs: Sequence[RequestSpec] = ()) -> None:
         self.cfg = cfg
+        # The prompts' token ids are the workload's, as the router hands them over:
+        # made here, before the run (and its clock) starts, not at every `add` (the
+        # naive loop's disagg server takes none, so `terminus bench e2e` would charge
+        # their synthesis to the machines alone). Each is dropped once added.
+        self.prompts: dict[str, tuple[int, ...]] = {
+            s.rid: tuple(prompt_tokens(s)) for s in specs if s.kind == "disagg"}
         self.transport = FakeTransport(auto_complete=True)
         pools = DisaggPools.make(kv_tokens=cfg.disagg_kv_tokens, requests=cfg.disagg_rows,
                                  mamba_slots=cfg.disagg_rows, metadata_slots=cfg.disagg_rows,
@@ -464,7 +471,7 @@ class SimDisagg:
             self.faults.arm(_KV_ALLOC)
         self.engine.add(rid, spec.prompt_len, chunk_size=self.cfg.chunk_size,
                         host_pages=min(spec.prefetch_pages, 4),
-                        tokens=tuple(prompt_tokens(spec)))
+                        tokens=self.prompts.pop(rid, None) or tuple(prompt_tokens(spec)))
         self.live[rid] = deque()
 
     @property
@@ -719,7 +726,7 @@ class MachineParts:
         self.tokenizer = TokenizerSide(shared.registry, shared.tokenizer, self.scheduler,
                                        shared.sink, ledger=self.ledger)
         self.scheduler.tokenizer = self.tokenizer
-        self.disagg = SimDisagg(shared.cfg, shared.sink)
+        self.disagg = SimDisagg(shared.cfg, shared.sink, shared.workload)
         self.prefetch = SimPrefetch(shared.cfg)
 
     def machines(self) -> list[Any]:
