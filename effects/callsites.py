@@ -243,9 +243,16 @@ class _Proxy:
             return value
         plan, resource = self._plan, self._resource
         inner = self._wrap.get(name)
+        key = (resource, name)
+        calls, armed = plan.calls, plan._armed
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            plan.call(resource, name, args, value)
+            # The common case in a few dict operations: a known site, not armed (what
+            # `FaultPlan.call` does for it); anything else takes `FaultPlan.call`.
+            if armed.get(key) or key not in plan._known or calls is not plan.calls:
+                plan.call(resource, name, args, value)
+            else:
+                calls[key] += 1
             out = value(*args, **kwargs)
             if inner is not None and out is not None:
                 return _Proxy(out, inner, plan, {})

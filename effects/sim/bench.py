@@ -9,6 +9,10 @@ prefetch, batched release) so that allocator work can be taken out:
 The difference between the two is the engine's overhead per request. Both runs share
 the simulator's workload generator, tokenizer fake and scheduler skeleton, so the
 difference is the machines (events, tables, ledger, plans) against dicts and flags.
+Each run starts as `terminus simulate`'s does (and as a serving engine does after its
+warm-up, SGLang's `gc.freeze` included): what exists before it is collected once and
+frozen, so the collector's passes during the run scan only what the run made, for
+both loops alike.
 JSON keys: `requests`, `us_per_request` (`machines`, `naive`), `allocator_us_per_request`
 (`machines`, `naive`), `lifecycle_us_per_request` (`machines`, `naive`),
 `lifecycle_overhead_us_per_request`.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import time
 from typing import Any
 
@@ -73,7 +78,12 @@ def _run(workload: list[Any], naive: bool) -> tuple[float, float]:
     clock = _PoolClock()
     for pool in _pools_of(loop):
         clock.wrap(pool)
-    asyncio.run(loop.run())
+    gc.collect()  # the previous run's garbage is not this one's to collect
+    gc.freeze()
+    try:
+        asyncio.run(loop.run())
+    finally:
+        gc.unfreeze()
     leaks = loop.leaks()
     if not naive and any(leaks.values()):
         raise AssertionError(f"the machines leaked during the benchmark: {leaks}")

@@ -50,7 +50,7 @@ from terminus.effects.prefix_cache import PrefixCache
 from terminus.effects.request import RequestResources, lora_ledger
 from terminus.effects.sequence import RunningBatch, SchedulerPools
 from terminus.effects.tokenizer import InvalidRequest, TokenizerSide
-from terminus.fsm import ReleaseFailed, TransitionRecord
+from terminus.fsm import EffectError, ReleaseFailed, TransitionRecord
 from terminus.kernels import HostPagePool, LoRARegistry
 from terminus.kernels.collective import grid_partitions
 from terminus.kernels.radix import RadixInsert
@@ -431,8 +431,15 @@ _TRANSFERRING = ("transferring", "awaiting_sender")  # where `poll_transfer` pol
 class SimDisagg:
     """Disaggregated-prefill requests over a fake KV sender that fails on cue."""
 
-    def __init__(self, cfg: SimConfig, sink: OutputLog) -> None:
+    def __init__(self, cfg: SimConfig, sink: OutputLog,
+                 specs: Sequence[RequestSpec] = ()) -> None:
         self.cfg = cfg
+        # The prompts' token ids are the workload's, as the router hands them over:
+        # made here, before the run (and its clock) starts, not at every `add` (the
+        # naive loop's disagg server takes none, so `terminus bench e2e` would charge
+        # their synthesis to the machines alone). Each is dropped once added.
+        self.prompts: dict[str, tuple[int, ...]] = {
+            s.rid: tuple(prompt_tokens(s)) for s in specs if s.kind == "disagg"}
         self.transport = FakeTransport(auto_complete=True)
         pools = DisaggPools.make(kv_tokens=cfg.disagg_kv_tokens, requests=cfg.disagg_rows,
                                  mamba_slots=cfg.disagg_rows, metadata_slots=cfg.disagg_rows,
@@ -464,7 +471,7 @@ class SimDisagg:
             self.faults.arm(_KV_ALLOC)
         self.engine.add(rid, spec.prompt_len, chunk_size=self.cfg.chunk_size,
                         host_pages=min(spec.prefetch_pages, 4),
-                        tokens=tuple(prompt_tokens(spec)))
+                        tokens=self.prompts.pop(rid, None) or tuple(prompt_tokens(spec)))
         self.live[rid] = deque()
 
     @property
@@ -719,7 +726,7 @@ class MachineParts:
         self.tokenizer = TokenizerSide(shared.registry, shared.tokenizer, self.scheduler,
                                        shared.sink, ledger=self.ledger)
         self.scheduler.tokenizer = self.tokenizer
-        self.disagg = SimDisagg(shared.cfg, shared.sink)
+        self.disagg = SimDisagg(shared.cfg, shared.sink, shared.workload)
         self.prefetch = SimPrefetch(shared.cfg)
 
     def machines(self) -> list[Any]:
@@ -792,6 +799,40 @@ class ServingLoop:
         self._peak: Counter[str] = Counter()
         self.violations: list[str] = []
         """What the pools' own checks raised at the last audit (`leaks()`)."""
+        self.errors: Counter[str] = Counter()
+        """Errors the parts recorded and carried on from (a best-effort step that
+        raised, an injected fault the disagg driver recovered from), by "where: type"."""
+        self.error_samples: dict[str, str] = {}
+        """The message of the first error of each `errors` key."""
+
+    def _error_lists(self) -> list[tuple[str, list[Any]]]:
+        """The parts' error lists (ledgers, the disagg server and its driver), by where."""
+        owners: list[tuple[str, Any]] = [("tokenizer", getattr(self.parts, "ledger", None))]
+        engine = getattr(self.disagg, "engine", None)
+        owners += [("disagg driver", self.disagg), ("disagg", engine),
+                   ("disagg", getattr(engine, "ledger", None))]
+        owners += [(f"prefetch rank{s.rank}", s.ledger) for s in self.prefetch.sites]
+        out = []
+        for where, owner in owners:
+            errors = getattr(owner, "errors", None)
+            if isinstance(errors, list):
+                out.append((where, errors))
+        return out
+
+    def _shed_errors(self, lists: list[tuple[str, list[Any]]]) -> None:
+        """Count the errors recorded since the last step, keep the first message of
+        each kind, and drop the exceptions: kept, each holds its traceback's frames
+        (and their locals) alive, which the collector then scans for the rest of the
+        run, more at every error."""
+        for where, errors in lists:
+            if errors:
+                for e in errors:
+                    cause = e.error if isinstance(e, EffectError) else e
+                    key = f"{where}: {type(cause).__name__}"
+                    self.errors[key] += 1
+                    if key not in self.error_samples:
+                        self.error_samples[key] = str(e)
+                errors.clear()
 
     def spec_of(self, key: RequestKey) -> RequestSpec:
         """The workload entry a request (or a child or warm-up of its group) belongs to."""
@@ -827,6 +868,7 @@ class ServingLoop:
             if s.abort_at is not None:
                 aborts.setdefault(s.arrival + s.abort_at, []).append(s.rid)
         last_arrival = max(by_step, default=0)
+        error_lists = self._error_lists()
         done = 0
         now = 0
         while True:
@@ -842,6 +884,7 @@ class ServingLoop:
             self.prefetch.step(now)
             self._sample_peaks()
             await asyncio.sleep(0)
+            self._shed_errors(error_lists)
             now += 1
             if self.progress is not None:
                 arrived = sum(len(by_step.get(t, ())) for t in range(done, now))
@@ -855,6 +898,7 @@ class ServingLoop:
             if now > last_arrival + 10_000:
                 raise RuntimeError(f"the simulation did not drain: {self._stuck()}")
         await self.tokenizer.drain()
+        self._shed_errors(error_lists)
         self.steps = now
         self.seconds = time.perf_counter() - t0
         if self.trace is not None:
