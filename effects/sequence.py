@@ -450,8 +450,17 @@ class RunningBatch:
                              "pass one count per row")
         if rows.numel() == 0:
             return rows, counts, 0, ([], [], [])
-        ends_t = table.lengths.index_select(0, rows).to(torch.int64) + counts
-        rs, cs, ends = torch.stack((rows, counts, ends_t)).tolist()
+        if rows.device.type == "cpu":
+            # On a CPU the few rows of a step are read on the host (no tensor built).
+            rs, cs = rows.tolist(), counts.tolist()
+            if min(rs) < 0 or max(rs) >= table.capacity:
+                raise IndexError(f"append_kv: rows {rs} name a row outside 0.."
+                                 f"{table.capacity - 1}; pass rows admit() returned")
+            lens = table.lengths.numpy()[rs].tolist()
+            ends = [a + c for a, c in zip(lens, cs, strict=True)]
+        else:
+            ends_t = table.lengths.index_select(0, rows).to(torch.int64) + counts
+            rs, cs, ends = torch.stack((rows, counts, ends_t)).tolist()
         if min(cs) < 0:
             neg = [i for i, c in enumerate(cs) if c < 0]
             raise ValueError(f"append_kv: negative token counts {[cs[i] for i in neg]} for "

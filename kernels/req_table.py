@@ -40,13 +40,21 @@ class ReqToTokenTable(StackPool):
         # release_batch's scratch: the min and max of a batch's lengths, read back at once.
         self._min_max = torch.zeros(2, dtype=torch.int32, device=dev)
         self._min_max_out = (self._min_max[0], self._min_max[1])
+        self._np = ((self.lengths.numpy(), self.mamba_slots.numpy())
+                    if dev.type == "cpu" else None)
 
     def alloc(self, n: int = 1) -> torch.Tensor | None:
         """``n`` request slots with length 0, or None when short (never partial)."""
         slots = self._free.pop(n)
         if slots is not None and n:
-            self.lengths.index_fill_(0, slots, 0)
-            self.mamba_slots.index_fill_(0, slots, 0)
+            if self._np is not None and n <= 64:
+                # A CPU table: a few rows are reset through numpy views (same memory).
+                at = slots.numpy()
+                self._np[0][at] = 0
+                self._np[1][at] = 0
+            else:
+                self.lengths.index_fill_(0, slots, 0)
+                self.mamba_slots.index_fill_(0, slots, 0)
         return slots
 
     def free(self, slots: IdsLike) -> None:
