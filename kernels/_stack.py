@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from terminus.kernels.errors import DoubleFree, ForeignIndex, KernelError, LeakError, StaleSnapshot
@@ -90,6 +91,14 @@ def as_ids(ids: IdsLike, device: torch.device, pool: str = "indices") -> torch.T
     if t.dtype not in _INT_DTYPES:
         raise not_ids(pool, values, "values")
     return t.to(device=device, dtype=torch.int64).reshape(-1)
+
+
+def host_ints(values: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """An int64 tensor of a list of Python ints: on a CPU through numpy (~1.3 us for a
+    few values; ``torch.tensor(list)`` costs ~6 us), elsewhere ``torch.tensor``."""
+    if torch.device(device).type == "cpu":
+        return torch.from_numpy(np.array(values, dtype=np.int64).reshape(-1))
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def _exact(device: torch.device) -> torch.device:
@@ -285,7 +294,7 @@ class FreeStack:
                     # exactly the scatter of -1 below.
                     counts_np[seg] = 0
                     self._top = self._synced = old - n
-                    return torch.tensor(vals, dtype=torch.int64)
+                    return torch.from_numpy(seg.copy())  # ~1.5 us; torch.tensor(vals): ~6
         out = self._stack.narrow(0, self._top - n, n).clone()
         self._top -= n
         self._synced = self._top
