@@ -132,6 +132,9 @@ def audited(owner: Any, pools: dict[str, Any]) -> list[tuple[str, Any]]:
 Retired = Callable[[torch.Tensor, str], None]
 """`on_retired(rows, terminal_state)` after the rows' resources went back to the pools."""
 
+# `append_kv` of at most this many rows of a CPU table is written on the host.
+_HOST_ROWS = 64
+
 _TERMINAL_OF_PLAN = {"release_finished": "finished", "release_aborted": "aborted",
                      "release_failed": "failed"}
 
@@ -359,6 +362,8 @@ class RunningBatch:
             return True
         if host[1].count(1) == len(host[1]):  # one token each: a decode step
             return self._append_one_each(rows, counts, host)
+        if rows.device.type == "cpu" and len(host[0]) <= _HOST_ROWS:
+            return self._append_host(host)
         lengths = table.lengths.index_select(0, rows).to(torch.int64)
         # which[i] = the position in `rows` of the i-th new token (repeat_rows: no
         # OpenMP region on a few hundred rows, whatever torch's thread count); j[i] its
@@ -388,6 +393,33 @@ class RunningBatch:
         cols = lengths.index_select(0, which) + j
         table.req_to_token[rows.index_select(0, which), cols] = idx.to(torch.int32)
         table.lengths.index_add_(0, rows, counts.to(table.lengths.dtype))
+        return True
+
+    def _append_host(self, host: tuple[list[int], list[int], list[int]]) -> bool:
+        """`append_kv` of a few rows of a CPU table: each row's run written through a
+        numpy view of the table (a few host operations a row, where the whole-tensor
+        path costs ~25 torch calls of fixed cost). Same pages, same order."""
+        table, ps = self.pools.table, self.pools.page_size
+        rs, cs, ends = host
+        lens = [e - c for e, c in zip(ends, cs, strict=True)]
+        r2t = table.req_to_token.numpy()
+        fills = [min(-ln % ps, c) for ln, c in zip(lens, cs, strict=True)]
+        pages = [-(-(c - f) // ps) for c, f in zip(cs, fills, strict=True)]
+        n_pages = sum(pages)
+        got = self._alloc(n_pages * ps) if n_pages else None
+        if n_pages and got is None:
+            return False
+        new = got.cpu().numpy() if got is not None else None
+        at = 0
+        for r, ln, c, f, pg in zip(rs, lens, cs, fills, pages, strict=True):
+            if f:  # the rest of the row's last page (a partial page: ln > 0)
+                last = int(r2t[r, ln - 1])
+                r2t[r, ln:ln + f] = np.arange(last + 1, last + 1 + f)
+            if c > f:
+                assert new is not None
+                r2t[r, ln + f:ln + c] = new[at:at + c - f]
+            at += pg * ps
+        table.lengths.numpy()[rs] += np.array(cs, dtype=np.int32)
         return True
 
     def _append_one_each(self, rows: torch.Tensor, counts: torch.Tensor,
