@@ -215,18 +215,24 @@ class RunningBatch:
         errors: list[Exception] = []
         rows = rows.to(torch.int64)
         ids = rows.tolist()
+        cpu = table.device.type == "cpu"
         # The rows' lengths in one read, only where a row's KV goes into the cache.
-        lengths = (table.lengths.index_select(0, rows).tolist()
-                   if state == "finished" else [0] * len(ids))
+        lengths = ([0] * len(ids) if state != "finished" else
+                   table.lengths.numpy()[ids].tolist() if cpu else
+                   table.lengths.index_select(0, rows).tolist())
         firsts: list[int] = []
         r2t = table.req_to_token
+        # A CPU table's rows are read and rewritten through a numpy view (one host
+        # operation each, where the tensor path takes two or three torch calls).
+        r2t_np = r2t.numpy() if cpu else None
         for r, length in zip(ids, lengths, strict=True):
             lock, toks = self.locks[r], self.tokens[r]
             start = lock.length if lock is not None else 0
             try:
                 if state == "finished" and toks is not None:
                     n = min(len(toks), length)
-                    kv = r2t[r, :n].to(torch.int64)
+                    kv = (torch.from_numpy(r2t_np[r, :n].astype(np.int64))
+                          if r2t_np is not None else r2t[r, :n].to(torch.int64))
                     res = cache.insert(r, toks[:n], kv, owned_from=min(start, n))
                     taken = int(res.taken.numel())
                     if taken:
@@ -234,8 +240,13 @@ class RunningBatch:
                         # duplicates kv[start:prefix_len] and the tail kv[end:]: move the
                         # taken run first, so the row owns the columns after it.
                         p, end = res.prefix_len, res.prefix_len + taken
-                        row = torch.cat((kv[:start], kv[p:end], kv[start:p], kv[end:]))
-                        r2t[r, :n] = row.to(r2t.dtype)
+                        if r2t_np is not None:
+                            k = r2t_np[r, :n].copy()
+                            r2t_np[r, start:start + taken] = k[p:end]
+                            r2t_np[r, start + taken:end] = k[start:p]
+                        else:
+                            row = torch.cat((kv[:start], kv[p:end], kv[start:p], kv[end:]))
+                            r2t[r, :n] = row.to(r2t.dtype)
                         start += taken
             except Exception as e:  # the cache took nothing: the row frees it all
                 errors.append(e)
