@@ -215,16 +215,15 @@ class RunningBatch:
         errors: list[Exception] = []
         rows = rows.to(torch.int64)
         ids = rows.tolist()
-        cpu = table.device.type == "cpu"
         # The rows' lengths in one read, only where a row's KV goes into the cache.
         lengths = ([0] * len(ids) if state != "finished" else
-                   table.lengths.numpy()[ids].tolist() if cpu else
+                   table._np[0][ids].tolist() if table._np is not None else
                    table.lengths.index_select(0, rows).tolist())
         firsts: list[int] = []
         r2t = table.req_to_token
         # A CPU table's rows are read and rewritten through a numpy view (one host
         # operation each, where the tensor path takes two or three torch calls).
-        r2t_np = r2t.numpy() if cpu else None
+        r2t_np = table._np[2] if table._np is not None else None
         for r, length in zip(ids, lengths, strict=True):
             lock, toks = self.locks[r], self.tokens[r]
             start = lock.length if lock is not None else 0
@@ -413,7 +412,8 @@ class RunningBatch:
         table, ps = self.pools.table, self.pools.page_size
         rs, cs, ends = host
         lens = [e - c for e, c in zip(ends, cs, strict=True)]
-        r2t = table.req_to_token.numpy()
+        assert table._np is not None
+        r2t = table._np[2]
         fills = [min(-ln % ps, c) for ln, c in zip(lens, cs, strict=True)]
         pages = [-(-(c - f) // ps) for c, f in zip(cs, fills, strict=True)]
         n_pages = sum(pages)
@@ -430,7 +430,7 @@ class RunningBatch:
                 assert new is not None
                 r2t[r, ln + f:ln + c] = new[at:at + c - f]
             at += pg * ps
-        table.lengths.numpy()[rs] += np.array(cs, dtype=np.int32)
+        table._np[0][rs] += np.array(cs, dtype=np.int32)
         return True
 
     def _append_one_each(self, rows: torch.Tensor, counts: torch.Tensor,
@@ -499,7 +499,8 @@ class RunningBatch:
             if min(rs) < 0 or max(rs) >= table.capacity:
                 raise IndexError(f"append_kv: rows {rs} name a row outside 0.."
                                  f"{table.capacity - 1}; pass rows admit() returned")
-            lens = table.lengths.numpy()[rs].tolist()
+            assert table._np is not None
+            lens = table._np[0][rs].tolist()
             ends = [a + c for a, c in zip(lens, cs, strict=True)]
         else:
             ends_t = table.lengths.index_select(0, rows).to(torch.int64) + counts

@@ -40,7 +40,9 @@ class ReqToTokenTable(StackPool):
         # release_batch's scratch: the min and max of a batch's lengths, read back at once.
         self._min_max = torch.zeros(2, dtype=torch.int32, device=dev)
         self._min_max_out = (self._min_max[0], self._min_max[1])
-        self._np = ((self.lengths.numpy(), self.mamba_slots.numpy())
+        # On a CPU, numpy views of (lengths, mamba_slots, req_to_token): the same memory,
+        # for the paths that handle a few rows on the host.
+        self._np = ((self.lengths.numpy(), self.mamba_slots.numpy(), self.req_to_token.numpy())
                     if dev.type == "cpu" else None)
 
     def alloc(self, n: int = 1) -> torch.Tensor | None:
