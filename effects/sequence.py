@@ -314,14 +314,19 @@ class RunningBatch:
         if prompts is not None:
             assert self.cache is not None
             table = pools.table
+            host = table._np  # a CPU table: rows written through numpy views
             for r, toks in zip(rows.tolist(), prompts, strict=True):
                 self.tokens[r] = toks
                 m = self.cache.match(toks, limit=len(toks) - 1)
                 if m.length:
                     self.locks[r] = self.cache.lock(m)
-                    table.req_to_token[r, :m.length] = m.indices.to(
-                        device=table.device, dtype=table.req_to_token.dtype)
-                    table.lengths[r] = m.length
+                    if host is not None:
+                        host[2][r, :m.length] = m.indices.cpu().numpy()
+                        host[0][r] = m.length
+                    else:
+                        table.req_to_token[r, :m.length] = m.indices.to(
+                            device=table.device, dtype=table.req_to_token.dtype)
+                        table.lengths[r] = m.length
         return rows
 
     @property
