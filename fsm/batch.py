@@ -477,7 +477,14 @@ class Batch:
         pids = np.array([q for _, q in newly], dtype=np.int64)
         result = BatchStep(torch.from_numpy(rows), torch.from_numpy(pids))
         if self._plans:
-            self._run_plans(result)
+            # The rows by plan (each group in row order), as `BatchStep.by_plan` makes.
+            names = ("", *m.plan_names)
+            groups: dict[int, list[int]] = {}
+            for r, q in newly:
+                groups.setdefault(q, []).append(r)
+            self._run_plans(result, {names[q + 1]: (result.terminal if len(g) == len(newly)
+                                                    else torch.from_numpy(np.array(g, dtype=np.int64)))
+                                     for q, g in sorted(groups.items())})
         return result
 
     def _known_quiet(self, known: Collection[int]) -> bool:
@@ -675,10 +682,13 @@ class Batch:
             for sink in m.sinks:
                 sink(r)
 
-    def _run_plans(self, result: BatchStep) -> None:
+    def _run_plans(self, result: BatchStep,
+                   by_plan: dict[str, torch.Tensor] | None = None) -> None:
         m = self.machine
         reports: list[PlanReport] = []
-        for name, rows in result.by_plan(m).items():
+        if by_plan is None:
+            by_plan = result.by_plan(m)
+        for name, rows in by_plan.items():
             plan = self._plans.get(name)
             if plan is None:  # an edge without a plan: nothing to run
                 continue
