@@ -482,9 +482,10 @@ class Batch:
             groups: dict[int, list[int]] = {}
             for r, q in newly:
                 groups.setdefault(q, []).append(r)
-            self._run_plans(result, {names[q + 1]: (result.terminal if len(g) == len(newly)
-                                                    else torch.from_numpy(np.array(g, dtype=np.int64)))
-                                     for q, g in sorted(groups.items())})
+            self._run_plans(result, {
+                names[q + 1]: result.terminal if len(g) == len(newly) else
+                torch.from_numpy(np.array(g, dtype=np.int64))
+                for q, g in sorted(groups.items())})
         return result
 
     def _known_quiet(self, known: Collection[int]) -> bool:
