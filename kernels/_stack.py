@@ -348,6 +348,16 @@ class FreeStack:
                 raise DoubleFree(self.name, [])  # pragma: no cover - check() raises
         if self._snap_top >= 0 and self._top < self._saved_lo:
             self._save_for_snapshot()
+        if self.strict and n <= _HOST_POP and self._stack_np is not None \
+                and ids.device.type == "cpu":
+            # Validated above (in range, distinct, none free; the counts synced): a few
+            # ids of a CPU pool are written and counted (0 -> 1) through numpy views.
+            assert self._by_id_np is not None
+            vals = ids.tolist()
+            self._stack_np[self._top : self._top + n] = vals
+            self._by_id_np[vals] = 1
+            self._top = self._synced = self._top + n
+            return
         self._stack.narrow(0, self._top, n).copy_(ids)
         self._top += n
         if self.strict:
