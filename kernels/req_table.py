@@ -80,6 +80,12 @@ class ReqToTokenTable(StackPool):
                 f"ReqToTokenTable: {end} tokens do not fit max_context_len "
                 f"{self.max_context_len}; raise max_context_len or cut the request"
             )
+        if self._np is not None and tokens.device.type == "cpu" and tokens.dtype in (
+                torch.int64, torch.int32):
+            # A CPU table: through its numpy views (~2 us; two torch setitems ~15).
+            self._np[2][slot, start:end] = tokens.numpy()
+            self._np[0][slot] = end
+            return
         self.req_to_token[slot, start:end] = tokens
         self.lengths[slot] = end
 
