@@ -591,11 +591,9 @@ class RunningBatch:
             # (`Batch.step_rows`): the same step, without a dense tensor of every row's
             # events and a few dozen small torch calls.
             reset = None
-            rows: list[int] = []
             if admitted:
                 reset = admitted[0] if len(admitted) == 1 else torch.cat(admitted)
-                rows = reset.tolist()
-            return self._deliver(None, None, reset, (rounds, rows))
+            return self._deliver(rounds, None, reset)
         # Built on the host (numpy: ~1 us a round, where two torch.tensor and an
         # index_copy_ cost ~15), then handed to the batch's device.
         host = np.full((len(rounds), self.batch.n), -1, dtype=np.int64)
@@ -622,17 +620,12 @@ class RunningBatch:
             raise
         self._unchecked_admits.clear()
 
-    def _deliver(self, ev: torch.Tensor | None, known: set[int] | None,
-                 reset: torch.Tensor | None,
-                 by_row: tuple[list[dict[int, int]], list[int]] | None = None,
-                 ) -> BatchStep:
-        """`Batch.step` (or `Batch.step_rows` of `by_row`: the rounds and the reset
-        rows), keeping track of admissions a deferred refusal may undo."""
+    def _deliver(self, ev: torch.Tensor | Sequence[dict[int, int]], known: set[int] | None,
+                 reset: torch.Tensor | None) -> BatchStep:
+        """`Batch.step` (of a tensor, or of rounds by row: `Batch.step_rows`), keeping
+        track of admissions a deferred refusal may undo."""
         refused = False
         try:
-            if by_row is not None:
-                return self.batch.step_rows(by_row[0], by_row[1])
-            assert ev is not None
             return self.batch.step(ev, known=known, reset=reset)
         except TransitionNotAllowed:
             refused = True

@@ -289,9 +289,14 @@ class Batch:
         applied); `check()` reads them."""
         return len(self._log)
 
-    def step(self, events: torch.Tensor, known: Collection[int] | None = None,
+    def step(self, events: torch.Tensor | Sequence[Mapping[int, int]],
+             known: Collection[int] | None = None,
              reset: torch.Tensor | None = None) -> BatchStep:
         """Deliver `events[i]` (an event id, -1 for none) to instance i, all at once.
+
+        `events` may also be a list of rounds, each a dict of {row: event id} (rows
+        absent take none), on a CPU batch: the same step decided on the host, see
+        `step_rows`.
 
         `events` may also be a (rounds, n) tensor: `events[j, i]` is the j-th event
         instance i takes in this step (-1 for none), so one call delivers a scheduler
@@ -320,7 +325,11 @@ class Batch:
         counted in `machine.stats.ignored` only while a recorder or sink observes the
         machine (counting them costs a bincount per step).
         """
+        if isinstance(events, (list, tuple)):  # rounds of {row: event id}: `step_rows`
+            rows = self._check_rows(reset, "reset").tolist() if reset is not None else ()
+            return self.step_rows(events, rows)
         self._check_events(events)
+        assert isinstance(events, torch.Tensor)  # _check_events refused anything else
         if not self.n:
             return BatchStep(events.reshape(-1), events.reshape(-1))
         e_max = self._w - 3
