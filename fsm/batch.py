@@ -325,7 +325,8 @@ class Batch:
         counted in `machine.stats.ignored` only while a recorder or sink observes the
         machine (counting them costs a bincount per step).
         """
-        if isinstance(events, (list, tuple)):  # rounds of {row: event id}: `step_rows`
+        if isinstance(events, (list, tuple)) and events and all(
+                isinstance(rd, Mapping) for rd in events):  # rounds by row: `step_rows`
             rows = self._check_rows(reset, "reset").tolist() if reset is not None else ()
             return self.step_rows(events, rows)
         self._check_events(events)
