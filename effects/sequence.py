@@ -25,9 +25,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from terminus.fsm import BatchStep, ReleaseContext, TransitionNotAllowed, release_effect
+from terminus.fsm import BatchStep, ReleaseContext, TransitionNotAllowed, observe, release_effect
 from terminus.kernels import (
     MambaStatePool,
     ReqToTokenTable,
@@ -35,6 +36,7 @@ from terminus.kernels import (
     release_batch,
     repeat_rows,
 )
+from terminus.kernels._stack import host_ints
 from terminus.kernels.protocols import (
     AuditedPool,
     KVAllocator,
@@ -130,6 +132,9 @@ def audited(owner: Any, pools: dict[str, Any]) -> list[tuple[str, Any]]:
 Retired = Callable[[torch.Tensor, str], None]
 """`on_retired(rows, terminal_state)` after the rows' resources went back to the pools."""
 
+# `append_kv` of at most this many rows of a CPU table is written on the host.
+_HOST_ROWS = 64
+
 _TERMINAL_OF_PLAN = {"release_finished": "finished", "release_aborted": "aborted",
                      "release_failed": "failed"}
 
@@ -211,17 +216,22 @@ class RunningBatch:
         rows = rows.to(torch.int64)
         ids = rows.tolist()
         # The rows' lengths in one read, only where a row's KV goes into the cache.
-        lengths = (table.lengths.index_select(0, rows).tolist()
-                   if state == "finished" else [0] * len(ids))
+        lengths = ([0] * len(ids) if state != "finished" else
+                   table._np[0][ids].tolist() if table._np is not None else
+                   table.lengths.index_select(0, rows).tolist())
         firsts: list[int] = []
         r2t = table.req_to_token
+        # A CPU table's rows are read and rewritten through a numpy view (one host
+        # operation each, where the tensor path takes two or three torch calls).
+        r2t_np = table._np[2] if table._np is not None else None
         for r, length in zip(ids, lengths, strict=True):
             lock, toks = self.locks[r], self.tokens[r]
             start = lock.length if lock is not None else 0
             try:
                 if state == "finished" and toks is not None:
                     n = min(len(toks), length)
-                    kv = r2t[r, :n].to(torch.int64)
+                    kv = (torch.from_numpy(r2t_np[r, :n].astype(np.int64))
+                          if r2t_np is not None else r2t[r, :n].to(torch.int64))
                     res = cache.insert(r, toks[:n], kv, owned_from=min(start, n))
                     taken = int(res.taken.numel())
                     if taken:
@@ -229,8 +239,13 @@ class RunningBatch:
                         # duplicates kv[start:prefix_len] and the tail kv[end:]: move the
                         # taken run first, so the row owns the columns after it.
                         p, end = res.prefix_len, res.prefix_len + taken
-                        row = torch.cat((kv[:start], kv[p:end], kv[start:p], kv[end:]))
-                        r2t[r, :n] = row.to(r2t.dtype)
+                        if r2t_np is not None:
+                            k = r2t_np[r, :n].copy()
+                            r2t_np[r, start:start + taken] = k[p:end]
+                            r2t_np[r, start + taken:end] = k[start:p]
+                        else:
+                            row = torch.cat((kv[:start], kv[p:end], kv[start:p], kv[end:]))
+                            r2t[r, :n] = row.to(r2t.dtype)
                         start += taken
             except Exception as e:  # the cache took nothing: the row frees it all
                 errors.append(e)
@@ -243,8 +258,7 @@ class RunningBatch:
                         lock.release()
                     except Exception as e:
                         errors.append(e)
-        starts = torch.tensor(firsts, dtype=torch.int64, device=rows.device)
-        return starts, errors
+        return host_ints(firsts, rows.device), errors
 
     # -- admission and growth --------------------------------------------------------
 
@@ -300,14 +314,19 @@ class RunningBatch:
         if prompts is not None:
             assert self.cache is not None
             table = pools.table
+            host = table._np  # a CPU table: rows written through numpy views
             for r, toks in zip(rows.tolist(), prompts, strict=True):
                 self.tokens[r] = toks
                 m = self.cache.match(toks, limit=len(toks) - 1)
                 if m.length:
                     self.locks[r] = self.cache.lock(m)
-                    table.req_to_token[r, :m.length] = m.indices.to(
-                        device=table.device, dtype=table.req_to_token.dtype)
-                    table.lengths[r] = m.length
+                    if host is not None:
+                        host[2][r, :m.length] = m.indices.cpu().numpy()
+                        host[0][r] = m.length
+                    else:
+                        table.req_to_token[r, :m.length] = m.indices.to(
+                            device=table.device, dtype=table.req_to_token.dtype)
+                        table.lengths[r] = m.length
         return rows
 
     @property
@@ -358,6 +377,8 @@ class RunningBatch:
             return True
         if host[1].count(1) == len(host[1]):  # one token each: a decode step
             return self._append_one_each(rows, counts, host)
+        if rows.device.type == "cpu" and len(host[0]) <= _HOST_ROWS:
+            return self._append_host(host)
         lengths = table.lengths.index_select(0, rows).to(torch.int64)
         # which[i] = the position in `rows` of the i-th new token (repeat_rows: no
         # OpenMP region on a few hundred rows, whatever torch's thread count); j[i] its
@@ -389,6 +410,34 @@ class RunningBatch:
         table.lengths.index_add_(0, rows, counts.to(table.lengths.dtype))
         return True
 
+    def _append_host(self, host: tuple[list[int], list[int], list[int]]) -> bool:
+        """`append_kv` of a few rows of a CPU table: each row's run written through a
+        numpy view of the table (a few host operations a row, where the whole-tensor
+        path costs ~25 torch calls of fixed cost). Same pages, same order."""
+        table, ps = self.pools.table, self.pools.page_size
+        rs, cs, ends = host
+        lens = [e - c for e, c in zip(ends, cs, strict=True)]
+        assert table._np is not None
+        r2t = table._np[2]
+        fills = [min(-ln % ps, c) for ln, c in zip(lens, cs, strict=True)]
+        pages = [-(-(c - f) // ps) for c, f in zip(cs, fills, strict=True)]
+        n_pages = sum(pages)
+        got = self._alloc(n_pages * ps) if n_pages else None
+        if n_pages and got is None:
+            return False
+        new = got.cpu().numpy() if got is not None else None
+        at = 0
+        for r, ln, c, f, pg in zip(rs, lens, cs, fills, pages, strict=True):
+            if f:  # the rest of the row's last page (a partial page: ln > 0)
+                last = int(r2t[r, ln - 1])
+                r2t[r, ln:ln + f] = np.arange(last + 1, last + 1 + f)
+            if c > f:
+                assert new is not None
+                r2t[r, ln + f:ln + c] = new[at:at + c - f]
+            at += pg * ps
+        table._np[0][rs] += np.array(cs, dtype=np.int32)
+        return True
+
     def _append_one_each(self, rows: torch.Tensor, counts: torch.Tensor,
                          host: tuple[list[int], list[int], list[int]]) -> bool:
         """`append_kv` where every row takes one token (a decode step): the positions are
@@ -410,14 +459,13 @@ class RunningBatch:
             got = self._alloc(len(need) * ps) if need else None
             if need and got is None:
                 return False
-            last = torch.tensor([r * w + max(e - 2, 0) for r, e in zip(rs, ends, strict=True)],
-                                dtype=torch.int64, device=dev)
+            last = host_ints([r * w + max(e - 2, 0) for r, e in zip(rs, ends, strict=True)],
+                             dev)
             idx = flat.index_select(0, last).to(torch.int64).add_(1)
             if got is not None:
-                at = torch.tensor(need, dtype=torch.int64, device=dev)
+                at = host_ints(need, dev)
                 idx.index_copy_(0, at, got.to(dev).view(len(need), ps)[:, 0])
-        pos = torch.tensor([r * w + e - 1 for r, e in zip(rs, ends, strict=True)],
-                           dtype=torch.int64, device=dev)
+        pos = host_ints([r * w + e - 1 for r, e in zip(rs, ends, strict=True)], dev)
         flat.index_copy_(0, pos, idx.to(flat.dtype))
         table.lengths.index_add_(0, rows, counts.to(table.lengths.dtype))
         return True
@@ -450,8 +498,18 @@ class RunningBatch:
                              "pass one count per row")
         if rows.numel() == 0:
             return rows, counts, 0, ([], [], [])
-        ends_t = table.lengths.index_select(0, rows).to(torch.int64) + counts
-        rs, cs, ends = torch.stack((rows, counts, ends_t)).tolist()
+        if rows.device.type == "cpu":
+            # On a CPU the few rows of a step are read on the host (no tensor built).
+            rs, cs = rows.tolist(), counts.tolist()
+            if min(rs) < 0 or max(rs) >= table.capacity:
+                raise IndexError(f"append_kv: rows {rs} name a row outside 0.."
+                                 f"{table.capacity - 1}; pass rows admit() returned")
+            assert table._np is not None
+            lens = table._np[0][rs].tolist()
+            ends = [a + c for a, c in zip(lens, cs, strict=True)]
+        else:
+            ends_t = table.lengths.index_select(0, rows).to(torch.int64) + counts
+            rs, cs, ends = torch.stack((rows, counts, ends_t)).tolist()
         if min(cs) < 0:
             neg = [i for i, c in enumerate(cs) if c < 0]
             raise ValueError(f"append_kv: negative token counts {[cs[i] for i in neg]} for "
@@ -526,11 +584,26 @@ class RunningBatch:
         admitted, self._admitted = self._admitted, []
         if not rounds:
             return None
-        ev = torch.full((len(rounds), self.batch.n), -1, dtype=torch.int64)
+        if self.batch.device.type == "cpu" and (observe.recorder() is not None
+                                                or bool(SEQUENCE.sinks)):
+            # An observed step reads its decisions back whatever it holds (no quiet
+            # step), so a CPU batch's is decided row by row on the host
+            # (`Batch.step_rows`): the same step, without a dense tensor of every row's
+            # events and a few dozen small torch calls.
+            reset = None
+            if admitted:
+                reset = admitted[0] if len(admitted) == 1 else torch.cat(admitted)
+            return self._deliver(rounds, None, reset)
+        # Built on the host (numpy: ~1 us a round, where two torch.tensor and an
+        # index_copy_ cost ~15), then handed to the batch's device.
+        host = np.full((len(rounds), self.batch.n), -1, dtype=np.int64)
         for j, rd in enumerate(rounds):
-            ev[j].index_copy_(0, torch.tensor(list(rd), dtype=torch.int64),
-                              torch.tensor(list(rd.values()), dtype=torch.int64))
-        ev = ev.to(self.batch.device)
+            at = list(rd)
+            if min(at) < 0:  # numpy would count from the end; torch refused these
+                raise IndexError(f"flush: rows {[r for r in at if r < 0]} were queued; "
+                                 f"rows are 0..{self.batch.n - 1}, as admit() returns")
+            host[j, at] = list(rd.values())
+        ev = torch.from_numpy(host).to(self.batch.device)
         reset = None
         if admitted:
             reset = admitted[0] if len(admitted) == 1 else torch.cat(admitted)
@@ -547,9 +620,10 @@ class RunningBatch:
             raise
         self._unchecked_admits.clear()
 
-    def _deliver(self, ev: torch.Tensor, known: set[int] | None,
+    def _deliver(self, ev: torch.Tensor | Sequence[dict[int, int]], known: set[int] | None,
                  reset: torch.Tensor | None) -> BatchStep:
-        """`Batch.step`, keeping track of admissions a deferred refusal may undo."""
+        """`Batch.step` (of a tensor, or of rounds by row: `Batch.step_rows`), keeping
+        track of admissions a deferred refusal may undo."""
         refused = False
         try:
             return self.batch.step(ev, known=known, reset=reset)

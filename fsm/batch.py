@@ -36,9 +36,10 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from . import observe as _obs
@@ -218,6 +219,8 @@ class Batch:
         """Event ids whose columns are quiet: a step of only these (told by `known=`)
         reads nothing back."""
         self._packed = packed.reshape(-1).to(self.device)
+        self._packed_list: list[int] = packed.reshape(-1).tolist()
+        """The table on the host, for `step_rows` (a CPU batch stepped row by row)."""
         self._terminal = term.to(self.device)
         self._decision: list[int] = dec.reshape(-1).tolist()
         self._base = torch.full((n,), machine.initial * W + 1, dtype=torch.int64,
@@ -286,9 +289,14 @@ class Batch:
         applied); `check()` reads them."""
         return len(self._log)
 
-    def step(self, events: torch.Tensor, known: Collection[int] | None = None,
+    def step(self, events: torch.Tensor | Sequence[Mapping[int, int]],
+             known: Collection[int] | None = None,
              reset: torch.Tensor | None = None) -> BatchStep:
         """Deliver `events[i]` (an event id, -1 for none) to instance i, all at once.
+
+        `events` may also be a list of rounds, each a dict of {row: event id} (rows
+        absent take none), on a CPU batch: the same step decided on the host, see
+        `step_rows`.
 
         `events` may also be a (rounds, n) tensor: `events[j, i]` is the j-th event
         instance i takes in this step (-1 for none), so one call delivers a scheduler
@@ -317,7 +325,12 @@ class Batch:
         counted in `machine.stats.ignored` only while a recorder or sink observes the
         machine (counting them costs a bincount per step).
         """
+        if isinstance(events, (list, tuple)) and events and all(
+                isinstance(rd, Mapping) for rd in events):  # rounds by row: `step_rows`
+            rows = self._check_rows(reset, "reset").tolist() if reset is not None else ()
+            return self.step_rows(events, rows)
         self._check_events(events)
+        assert isinstance(events, torch.Tensor)  # _check_events refused anything else
         if not self.n:
             return BatchStep(events.reshape(-1), events.reshape(-1))
         e_max = self._w - 3
@@ -381,6 +394,109 @@ class Batch:
         for packed in packs[1:]:
             newly = torch.where((packed >> _NEWLY_SHIFT) & 1 == 1, packed, newly)
         return self._finish(newly)
+
+    def step_rows(self, rounds: Sequence[Mapping[int, int]],
+                  reset: Sequence[int] = ()) -> BatchStep:
+        """`step` for a CPU batch, with the events given per row: round j delivers
+        `rounds[j][row]` (an event id; rows absent take none), after the rows in `reset`
+        start anew. The same step as `step` of the dense (rounds, n) tensor, decided on
+        the host: a scheduler step names a few rows of many, and each torch call costs
+        microseconds of fixed cost where a Python lookup costs tens of nanoseconds.
+
+        The same checks and outcome: an id out of range (IndexError) or an error or
+        guarded cell (TransitionNotAllowed, naming the first refused instance of the
+        first round with one) refuses the whole step, changing nothing; decisions are
+        counted and handed to sinks as `step` does; each plan runs once for the rows that
+        turned terminal. Quiet steps not read yet are read first. A batch on another
+        device takes `step` (a tensor built on the host would be copied there anyway).
+        """
+        m = self.machine
+        if self.device.type != "cpu":
+            raise ValueError(f"machine {m.name!r}: step_rows steps a CPU batch; this one is "
+                             f"on {self.device}; build the events tensor and call step()")
+        if self._bad is not None:
+            self.check()
+        n, e_max = self.n, self._w - 3
+        plan: list[Mapping[int, int]] = list(rounds)
+        if reset:
+            plan.insert(0, dict.fromkeys(reset, self._reset_id))
+        # Bad ids first, as `step` does: the first in (round, row) order is named.
+        for j, rd in enumerate(plan):
+            for r, e in rd.items():
+                if not (isinstance(r, int) and 0 <= r < n):
+                    raise IndexError(f"machine {m.name!r}: row {r!r} is out of range "
+                                     f"0..{n - 1}; pass the rows of this batch")
+                if not (-1 <= e <= e_max or (j == 0 and reset and e == self._reset_id)):
+                    bad = min(q for q, x in rd.items() if not -1 <= x <= e_max)
+                    raise IndexError(
+                        f"machine {m.name!r}: event id {rd[bad]} at instance {bad} is out "
+                        "of range; use Batch.event_ids() or -1 for no event")
+        base_np = self._base.numpy()
+        table = self._packed_list
+        cur: dict[int, int] = {}
+        made: list[tuple[int, int, int, int]] = []  # (row, base, event, cell), in order
+        refused: tuple[int, int, int, int] | None = None
+        newly: list[tuple[int, int]] = []
+        for rd in plan:
+            first_bad: tuple[int, int, int, int] | None = None
+            for r in sorted(rd):
+                e = rd[r]
+                if e < 0:
+                    continue
+                b = cur.get(r)
+                if b is None:
+                    b = int(base_np[r])
+                p = table[b + e]
+                made.append((r, b, e, p))
+                if p < 0:
+                    if first_bad is None:
+                        first_bad = (r, b, e, p)
+                    continue  # a refused cell keeps the row where it was
+                cur[r] = p & _BASE_MASK
+                if p >> _NEWLY_SHIFT & 1:
+                    newly.append((r, (p >> _PLAN_SHIFT) - 1))
+            if refused is None:
+                refused = first_bad
+        observed = _obs.recorder() is not None or bool(m.sinks)
+        w = self._w
+        if observed:
+            # A refused step changes nothing: the only decisions made are its errors.
+            kept = [x for x in made if x[3] < 0] if refused is not None else made
+            self._record(Counter(b + e for _, b, e, _ in kept).items())
+            if m.sinks:
+                self._to_sinks([(r, (b - 1) // w, e, p) for r, b, e, p in kept])
+        if refused is not None:
+            r, b, e, p = refused
+            s = (b - 1) // w
+            if e == self._reset_id:
+                raise TransitionNotAllowed(
+                    m.name, m.states[s], "<recycle>",
+                    "only a terminal (or still initial) row can start a new instance; "
+                    "finish or abort the live one first", instance=r)
+            reason = ("the declaration makes it an error here" if p == -1 else
+                      "the cell is guarded, and guards run only on scalar instances: fire "
+                      "this event on an Instance")
+            raise TransitionNotAllowed(m.name, m.states[s], m.event_names[e], reason,
+                                       instance=r)
+        if cur:
+            base_np[list(cur)] = list(cur.values())
+        if not newly:
+            return BatchStep(self._empty, self._empty)
+        newly.sort()
+        rows = np.array([r for r, _ in newly], dtype=np.int64)
+        pids = np.array([q for _, q in newly], dtype=np.int64)
+        result = BatchStep(torch.from_numpy(rows), torch.from_numpy(pids))
+        if self._plans:
+            # The rows by plan (each group in row order), as `BatchStep.by_plan` makes.
+            names = ("", *m.plan_names)
+            groups: dict[int, list[int]] = {}
+            for r, q in newly:
+                groups.setdefault(q, []).append(r)
+            self._run_plans(result, {
+                names[q + 1]: result.terminal if len(g) == len(newly) else
+                torch.from_numpy(np.array(g, dtype=np.int64))
+                for q, g in sorted(groups.items())})
+        return result
 
     def _known_quiet(self, known: Collection[int]) -> bool:
         """Whether `known` (the ids a step's tensor holds) are all quiet; an id out of
@@ -526,9 +642,25 @@ class Batch:
         # Cells not made are counted in cell 0 (no event), which is skipped: no nonzero.
         idx = torch.where(made, base + ev, 0)
         counts = _host(torch.bincount(idx, minlength=self._packed.numel()))
+        self._record(enumerate(counts))
+        if m.sinks:
+            rows = made.nonzero().squeeze(1)
+            states = _host(torch.div(base.index_select(0, rows) - 1, self._w,
+                                     rounding_mode="floor"))
+            evs = _host(ev.index_select(0, rows))
+            codes = _host(packed.index_select(0, rows))
+            n = self.n
+            self._to_sinks([(flat_i % n, s, e, p) for flat_i, s, e, p in
+                            zip(_host(rows), states, evs, codes, strict=True)])
+
+    def _record(self, counts: Iterable[tuple[int, int]]) -> None:
+        """Count decisions, given as (flat cell, count): the recorder's counts per cell
+        and `stats.ignored` (cell 0, no event, and the hidden "start anew" column are
+        skipped)."""
+        m = self.machine
         by_cell: Counter[tuple[int, int, int]] = Counter()
         decision = self._decision
-        for flat, count in enumerate(counts):
+        for flat, count in counts:
             if not count:
                 continue
             s, e = divmod(flat, self._w)
@@ -542,31 +674,32 @@ class Batch:
         rec = _obs.recorder()
         if rec is not None and by_cell:
             rec.record_counts(m, by_cell)
-        if m.sinks:
-            rows = made.nonzero().squeeze(1)
-            states = _host(torch.div(base.index_select(0, rows) - 1, self._w,
-                                     rounding_mode="floor"))
-            evs = _host(ev.index_select(0, rows))
-            codes = _host(packed.index_select(0, rows))
-            n = self.n
-            for flat_i, s, e, p in zip(_host(rows), states, evs, codes, strict=True):
-                if e == self._reset_id:
-                    continue
-                i = flat_i % n
-                t = ((p & _BASE_MASK) - 1) // self._w if p >= 0 else s
-                d = decision[s * self._w + e + 1]
-                plan_id = (p >> _PLAN_SHIFT) - 1
-                r = _obs.TransitionRecord(
-                    m.name, i, m.states[s], m.event_names[e], m.states[t],
-                    DECISIONS[d] if p >= 0 else "error",
-                    m.plan_names[plan_id] if plan_id >= 0 else None, time.monotonic())
-                for sink in m.sinks:
-                    sink(r)
 
-    def _run_plans(self, result: BatchStep) -> None:
+    def _to_sinks(self, made: list[tuple[int, int, int, int]]) -> None:
+        """Hand the sinks a record of each (instance, state, event, cell) made, in order
+        (the hidden "start anew" event is not a transition of the declaration)."""
+        m = self.machine
+        decision = self._decision
+        for i, s, e, p in made:
+            if e == self._reset_id:
+                continue
+            t = ((p & _BASE_MASK) - 1) // self._w if p >= 0 else s
+            d = decision[s * self._w + e + 1]
+            plan_id = (p >> _PLAN_SHIFT) - 1
+            r = _obs.TransitionRecord(
+                m.name, i, m.states[s], m.event_names[e], m.states[t],
+                DECISIONS[d] if p >= 0 else "error",
+                m.plan_names[plan_id] if plan_id >= 0 else None, time.monotonic())
+            for sink in m.sinks:
+                sink(r)
+
+    def _run_plans(self, result: BatchStep,
+                   by_plan: dict[str, torch.Tensor] | None = None) -> None:
         m = self.machine
         reports: list[PlanReport] = []
-        for name, rows in result.by_plan(m).items():
+        if by_plan is None:
+            by_plan = result.by_plan(m)
+        for name, rows in by_plan.items():
             plan = self._plans.get(name)
             if plan is None:  # an edge without a plan: nothing to run
                 continue

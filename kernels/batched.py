@@ -31,6 +31,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -50,6 +51,10 @@ class BatchRelease:
     requests: int
     kv_tokens: int
     mamba_slots: int
+
+
+# A release of at most this many rows of a CPU table is done through numpy views.
+_HOST_ROWS = 64
 
 
 def _empty(table: ReqToTokenTable) -> torch.Tensor:
@@ -170,25 +175,50 @@ def release_batch(
             ids = ids.long()  # index_fill_ takes int64 indices only
     if not ids.numel():
         return BatchRelease(0, 0, 0)
-    tokens = gather_kv(table, ids, kv_start)
+    host = table._np if ids.numel() <= _HOST_ROWS else None
+    if host is not None:
+        # A few rows of a CPU table: read and reset through numpy views of it, and the
+        # KV they own gathered one slice a row (the same tokens, in the same order).
+        rows = ids.tolist()
+        if min(rows) < 0:  # numpy would count from the end; index_select refused these
+            raise IndexError(f"release_batch: slots {[r for r in rows if r < 0]} are out "
+                             f"of range 0..{table.capacity - 1}")
+        lengths_np, _, r2t = host
+        ends = lengths_np[rows].tolist()
+        firsts = [0] * len(rows) if kv_start is None else kv_start.tolist()
+        runs = [r2t[r, a:b] for r, a, b in zip(rows, firsts, ends, strict=True) if b > a]
+        tokens = (torch.from_numpy(np.concatenate(runs)) if len(runs) > 1 else
+                  torch.from_numpy(runs[0].copy()) if runs else _empty(table))
+    else:
+        tokens = gather_kv(table, ids, kv_start)
     errors: list[Exception] = []
     try:
         kv.free(tokens)
     except Exception as e:
         errors.append(e)
     else:
-        table.lengths.index_fill_(0, ids, 0)
+        if host is not None:
+            host[0][rows] = 0
+        else:
+            table.lengths.index_fill_(0, ids, 0)
     m = None
     if mamba is not None:
-        m = table.mamba_slots.index_select(0, ids)
-        m = m[m > 0]
+        if host is not None:
+            held = host[1][rows]
+            m = torch.from_numpy(held[held > 0])
+        else:
+            m = table.mamba_slots.index_select(0, ids)
+            m = m[m > 0]
         try:
             if m.numel():
                 mamba.free(m)
         except Exception as e:
             errors.append(e)
         else:
-            table.mamba_slots.index_fill_(0, ids, 0)
+            if host is not None:
+                host[1][rows] = 0
+            else:
+                table.mamba_slots.index_fill_(0, ids, 0)
     if not errors:
         # Only now: a slot that went back with a refused unit in its row would lose it.
         try:

@@ -40,13 +40,23 @@ class ReqToTokenTable(StackPool):
         # release_batch's scratch: the min and max of a batch's lengths, read back at once.
         self._min_max = torch.zeros(2, dtype=torch.int32, device=dev)
         self._min_max_out = (self._min_max[0], self._min_max[1])
+        # On a CPU, numpy views of (lengths, mamba_slots, req_to_token): the same memory,
+        # for the paths that handle a few rows on the host.
+        self._np = ((self.lengths.numpy(), self.mamba_slots.numpy(), self.req_to_token.numpy())
+                    if dev.type == "cpu" else None)
 
     def alloc(self, n: int = 1) -> torch.Tensor | None:
         """``n`` request slots with length 0, or None when short (never partial)."""
         slots = self._free.pop(n)
         if slots is not None and n:
-            self.lengths.index_fill_(0, slots, 0)
-            self.mamba_slots.index_fill_(0, slots, 0)
+            if self._np is not None and n <= 64:
+                # A CPU table: a few rows are reset through numpy views (same memory).
+                at = slots.numpy()
+                self._np[0][at] = 0
+                self._np[1][at] = 0
+            else:
+                self.lengths.index_fill_(0, slots, 0)
+                self.mamba_slots.index_fill_(0, slots, 0)
         return slots
 
     def free(self, slots: IdsLike) -> None:
@@ -70,6 +80,12 @@ class ReqToTokenTable(StackPool):
                 f"ReqToTokenTable: {end} tokens do not fit max_context_len "
                 f"{self.max_context_len}; raise max_context_len or cut the request"
             )
+        if self._np is not None and tokens.device.type == "cpu" and tokens.dtype in (
+                torch.int64, torch.int32):
+            # A CPU table: through its numpy views (~2 us; two torch setitems ~15).
+            self._np[2][slot, start:end] = tokens.numpy()
+            self._np[0][slot] = end
+            return
         self.req_to_token[slot, start:end] = tokens
         self.lengths[slot] = end
 

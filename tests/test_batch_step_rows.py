@@ -1,0 +1,110 @@
+"""`Batch.step_rows` (a CPU batch's step decided on the host, row by row) is the same
+step as `Batch.step` of the dense (rounds, n) tensor: states, terminal rows and plan ids,
+plans run, recorder counts, ignored counts, sink records, and refusals (the same error,
+naming the same instance, changing nothing)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from terminus.fsm import Plan, TransitionNotAllowed, observe, release_effect
+from terminus.fsm.bench import Finish, Resume, Tick, Yield, bench_spec
+from terminus.fsm.plan import Action
+
+N = 6
+
+
+class Counts:
+    """A recorder keeping the counts a batch hands it, per (machine, cell)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+
+    def record(self, machine, source, event, alt) -> None:
+        self.counts[(machine.name, source, event, alt)] += 1
+
+    def record_counts(self, machine, counts) -> None:
+        for (s, e, k), c in counts.items():
+            self.counts[(machine.name, s, e, k)] += c
+
+
+def built(log):
+    @release_effect
+    def release_rows(ctx):
+        log.append(ctx.rows.tolist())
+
+    m = bench_spec().build()
+    return m, m.batch(N, plans={"release": Plan(Action(release_rows))})
+
+
+def outcome(fn):
+    try:
+        step = fn()
+    except (TransitionNotAllowed, IndexError) as e:
+        return type(e).__name__, str(e)
+    return step.terminal.tolist(), step.plan_ids.tolist()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_step_rows_is_the_dense_step(seed):
+    rng = random.Random(seed)
+    choices = [None, None, Tick, Yield, Resume, Resume, Finish]
+    dense_log, rows_log = [], []
+    m, dense = built(dense_log)
+    _, by_row = built(rows_log)
+    heard_dense, heard_rows = [], []
+    for _ in range(6):
+        k = rng.randint(1, 3)
+        rounds = [[rng.choice(choices) for _ in range(N)] for _ in range(k)]
+        if rng.random() < 0.1:  # an id out of range somewhere
+            rounds[rng.randrange(k)][rng.randrange(N)] = 99
+        reset = sorted(rng.sample(range(N), rng.randint(0, 2)))
+        ids = [[-1 if e is None else e if isinstance(e, int) else m.event_id(e)
+                for e in r] for r in rounds]
+        results = []
+        for b, heard, rec in ((dense, heard_dense, Counts()), (by_row, heard_rows, Counts())):
+            prev = observe.set_recorder(rec)
+            b.machine.add_sink(heard.append)
+            try:
+                if b is dense:
+                    res = outcome(lambda b=b, ids=ids, reset=reset: b.step(
+                        torch.tensor(ids, dtype=torch.int64),
+                        reset=torch.tensor(reset, dtype=torch.int64) if reset else None))
+                else:
+                    res = outcome(lambda b=b, ids=ids, reset=reset: b.step_rows(
+                        [{r: e for r, e in enumerate(rd) if e != -1} for rd in ids], reset))
+            finally:
+                b.machine.remove_sink(heard.append)
+                observe.set_recorder(prev)
+            results.append((res, rec.counts, b.states.tolist()))
+        assert results[0] == results[1]
+        assert dense_log == rows_log
+        assert [(r.instance, r.source, r.event, r.target, r.decision, r.plan)
+                for r in heard_dense] == [(r.instance, r.source, r.event, r.target,
+                                           r.decision, r.plan) for r in heard_rows]
+    assert dense.machine.stats.ignored == by_row.machine.stats.ignored
+
+
+def test_step_rows_refuses_a_foreign_row_changing_nothing():
+    m, b = built([])
+    with pytest.raises(IndexError, match=r"row 6 is out of range 0\.\.5"):
+        b.step_rows([{6: m.event_id(Resume)}])
+    with pytest.raises(IndexError, match="row -1 is out of range"):
+        b.step_rows([{-1: m.event_id(Resume)}])
+    assert b.states.tolist() == [m.initial] * N
+
+
+def test_a_refused_step_rows_changes_nothing_and_names_the_first_refused_instance():
+    log = []
+    m, b = built(log)
+    b.step_rows([{0: m.event_id(Resume), 3: m.event_id(Resume)}])
+    before = b.states.tolist()
+    # Row 3 finishes in round one; row 0's reset in the same step is refused (live).
+    with pytest.raises(TransitionNotAllowed, match="<recycle>") as err:
+        b.step_rows([{3: m.event_id(Finish)}], reset=[0])
+    assert err.value.instance == 0
+    assert b.states.tolist() == before and log == []
