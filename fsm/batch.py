@@ -467,17 +467,7 @@ class Batch:
                 self._to_sinks([(r, (b - 1) // w, e, p) for r, b, e, p in kept])
         if refused is not None:
             r, b, e, p = refused
-            s = (b - 1) // w
-            if e == self._reset_id:
-                raise TransitionNotAllowed(
-                    m.name, m.states[s], "<recycle>",
-                    "only a terminal (or still initial) row can start a new instance; "
-                    "finish or abort the live one first", instance=r)
-            reason = ("the declaration makes it an error here" if p == -1 else
-                      "the cell is guarded, and guards run only on scalar instances: fire "
-                      "this event on an Instance")
-            raise TransitionNotAllowed(m.name, m.states[s], m.event_names[e], reason,
-                                       instance=r)
+            raise self._refusal(r, (b - 1) // w, e, p)
         if cur:
             base_np[list(cur)] = list(cur.values())
         if not newly:
@@ -617,19 +607,24 @@ class Batch:
             "is out of range; use Batch.event_ids() or -1 for no event")
 
     def _reject(self, base: torch.Tensor, events: torch.Tensor, packed: torch.Tensor) -> None:
-        m = self.machine
         i = _host((packed < 0).nonzero()[0, 0])
         s, e, p = _host(torch.stack(((base[i] - 1) // self._w, events[i], packed[i])))
+        raise self._refusal(i, s, e, p)
+
+    def _refusal(self, i: int, s: int, e: int, p: int) -> TransitionNotAllowed:
+        """The error for instance `i` in state `s` refused event id `e` (cell code `p`:
+        -1 an error cell, else a guarded one; `e` the reset id: a live row restarted)."""
+        m = self.machine
         if e == self._reset_id:
-            raise TransitionNotAllowed(
+            return TransitionNotAllowed(
                 m.name, m.states[s], "<recycle>",
                 "only a terminal (or still initial) row can start a new instance; "
                 "finish or abort the live one first", instance=i)
         reason = ("the declaration makes it an error here" if p == -1 else
                   "the cell is guarded, and guards run only on scalar instances: fire "
                   "this event on an Instance")
-        raise TransitionNotAllowed(m.name, m.states[s], m.event_names[e], reason,
-                                   instance=i)
+        return TransitionNotAllowed(m.name, m.states[s], m.event_names[e], reason,
+                                    instance=i)
 
     def _observe(self, bases: list[torch.Tensor], events: list[torch.Tensor],
                  packs: list[torch.Tensor], rejected: bool) -> None:

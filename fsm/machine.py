@@ -450,6 +450,13 @@ class Machine:
         inst._q = None
         return result
 
+    def _drain_after_plan(self, inst: Instance, q: Any, errors: list[Exception],
+                          result: PlanReport | None = None) -> PlanReport | None:
+        """`_drain` for a compiled terminal step: `q` (a `QueuedInPlan`) becomes a plain
+        list first, since the plan is done and what is given to the instance now is late."""
+        inst._q = q = list(q)
+        return self._drain(inst, q, errors, result)
+
     def _drain(self, inst: Instance, q: list[Any], errors: list[Exception],
                result: PlanReport | None = None) -> PlanReport | None:
         try:
@@ -727,12 +734,10 @@ def _compile_general(m: Machine, t: _Terminal) -> _OnCell:
             if q is busy:
                 inst._q = None
                 raise
-            inst._q = q = list(q)  # the plan is done: what is given to it now is late
-            return inst._m._drain(inst, q, [e])
+            return inst._m._drain_after_plan(inst, q, [e])
         q = inst._q
         if q is not busy:  # events its effects fired at this instance, in order
-            inst._q = q = list(q)
-            return inst._m._drain(inst, q, [], report)
+            return inst._m._drain_after_plan(inst, q, [], report)
         inst._q = None
         return report
 
@@ -836,12 +841,10 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
             if q is busy:
                 inst._q = None
                 raise
-            inst._q = q = list(q)  # the plan is done: what is given to it now is late
-            return inst._m._drain(inst, q, [e])
+            return inst._m._drain_after_plan(inst, q, [e])
         q = inst._q
         if q is not busy:  # events its effects fired at this instance, in order
-            inst._q = q = list(q)
-            return inst._m._drain(inst, q, [], report)
+            return inst._m._drain_after_plan(inst, q, [], report)
         inst._q = None
         return report
 
