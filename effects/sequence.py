@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from terminus.fsm import BatchStep, ReleaseContext, TransitionNotAllowed, observe, release_effect
+from terminus.fsm import BatchStep, ReleaseContext, TransitionNotAllowed, release_effect
 from terminus.kernels import (
     MambaStatePool,
     ReqToTokenTable,
@@ -584,8 +584,7 @@ class RunningBatch:
         admitted, self._admitted = self._admitted, []
         if not rounds:
             return None
-        if self.batch.device.type == "cpu" and (observe.recorder() is not None
-                                                or bool(SEQUENCE.sinks)):
+        if self.batch.device.type == "cpu" and self.batch.machine.observed:
             # An observed step reads its decisions back whatever it holds (no quiet
             # step), so a CPU batch's is decided row by row on the host
             # (`Batch.step_rows`): the same step, without a dense tensor of every row's

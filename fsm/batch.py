@@ -82,6 +82,8 @@ class Batchable(Protocol):
     def ledger(self) -> Ledger | None: ...
     @property
     def sinks(self) -> tuple[Any, ...]: ...
+    @property
+    def observed(self) -> bool: ...
     def event_id(self, event: type | str) -> int: ...
     def state_id(self, name: str) -> int: ...
 
@@ -350,7 +352,7 @@ class Batch:
         if not rounds:
             return BatchStep(self._empty, self._empty)
         m = self.machine
-        observed = _obs.recorder() is not None or bool(m.sinks)
+        observed = m.observed
         if quiet and not observed:
             return self._step_quiet(rounds)
         base = self._base
@@ -457,7 +459,7 @@ class Batch:
                     newly.append((r, (p >> _PLAN_SHIFT) - 1))
             if refused is None:
                 refused = first_bad
-        observed = _obs.recorder() is not None or bool(m.sinks)
+        observed = m.observed
         w = self._w
         if observed:
             # A refused step changes nothing: the only decisions made are its errors.
