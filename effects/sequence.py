@@ -357,8 +357,13 @@ class RunningBatch:
         return audit_pages(self.pools.kv, self.cache, own)
 
     @sanitized
-    def append_kv(self, rows: torch.Tensor, counts: torch.Tensor) -> bool:
+    def append_kv(self, rows: torch.Tensor | Sequence[int],
+                  counts: torch.Tensor | Sequence[int]) -> bool:
         """Give each row `counts[i]` more KV tokens, written into its table row at once.
+
+        `rows` and `counts` are int tensors, or lists of Python ints (a scheduler that
+        keeps its rows in lists: on a CPU table they are read as they are, no tensor is
+        built for a step of a few hundred rows).
 
         Each request's tokens live on pages of its own: a row's partial last page is
         filled first, then whole new pages are taken for it (one `alloc` of whole pages
@@ -372,13 +377,17 @@ class RunningBatch:
         (nothing taken) when the KV pool is short.
         """
         table, ps = self.pools.table, self.pools.page_size
-        rows, counts, total, host = self._check_append(rows, counts)
+        rows_t, counts_t, total, host = self._check_append(rows, counts)
         if total == 0:
             return True
         if host[1].count(1) == len(host[1]):  # one token each: a decode step
-            return self._append_one_each(rows, counts, host)
-        if rows.device.type == "cpu" and len(host[0]) <= _HOST_ROWS:
+            return self._append_one_each(rows_t, counts_t, host)
+        if table._np is not None and len(host[0]) <= _HOST_ROWS:
             return self._append_host(host)
+        if rows_t is None or counts_t is None:  # lists of many rows: the tensor path
+            rows, counts = host_ints(host[0]), host_ints(host[1])
+        else:
+            rows, counts = rows_t, counts_t
         lengths = table.lengths.index_select(0, rows).to(torch.int64)
         # which[i] = the position in `rows` of the i-th new token (repeat_rows: no
         # OpenMP region on a few hundred rows, whatever torch's thread count); j[i] its
@@ -438,13 +447,39 @@ class RunningBatch:
         table._np[0][rs] += np.array(cs, dtype=np.int32)
         return True
 
-    def _append_one_each(self, rows: torch.Tensor, counts: torch.Tensor,
+    def _append_one_each(self, rows: torch.Tensor | None, counts: torch.Tensor | None,
                          host: tuple[list[int], list[int], list[int]]) -> bool:
         """`append_kv` where every row takes one token (a decode step): the positions are
-        built on the host from the lists `_check_append` read, a handful of ops."""
+        built on the host from the lists `_check_append` read, a handful of ops (on a
+        CPU table, numpy ops on its views: no tensor besides the allocator's)."""
         table, ps = self.pools.table, self.pools.page_size
         rs, _, ends = host
         w = table.max_context_len
+        if table._np is not None:
+            lens_np, _, r2t = table._np
+            flat_np = r2t.reshape(-1)  # a view: the table is contiguous
+            n = len(rs)
+            rs_np = np.fromiter(rs, np.int64, n)
+            pos_np = rs_np * w + (np.fromiter(ends, np.int64, n) - 1)
+            if ps == 1:
+                got = self._alloc(n)
+                if got is None:
+                    return False
+                idx_np = got.cpu().numpy()
+            else:
+                # A row whose last page is full (or that has none) takes a new page; the
+                # others write the slot after their last token.
+                need_np = ((pos_np % w) % ps == 0).nonzero()[0]
+                got = self._alloc(len(need_np) * ps) if len(need_np) else None
+                if len(need_np) and got is None:
+                    return False
+                idx_np = flat_np[np.maximum(pos_np - 1, rs_np * w)].astype(np.int64) + 1
+                if got is not None:
+                    idx_np[need_np] = got.cpu().numpy()[::ps]
+            flat_np[pos_np] = idx_np
+            lens_np[rs_np] += 1  # the rows are distinct (`_check_append`)
+            return True
+        assert rows is not None and counts is not None  # not a CPU table: tensors
         flat = table.req_to_token.view(-1)
         dev = rows.device
         if ps == 1:
@@ -453,8 +488,6 @@ class RunningBatch:
                 return False
             idx = idx.to(dev)
         else:
-            # A row whose last page is full (or that has none) takes a new page; the
-            # others write the slot after their last token.
             need = [i for i, e in enumerate(ends) if (e - 1) % ps == 0]
             got = self._alloc(len(need) * ps) if need else None
             if need and got is None:
@@ -484,23 +517,42 @@ class RunningBatch:
                 got = kv.alloc(n)
         return got
 
-    def _check_append(self, rows: torch.Tensor, counts: torch.Tensor,
-                      ) -> tuple[torch.Tensor, torch.Tensor, int,
+    def _check_append(self, rows: torch.Tensor | Sequence[int],
+                      counts: torch.Tensor | Sequence[int],
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, int,
                                  tuple[list[int], list[int], list[int]]]:
-        """`rows` and `counts` as int64 on the table's device, the total count and the
-        rows, counts and new lengths as host lists, or a ValueError naming what is wrong
-        (nothing taken). One host sync when all is well."""
+        """`rows` and `counts` as int64 on the table's device (None for lists of ints on
+        a CPU table: not built), the total count and the rows, counts and new lengths
+        as host lists, or a ValueError naming what is wrong (nothing taken). One host
+        sync when all is well."""
         table = self.pools.table
-        rows = rows.to(device=table.device, dtype=torch.int64).reshape(-1)
-        counts = counts.to(device=table.device, dtype=torch.int64).reshape(-1)
-        if rows.numel() != counts.numel():
-            raise ValueError(f"append_kv: {rows.numel()} rows but {counts.numel()} counts; "
+        rs: list[int] | None = None
+        if not isinstance(rows, torch.Tensor) or not isinstance(counts, torch.Tensor):
+            rs, cs = list(rows), list(counts)  # type: ignore[arg-type]
+            if table._np is None or not set(map(type, rs)) | set(map(type, cs)) <= {int}:
+                # Not a CPU table, or not plain ints: as tensors, checked as tensors are.
+                rows, counts, rs = torch.as_tensor(rs), torch.as_tensor(cs), None
+        rows_t: torch.Tensor | None = None
+        counts_t: torch.Tensor | None = None
+        if rs is None:
+            assert isinstance(rows, torch.Tensor) and isinstance(counts, torch.Tensor)
+            rows_t = rows.to(device=table.device, dtype=torch.int64).reshape(-1)
+            counts_t = counts.to(device=table.device, dtype=torch.int64).reshape(-1)
+            if rows_t.numel() != counts_t.numel():
+                raise ValueError(f"append_kv: {rows_t.numel()} rows but {counts_t.numel()} "
+                                 "counts; pass one count per row")
+            if rows_t.numel() == 0:
+                return rows_t, counts_t, 0, ([], [], [])
+        elif len(rs) != len(cs):
+            raise ValueError(f"append_kv: {len(rs)} rows but {len(cs)} counts; "
                              "pass one count per row")
-        if rows.numel() == 0:
-            return rows, counts, 0, ([], [], [])
-        if rows.device.type == "cpu":
+        elif not rs:
+            return None, None, 0, ([], [], [])
+        if rs is not None or table._np is not None:
             # On a CPU the few rows of a step are read on the host (no tensor built).
-            rs, cs = rows.tolist(), counts.tolist()
+            if rs is None:
+                assert rows_t is not None and counts_t is not None
+                rs, cs = rows_t.tolist(), counts_t.tolist()
             if min(rs) < 0 or max(rs) >= table.capacity:
                 raise IndexError(f"append_kv: rows {rs} name a row outside 0.."
                                  f"{table.capacity - 1}; pass rows admit() returned")
@@ -508,8 +560,9 @@ class RunningBatch:
             lens = table._np[0][rs].tolist()
             ends = [a + c for a, c in zip(lens, cs, strict=True)]
         else:
-            ends_t = table.lengths.index_select(0, rows).to(torch.int64) + counts
-            rs, cs, ends = torch.stack((rows, counts, ends_t)).tolist()
+            assert rows_t is not None and counts_t is not None
+            ends_t = table.lengths.index_select(0, rows_t).to(torch.int64) + counts_t
+            rs, cs, ends = torch.stack((rows_t, counts_t, ends_t)).tolist()
         if min(cs) < 0:
             neg = [i for i, c in enumerate(cs) if c < 0]
             raise ValueError(f"append_kv: negative token counts {[cs[i] for i in neg]} for "
@@ -524,7 +577,7 @@ class RunningBatch:
                 f"append_kv: rows {[rs[i] for i in over]} would hold "
                 f"{[ends[i] for i in over]} tokens, past the table's max_context_len "
                 f"{limit}; finish or abort them, or raise max_context_len")
-        return rows, counts, sum(cs), (rs, cs, ends)
+        return rows_t, counts_t, sum(cs), (rs, cs, ends)
 
     # -- stepping ----------------------------------------------------------------------
 

@@ -245,8 +245,7 @@ class SimScheduler:
                     if seq.chunks_left and not seq.aborted and len(seq.in_flight) < 2]
             if not rows:
                 break
-            rows_t = torch.tensor(rows, dtype=torch.int64, device=rb.batch.device)
-            if not rb.append_kv(rows_t, self._chunk_sizes(rows)):
+            if not rb.append_kv(rows, self._chunk_sizes(rows)):
                 break  # KV is short: the chunks wait for pages to come back
             for r in rows:
                 seq = self.by_row[r]
@@ -267,9 +266,7 @@ class SimScheduler:
                 rb.queue([seq.row for seq in failing], Fail)
                 decoding = [seq for seq in decoding if seq.decoding]
             rows = [seq.row for seq in decoding]
-            dev = rb.batch.device
-            if rows and rb.append_kv(torch.tensor(rows, dtype=torch.int64, device=dev),
-                                     torch.ones(len(rows), dtype=torch.int64, device=dev)):
+            if rows and rb.append_kv(rows, [1] * len(rows)):
                 rb.queue(rows, Token)
                 finished = []
                 tok = self.tokenizer
@@ -286,7 +283,7 @@ class SimScheduler:
                 rb.queue(finished, Finish)
         rb.flush()
 
-    def _chunk_sizes(self, rows: list[int]) -> torch.Tensor:
+    def _chunk_sizes(self, rows: list[int]) -> list[int]:
         """Tokens of each row's next chunk: full chunks, then the remainder."""
         c = self.cfg.chunk_size
         sizes = []
@@ -294,7 +291,7 @@ class SimScheduler:
             seq = self.by_row[r]
             launched = -(-seq.prompt // c) - seq.chunks_left
             sizes.append(max(1, min(c, seq.prompt - launched * c)))
-        return torch.tensor(sizes, dtype=torch.int64, device=self.running.batch.device)
+        return sizes
 
     def _admit(self) -> None:
         rb = self.running
