@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from terminus.fsm import Plan, TransitionNotAllowed, observe, release_effect
+from terminus.fsm import batch as batch_mod
 from terminus.fsm.bench import Finish, Resume, Tick, Yield, bench_spec
 from terminus.fsm.plan import Action
 
@@ -49,8 +50,12 @@ def outcome(fn):
     return step.terminal.tolist(), step.plan_ids.tolist()
 
 
+@pytest.mark.parametrize("numpy_rows", [0, 10_000], ids=["numpy", "row_by_row"])
 @pytest.mark.parametrize("seed", range(40))
-def test_step_rows_is_the_dense_step(seed):
+def test_step_rows_is_the_dense_step(seed, numpy_rows, monkeypatch):
+    # Both ways `step_rows` decides (numpy ops per round from so many pairs on, else a
+    # Python loop per row) are the dense step.
+    monkeypatch.setattr(batch_mod, "_NUMPY_ROWS", numpy_rows)
     rng = random.Random(seed)
     choices = [None, None, Tick, Yield, Resume, Resume, Finish]
     dense_log, rows_log = [], []
@@ -108,3 +113,73 @@ def test_a_refused_step_rows_changes_nothing_and_names_the_first_refused_instanc
         b.step_rows([{3: m.event_id(Finish)}], reset=[0])
     assert err.value.instance == 0
     assert b.states.tolist() == before and log == []
+
+
+@pytest.mark.parametrize("numpy_rows", [0, 10_000], ids=["numpy", "row_by_row"])
+@pytest.mark.parametrize("seed", range(8))
+def test_step_rows_of_many_sequence_rows_is_the_dense_step(seed, numpy_rows, monkeypatch):
+    # The scheduler's own machine, 64 rows, three release plans: several plans run in one
+    # step, rows recycled by reset, and now and then a refused cell.
+    from terminus.fsm import batch as batch_mod
+    from terminus.states.sequence import SEQUENCE
+
+    monkeypatch.setattr(batch_mod, "_NUMPY_ROWS", numpy_rows)
+    n = 64
+    rng = random.Random(seed)
+
+    def made(log):
+        def plan_for(name):
+            @release_effect
+            def release(ctx):
+                log.append((name, ctx.rows.tolist()))
+            return Plan(Action(release))
+        return SEQUENCE.batch(n, plans={p: plan_for(p) for p in SEQUENCE.plan_names})
+
+    dense_log, rows_log = [], []
+    dense, by_row = made(dense_log), made(rows_log)
+    w, e_count = dense._w, len(SEQUENCE.events)
+    table = dense._packed_list
+    heard_dense, heard_rows = [], []
+    for _ in range(25):
+        base = dense._base.tolist()
+        terminal = dense._terminal.tolist()
+        reset = sorted(r for r in range(n) if ((base[r] - 1) // w == SEQUENCE.initial
+                                               or terminal[(base[r] - 1) // w])
+                       and rng.random() < 0.5)
+        cur = [SEQUENCE.initial * w + 1 if r in reset else base[r] for r in range(n)]
+        rounds = []
+        for _ in range(rng.randint(1, 3)):
+            rd = {}
+            for r in range(n):
+                if rng.random() < 0.3:
+                    continue
+                ok = [e for e in range(e_count) if table[cur[r] + e] >= 0]
+                e = rng.choice(ok) if ok and rng.random() > 0.01 else rng.randrange(e_count)
+                rd[r] = e
+                if table[cur[r] + e] >= 0:
+                    cur[r] = table[cur[r] + e] & batch_mod._BASE_MASK
+            rounds.append(rd)
+        dense_ev = torch.full((len(rounds), n), -1, dtype=torch.int64)
+        for j, rd in enumerate(rounds):
+            for r, e in rd.items():
+                dense_ev[j, r] = e
+        results = []
+        for b, heard, rec in ((dense, heard_dense, Counts()), (by_row, heard_rows, Counts())):
+            prev = observe.set_recorder(rec)
+            SEQUENCE.add_sink(heard.append)
+            try:
+                if b is dense:
+                    res = outcome(lambda b=b: b.step(
+                        dense_ev, reset=torch.tensor(reset, dtype=torch.int64)))
+                else:
+                    res = outcome(lambda b=b: b.step_rows(rounds, reset))
+            finally:
+                SEQUENCE.remove_sink(heard.append)
+                observe.set_recorder(prev)
+            results.append((res, rec.counts, b.states.tolist()))
+        assert results[0] == results[1]
+        assert dense_log == rows_log
+    assert len({name for name, _ in dense_log}) >= 2  # several plans ran
+    assert [(r.instance, r.source, r.event, r.target, r.decision, r.plan)
+            for r in heard_dense] == [(r.instance, r.source, r.event, r.target,
+                                       r.decision, r.plan) for r in heard_rows]
