@@ -59,6 +59,7 @@ _MAX_UNCHECKED_IDS = 1 << 22
 # `step_rows` of at least this many (row, event) pairs is decided by numpy ops on each
 # round's rows (a few microseconds of fixed cost each); fewer, row by row in Python.
 _NUMPY_ROWS = 48
+_np_min, _np_max = np.minimum.reduce, np.maximum.reduce  # no method wrapper (~0.5 us)
 
 
 class Batchable(Protocol):
@@ -229,6 +230,18 @@ class Batch:
         self._packed_np = np.array(self._packed_list, dtype=np.int64)
         self._terminal = term.to(self.device)
         self._decision: list[int] = dec.reshape(-1).tolist()
+        # Per flat cell, what `_record` counts: the recorder's (state, event, alternative)
+        # key (a batch rejects a guarded cell without running its guards: alternative
+        # -1) and, for an ignored cell, its `stats.ignored` key; None for column 0 (no
+        # event) and the hidden "start anew" column.
+        self._cell_keys: list[tuple[int, int, int] | None] = []
+        self._cell_ignored: list[tuple[str, str] | None] = []
+        for flat, d in enumerate(self._decision):
+            s, e = divmod(flat, W)
+            real = 0 < e < W - 1
+            self._cell_keys.append((s, e - 1, -1 if d == GUARDED else 0) if real else None)
+            self._cell_ignored.append((machine.states[s], machine.event_names[e - 1])
+                                      if real and d == IGNORED else None)
         self._base = torch.full((n,), machine.initial * W + 1, dtype=torch.int64,
                                 device=self.device)
         self._empty = self._base[:0]
@@ -426,21 +439,12 @@ class Batch:
         plan: list[Mapping[int, int]] = list(rounds)
         if reset:
             plan.insert(0, dict.fromkeys(reset, self._reset_id))
-        # Bad ids first, as `step` does: the first in (round, row) order is named. A round
-        # of plain ints in range is known good from its min and max (C loops); any other
-        # is checked pair by pair, and then decided row by row as given.
-        plain = True
-        pairs = 0
+        if sum(map(len, plan)) >= _NUMPY_ROWS:
+            done = self._step_rows_np(plan, bool(reset))
+            if done is not None:
+                return done
+        # Bad ids first, as `step` does: the first in (round, row) order is named.
         for j, rd in enumerate(plan):
-            if not rd:
-                continue
-            pairs += len(rd)
-            top = self._reset_id if j == 0 and reset else e_max
-            if set(map(type, rd)) | set(map(type, rd.values())) <= {int} and \
-                    min(rd) >= 0 and max(rd) < n and min(rd.values()) >= -1 and \
-                    max(rd.values()) <= top and (top == e_max or min(rd.values()) == top):
-                continue
-            plain = False
             for r, e in rd.items():
                 if not (isinstance(r, int) and 0 <= r < n):
                     raise IndexError(f"machine {m.name!r}: row {r!r} is out of range "
@@ -450,8 +454,6 @@ class Batch:
                     raise IndexError(
                         f"machine {m.name!r}: event id {rd[bad]} at instance {bad} is out "
                         "of range; use Batch.event_ids() or -1 for no event")
-        if plain and pairs >= _NUMPY_ROWS:
-            return self._step_rows_np(plan)
         base_np = self._base.numpy()
         table = self._packed_list
         cur: dict[int, int] = {}
@@ -509,69 +511,88 @@ class Batch:
                 for q, g in sorted(groups.items())})
         return result
 
-    def _step_rows_np(self, plan: list[Mapping[int, int]]) -> BatchStep:
-        """`step_rows` of many rows, its rounds checked (plain ints in range): each
-        round's rows decided at once by numpy ops on the host table, in row order. The
-        same decisions, records, refusal and plans as the row-by-row loop."""
+    def _step_rows_np(self, plan: list[Mapping[int, int]], reset: bool) -> BatchStep | None:
+        """`step_rows` of many rows: each round's rows decided at once by numpy ops on
+        the host table, in row order; the same decisions, records, refusal and plans as
+        the row-by-row loop. None (nothing done) unless every round holds Python int
+        rows in range and int event ids in range (`reset`: round 0 the reset round),
+        whose pairs the row-by-row loop then checks and names."""
         m = self.machine
-        w = self._w
+        n, w, e_max = self.n, self._w, self._w - 3
+        # Checked first, all rounds (nothing decided yet): arrays of each round's pairs
+        # in row order. Types by C loops (a sum of ints is an int: no float, no numpy
+        # scalar; rows are refused as bools too), ranges by numpy reductions.
+        got: list[tuple[np.ndarray, np.ndarray]] = []
+        for j, rd in enumerate(plan):
+            k = len(rd)
+            if not k:
+                continue
+            if type(sum(rd.values())) is not int or set(map(type, rd)) != {int}:
+                return None
+            try:
+                rs = np.fromiter(rd, np.int64, k)
+                es = np.fromiter(rd.values(), np.int64, k)
+            except (OverflowError, ValueError):
+                return None
+            lo, hi = int(_np_min(es)), int(_np_max(es))
+            if int(_np_min(rs)) < 0 or int(_np_max(rs)) >= n:
+                return None
+            if j == 0 and reset:
+                if lo != hi or lo != self._reset_id:
+                    return None
+            elif lo < -1 or hi > e_max:
+                return None
+            if k > 1:
+                order = rs.argsort()  # the keys of a dict: distinct
+                rs, es = rs[order], es[order]
+            if lo < 0:
+                has = es >= 0
+                rs, es = rs[has], es[has]
+                if not rs.size:
+                    continue
+            got.append((rs, es))
         table = self._packed_np
         base_np = self._base.numpy()
         work = base_np.copy()  # applied to the batch only if the step is not refused
-        rows_l: list[np.ndarray] = []  # per round: its rows with an event, in row order
-        cells_l: list[np.ndarray] = []  # their cells (base + event)
-        evs_l: list[np.ndarray] = []
+        cells_l: list[np.ndarray] = []  # per round: the cells (base + event) of its rows
         packs_l: list[np.ndarray] = []
         newly_r: list[np.ndarray] = []
         newly_q: list[np.ndarray] = []
         refused: tuple[int, int, int, int] | None = None
-        for rd in plan:
-            k = len(rd)
-            if not k:
-                continue
-            rs = np.fromiter(rd, np.int64, k)
-            es = np.fromiter(rd.values(), np.int64, k)
-            order = rs.argsort()  # the keys of a dict: distinct
-            rs, es = rs[order], es[order]
-            has = es >= 0
-            if not has.all():
-                rs, es = rs[has], es[has]
-                if not rs.size:
-                    continue
+        for rs, es in got:
             cell = work[rs] + es
             p = table[cell]
-            rows_l.append(rs)
             cells_l.append(cell)
-            evs_l.append(es)
             packs_l.append(p)
-            neg = p < 0
-            if neg.any():  # a refused cell keeps the row where it was
+            lo, hi = int(_np_min(p)), int(_np_max(p))
+            if lo >= 0 and hi < 1 << _NEWLY_SHIFT:  # every row moves, none ends: p is
+                work[rs] = p  # the new base itself
+                continue
+            if lo < 0:  # a refused cell keeps the row where it was
+                neg = p < 0
                 i = int(neg.argmax())
                 if refused is None:
                     refused = (int(rs[i]), int(cell[i] - es[i]), int(es[i]), int(p[i]))
                 ok = ~neg
-                work[rs[ok]] = p[ok] & _BASE_MASK
-                nw = ok & ((p >> _NEWLY_SHIFT) & 1).astype(bool)
-            else:
-                work[rs] = p & _BASE_MASK
-                nw = ((p >> _NEWLY_SHIFT) & 1).astype(bool)
+                rs, es, p = rs[ok], es[ok], p[ok]
+            work[rs] = p & _BASE_MASK
+            nw = (p & (1 << _NEWLY_SHIFT)) != 0
             if nw.any():
                 newly_r.append(rs[nw])
                 newly_q.append((p[nw] >> _PLAN_SHIFT) - 1)
-        if m.observed and rows_l:
-            cells = np.concatenate(cells_l)
-            packs = np.concatenate(packs_l)
+        if m.observed and cells_l:
+            cells = np.concatenate(cells_l) if len(cells_l) > 1 else cells_l[0]
+            packs = np.concatenate(packs_l) if len(packs_l) > 1 else packs_l[0]
             # A refused step changes nothing: the only decisions made are its errors.
             kept = packs < 0 if refused is not None else None
             if kept is not None:
                 cells = cells[kept]
-            # Counted per cell in the order first made, as the row-by-row loop does.
-            u, first, c = np.unique(cells, return_index=True, return_counts=True)
-            at = first.argsort()
-            self._record(zip(u[at].tolist(), c[at].tolist(), strict=True))
+            counts = np.bincount(cells)
+            at = counts.nonzero()[0]
+            self._record(zip(at.tolist(), counts[at].tolist(), strict=True))
             if m.sinks:
-                rows = np.concatenate(rows_l)
-                evs = np.concatenate(evs_l)
+                rows = np.concatenate([rs for rs, _ in got])
+                evs = np.concatenate([es for _, es in got])
                 if kept is not None:
                     rows, evs, packs = rows[kept], evs[kept], packs[kept]
                 states = (cells - evs - 1) // w
@@ -763,19 +784,19 @@ class Batch:
         and `stats.ignored` (cell 0, no event, and the hidden "start anew" column are
         skipped)."""
         m = self.machine
-        by_cell: Counter[tuple[int, int, int]] = Counter()
-        decision = self._decision
+        # Each flat cell has its own key (see `_cell_keys`): a plain dict sums nothing.
+        by_cell: dict[tuple[int, int, int], int] = {}
+        keys, ignored = self._cell_keys, self._cell_ignored
         for flat, count in counts:
             if not count:
                 continue
-            s, e = divmod(flat, self._w)
-            if e == 0 or e == self._w - 1:  # no event, or the hidden "start anew"
+            key = keys[flat]
+            if key is None:  # no event, or the hidden "start anew"
                 continue
-            # A batch rejects a guarded cell without running its guards: no alternative.
-            k = -1 if decision[flat] == GUARDED else 0
-            by_cell[(s, e - 1, k)] += count
-            if decision[flat] == IGNORED:
-                m.stats.ignored[(m.states[s], m.event_names[e - 1])] += count
+            by_cell[key] = count
+            what = ignored[flat]
+            if what is not None:
+                m.stats.ignored[what] += count
         rec = _obs.recorder()
         if rec is not None and by_cell:
             rec.record_counts(m, by_cell)
