@@ -301,10 +301,14 @@ class RunningBatch:
                 pools.table.free(rows)  # not admitted yet: nobody else can free them
                 raise
             assert slots is not None
-            pools.table.mamba_slots.index_copy_(0, rows, slots.to(torch.int64))
+            if pools.table._np is not None and slots.device.type == "cpu":
+                pools.table._np[1][rows.numpy()] = slots.numpy()  # the table's own memory
+            else:
+                pools.table.mamba_slots.index_copy_(0, rows, slots.to(torch.int64))
+        ids = rows.tolist()
         if queued:
             self._admitted.append(rows)
-            self._enqueue(rows.tolist(), self.event[Admit])
+            self._enqueue(ids, self.event[Admit])
         else:
             # Admitted in the same call: a row that owns resources is never left vacant,
             # where an abort would be refused and nothing could release them. One step:
@@ -316,7 +320,7 @@ class RunningBatch:
             assert self.cache is not None
             table = pools.table
             host = table._np  # a CPU table: rows written through numpy views
-            for r, toks in zip(rows.tolist(), prompts, strict=True):
+            for r, toks in zip(ids, prompts, strict=True):
                 self.tokens[r] = toks
                 m = self.cache.match(toks, limit=len(toks) - 1)
                 if m.length:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import operator
 import sys
 import time
 from collections import Counter, deque
@@ -164,8 +165,7 @@ class _Seq:
         self.status = 0
 
 
-def _row(seq: _Seq) -> int:
-    return seq.row
+_row = operator.attrgetter("row")  # a sort key read in C
 
 
 class SimScheduler:
@@ -296,9 +296,12 @@ class SimScheduler:
     def _admit(self) -> None:
         rb = self.running
         k = min(len(self.queue), rb.pools.table.available)
-        head = list(itertools.islice(self.queue, k))
-        flags = [self.spec_of(seq.rid).mamba for seq in head]
-        if k and rb.cache is None and sum(flags) <= rb.pools.mamba.available_size():
+        head: list[_Seq] = []
+        flags: list[bool] = []
+        if k and rb.cache is None:
+            head = list(itertools.islice(self.queue, k))
+            flags = [self.spec_of(seq.rid).mamba for seq in head]
+        if head and sum(flags) <= rb.pools.mamba.available_size():
             # Everything at the head fits: the runs admit exactly as one by one would
             # (each run all or nothing, none refused), in one admission per kind. With a
             # prefix cache an admission matches prompts (and may be refused for KV), so
