@@ -533,7 +533,7 @@ class RunningBatch:
         table = self.pools.table
         rs: list[int] | None = None
         if not isinstance(rows, torch.Tensor) or not isinstance(counts, torch.Tensor):
-            rs, cs = list(rows), list(counts)  # type: ignore[arg-type]
+            rs, cs = list(rows), list(counts)
             if table._np is None or not set(map(type, rs)) | set(map(type, cs)) <= {int}:
                 # Not a CPU table, or not plain ints: as tensors, checked as tensors are.
                 rows, counts, rs = torch.as_tensor(rs), torch.as_tensor(cs), None

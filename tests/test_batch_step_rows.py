@@ -169,10 +169,11 @@ def test_step_rows_of_many_sequence_rows_is_the_dense_step(seed, numpy_rows, mon
             SEQUENCE.add_sink(heard.append)
             try:
                 if b is dense:
-                    res = outcome(lambda b=b: b.step(
-                        dense_ev, reset=torch.tensor(reset, dtype=torch.int64)))
+                    res = outcome(lambda b=b, ev=dense_ev, reset=reset: b.step(
+                        ev, reset=torch.tensor(reset, dtype=torch.int64)))
                 else:
-                    res = outcome(lambda b=b: b.step_rows(rounds, reset))
+                    res = outcome(lambda b=b, rounds=rounds, reset=reset: b.step_rows(
+                        rounds, reset))
             finally:
                 SEQUENCE.remove_sink(heard.append)
                 observe.set_recorder(prev)
