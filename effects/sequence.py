@@ -214,7 +214,8 @@ class RunningBatch:
         assert cache is not None
         table = self.pools.table
         errors: list[Exception] = []
-        rows = rows.to(torch.int64)
+        if rows.dtype != torch.int64:
+            rows = rows.to(torch.int64)
         ids = rows.tolist()
         # The rows' lengths in one read, only where a row's KV goes into the cache.
         lengths = ([0] * len(ids) if state != "finished" else

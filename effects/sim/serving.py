@@ -241,14 +241,14 @@ class SimScheduler:
         rb.queue(last, LastChunkDone)
         # Launch chunks: up to two in flight per row (the next overlapped).
         for _ in range(2):
-            rows = [seq.row for seq in self.prefilling.values()
+            seqs = [seq for seq in self.prefilling.values()
                     if seq.chunks_left and not seq.aborted and len(seq.in_flight) < 2]
-            if not rows:
+            if not seqs:
                 break
-            if not rb.append_kv(rows, self._chunk_sizes(rows)):
+            rows = [seq.row for seq in seqs]
+            if not rb.append_kv(rows, self._chunk_sizes(seqs)):
                 break  # KV is short: the chunks wait for pages to come back
-            for r in rows:
-                seq = self.by_row[r]
+            for seq in seqs:
                 seq.chunks_left -= 1
                 seq.in_flight.append(seq.chunks_left == 0)
             rb.queue(rows, ChunkLaunched)
@@ -272,9 +272,12 @@ class SimScheduler:
                 tok = self.tokenizer
                 for seq in decoding:
                     g = seq.generated
-                    if seq.tokens is not None:
-                        seq.tokens.append(seq.reply[g] if g < len(seq.reply) else 1)
-                    seq.generated = g = g + 1
+                    toks = seq.tokens
+                    if toks is not None:
+                        reply = seq.reply
+                        toks.append(reply[g] if g < len(reply) else 1)
+                    g += 1
+                    seq.generated = g
                     if g == 1 and tok is not None:
                         tok.on_output(seq.rid)
                     if g >= seq.max_new:
@@ -283,12 +286,11 @@ class SimScheduler:
                 rb.queue(finished, Finish)
         rb.flush()
 
-    def _chunk_sizes(self, rows: list[int]) -> list[int]:
-        """Tokens of each row's next chunk: full chunks, then the remainder."""
+    def _chunk_sizes(self, seqs: list[_Seq]) -> list[int]:
+        """Tokens of each sequence's next chunk: full chunks, then the remainder."""
         c = self.cfg.chunk_size
         sizes = []
-        for r in rows:
-            seq = self.by_row[r]
+        for seq in seqs:
             launched = -(-seq.prompt // c) - seq.chunks_left
             sizes.append(max(1, min(c, seq.prompt - launched * c)))
         return sizes
