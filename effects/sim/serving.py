@@ -151,7 +151,9 @@ class _Seq:
         self.rid = rid
         self.prompt = prompt  # prompt tokens still to prefill (past the cached prefix)
         self.tokens = tokens  # prompt and generated token ids (the prefix cache's key)
-        self.reply = reply or []
+        self.reply = reply
+        """The tokens the model replies (with `tokens` only), read at its first decode
+        step: a sequence aborted before it never makes them."""
         self.max_new = max_new
         self.fail = fail
         self.fail_status = _STATUS.get(fail, 0) if fail is not None else 0
@@ -184,6 +186,7 @@ class SimScheduler:
         self.by_rid: dict[Any, _Seq] = {}
         self.aborts: list[Any] = []
         self.dispatch_failures: set[Any] = set()
+        self._replies: dict[tuple[str, int], list[int]] = {}
         running.on_retired = self._retired
 
     # -- SchedulerLink ----------------------------------------------------------------
@@ -196,10 +199,12 @@ class SimScheduler:
         warmup = rid.role == "warmup"
         max_new = 1 if warmup else spec.max_new_tokens
         ids = None
+        n = int(tokens)
         if self.running.cache is not None:
-            ids = prompt_tokens(spec)[:int(tokens)]
-        seq = _Seq(rid, int(tokens), max_new, None if warmup else spec.fault, ids,
-                   reply_tokens(spec, max_new) if ids is not None else None)
+            ids = prompt_tokens(spec)  # a list of its own: cut in place
+            if len(ids) > n:
+                del ids[n:]
+        seq = _Seq(rid, n, max_new, None if warmup else spec.fault, ids)
         self.queue.append(seq)
         self.by_rid[rid] = seq
 
@@ -275,6 +280,8 @@ class SimScheduler:
                     toks = seq.tokens
                     if toks is not None:
                         reply = seq.reply
+                        if reply is None:
+                            reply = seq.reply = self._reply(seq)
                         toks.append(reply[g] if g < len(reply) else 1)
                     g += 1
                     seq.generated = g
@@ -285,6 +292,19 @@ class SimScheduler:
                         seq.decoding = False
                 rb.queue(finished, Finish)
         rb.flush()
+
+    def _reply(self, seq: _Seq) -> list[int]:
+        """`seq`'s reply tokens (`workload.reply_tokens`, a pure function of the request
+        and the count): one list, read only, for the samples of a request, which
+        decode at about the same steps; the most recent few hundred are kept."""
+        spec = self.spec_of(seq.rid)
+        key = (spec.rid, seq.max_new)
+        got = self._replies.get(key)
+        if got is None:
+            if len(self._replies) >= 512:
+                self._replies.clear()
+            got = self._replies[key] = reply_tokens(spec, seq.max_new)
+        return got
 
     def _chunk_sizes(self, seqs: list[_Seq]) -> list[int]:
         """Tokens of each sequence's next chunk: full chunks, then the remainder."""
