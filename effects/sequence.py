@@ -23,7 +23,6 @@ caller which rows retired and how (to stream their terminal output).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -618,17 +617,6 @@ class RunningBatch:
         self._queued_ids.add(eid)
         pending, rounds = self._pending, self._rounds
         get = pending.get
-        js = list(map(get, rows, repeat(0)))
-        j = js[0] if js else 0
-        if js and js.count(j) == len(js) and len(set(rows)) == len(rows):
-            # Distinct rows with as many events queued each (a scheduler's usual call):
-            # all go to one round, by dict updates (C loops) rather than row by row.
-            if j == len(rounds):
-                rounds.append(dict.fromkeys(rows, eid))
-            else:
-                rounds[j].update(dict.fromkeys(rows, eid))
-            pending.update(dict.fromkeys(rows, j + 1))
-            return
         for r in rows:
             j = get(r, 0)
             pending[r] = j + 1

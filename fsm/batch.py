@@ -56,10 +56,6 @@ _BASE_MASK = (1 << _NEWLY_SHIFT) - 1
 # quiet step first reads the flag (one read) so the evidence kept stays bounded.
 _MAX_UNCHECKED_STEPS = 64
 _MAX_UNCHECKED_IDS = 1 << 22
-# `step_rows` of at least this many (row, event) pairs is decided by numpy ops on each
-# round's rows (a few microseconds of fixed cost each); fewer, row by row in Python.
-_NUMPY_ROWS = 48
-_np_min, _np_max = np.minimum.reduce, np.maximum.reduce  # no method wrapper (~0.5 us)
 
 
 class Batchable(Protocol):
@@ -227,7 +223,6 @@ class Batch:
         self._packed = packed.reshape(-1).to(self.device)
         self._packed_list: list[int] = packed.reshape(-1).tolist()
         """The table on the host, for `step_rows` (a CPU batch stepped row by row)."""
-        self._packed_np = np.array(self._packed_list, dtype=np.int64)
         self._terminal = term.to(self.device)
         self._decision: list[int] = dec.reshape(-1).tolist()
         # Per flat cell, what `_record` counts: the recorder's (state, event, alternative)
@@ -439,10 +434,6 @@ class Batch:
         plan: list[Mapping[int, int]] = list(rounds)
         if reset:
             plan.insert(0, dict.fromkeys(reset, self._reset_id))
-        if sum(map(len, plan)) >= _NUMPY_ROWS:
-            done = self._step_rows_np(plan, bool(reset))
-            if done is not None:
-                return done
         # Bad ids first, as `step` does: the first in (round, row) order is named.
         for j, rd in enumerate(plan):
             for r, e in rd.items():
@@ -456,8 +447,13 @@ class Batch:
                         "of range; use Batch.event_ids() or -1 for no event")
         base_np = self._base.numpy()
         table = self._packed_list
-        cur: dict[int, int] = {}
-        made: list[tuple[int, int, int, int]] = []  # (row, base, event, cell), in order
+        work: list[int] = base_np.tolist()  # every row's base, as the rounds move them
+        cur: dict[int, int] = {}  # the rows moved: written back unless refused
+        observed = m.observed
+        sinks = bool(m.sinks)
+        cells: list[int] = []  # every cell made, in order (counted when observed)
+        bad_cells: list[int] = []  # the refused ones
+        made: list[tuple[int, int, int, int]] = []  # (row, base, event, cell), for sinks
         refused: tuple[int, int, int, int] | None = None
         newly: list[tuple[int, int]] = []
         for rd in plan:
@@ -466,27 +462,28 @@ class Batch:
                 e = rd[r]
                 if e < 0:
                     continue
-                b = cur.get(r)
-                if b is None:
-                    b = int(base_np[r])
+                b = work[r]
                 p = table[b + e]
-                made.append((r, b, e, p))
+                if observed:
+                    cells.append(b + e)
+                    if sinks:
+                        made.append((r, b, e, p))
                 if p < 0:
+                    bad_cells.append(b + e)
                     if first_bad is None:
                         first_bad = (r, b, e, p)
                     continue  # a refused cell keeps the row where it was
-                cur[r] = p & _BASE_MASK
+                cur[r] = work[r] = p & _BASE_MASK
                 if p >> _NEWLY_SHIFT & 1:
                     newly.append((r, (p >> _PLAN_SHIFT) - 1))
             if refused is None:
                 refused = first_bad
-        observed = m.observed
         w = self._w
         if observed:
             # A refused step changes nothing: the only decisions made are its errors.
-            kept = [x for x in made if x[3] < 0] if refused is not None else made
-            self._record(Counter(b + e for _, b, e, _ in kept).items())
-            if m.sinks:
+            self._record(Counter(bad_cells if refused is not None else cells).items())
+            if sinks:
+                kept = [x for x in made if x[3] < 0] if refused is not None else made
                 self._to_sinks([(r, (b - 1) // w, e, p) for r, b, e, p in kept])
         if refused is not None:
             r, b, e, p = refused
@@ -509,114 +506,6 @@ class Batch:
                 names[q + 1]: result.terminal if len(g) == len(newly) else
                 torch.from_numpy(np.array(g, dtype=np.int64))
                 for q, g in sorted(groups.items())})
-        return result
-
-    def _step_rows_np(self, plan: list[Mapping[int, int]], reset: bool) -> BatchStep | None:
-        """`step_rows` of many rows: each round's rows decided at once by numpy ops on
-        the host table, in row order; the same decisions, records, refusal and plans as
-        the row-by-row loop. None (nothing done) unless every round holds Python int
-        rows in range and int event ids in range (`reset`: round 0 the reset round),
-        whose pairs the row-by-row loop then checks and names."""
-        m = self.machine
-        n, w, e_max = self.n, self._w, self._w - 3
-        # Checked first, all rounds (nothing decided yet): arrays of each round's pairs
-        # in row order. Types by C loops (a sum of ints is an int: no float, no numpy
-        # scalar; rows are refused as bools too), ranges by numpy reductions.
-        got: list[tuple[np.ndarray, np.ndarray]] = []
-        for j, rd in enumerate(plan):
-            k = len(rd)
-            if not k:
-                continue
-            if type(sum(rd.values())) is not int or set(map(type, rd)) != {int}:
-                return None
-            try:
-                rs = np.fromiter(rd, np.int64, k)
-                es = np.fromiter(rd.values(), np.int64, k)
-            except (OverflowError, ValueError):
-                return None
-            lo, hi = int(_np_min(es)), int(_np_max(es))
-            if int(_np_min(rs)) < 0 or int(_np_max(rs)) >= n:
-                return None
-            if j == 0 and reset:
-                if lo != hi or lo != self._reset_id:
-                    return None
-            elif lo < -1 or hi > e_max:
-                return None
-            if k > 1:
-                order = rs.argsort()  # the keys of a dict: distinct
-                rs, es = rs[order], es[order]
-            if lo < 0:
-                has = es >= 0
-                rs, es = rs[has], es[has]
-                if not rs.size:
-                    continue
-            got.append((rs, es))
-        table = self._packed_np
-        base_np = self._base.numpy()
-        work = base_np.copy()  # applied to the batch only if the step is not refused
-        cells_l: list[np.ndarray] = []  # per round: the cells (base + event) of its rows
-        packs_l: list[np.ndarray] = []
-        newly_r: list[np.ndarray] = []
-        newly_q: list[np.ndarray] = []
-        refused: tuple[int, int, int, int] | None = None
-        for rs, es in got:
-            cell = work[rs] + es
-            p = table[cell]
-            cells_l.append(cell)
-            packs_l.append(p)
-            lo, hi = int(_np_min(p)), int(_np_max(p))
-            if lo >= 0 and hi < 1 << _NEWLY_SHIFT:  # every row moves, none ends: p is
-                work[rs] = p  # the new base itself
-                continue
-            if lo < 0:  # a refused cell keeps the row where it was
-                neg = p < 0
-                i = int(neg.argmax())
-                if refused is None:
-                    refused = (int(rs[i]), int(cell[i] - es[i]), int(es[i]), int(p[i]))
-                ok = ~neg
-                rs, es, p = rs[ok], es[ok], p[ok]
-            work[rs] = p & _BASE_MASK
-            nw = (p & (1 << _NEWLY_SHIFT)) != 0
-            if nw.any():
-                newly_r.append(rs[nw])
-                newly_q.append((p[nw] >> _PLAN_SHIFT) - 1)
-        if m.observed and cells_l:
-            cells = np.concatenate(cells_l) if len(cells_l) > 1 else cells_l[0]
-            packs = np.concatenate(packs_l) if len(packs_l) > 1 else packs_l[0]
-            # A refused step changes nothing: the only decisions made are its errors.
-            kept = packs < 0 if refused is not None else None
-            if kept is not None:
-                cells = cells[kept]
-            counts = np.bincount(cells)
-            at = counts.nonzero()[0]
-            self._record(zip(at.tolist(), counts[at].tolist(), strict=True))
-            if m.sinks:
-                rows = np.concatenate([rs for rs, _ in got])
-                evs = np.concatenate([es for _, es in got])
-                if kept is not None:
-                    rows, evs, packs = rows[kept], evs[kept], packs[kept]
-                states = (cells - evs - 1) // w
-                self._to_sinks(list(zip(rows.tolist(), states.tolist(), evs.tolist(),
-                                        packs.tolist(), strict=True)))
-        if refused is not None:
-            r, b, e, p0 = refused
-            raise self._refusal(r, (b - 1) // w, e, p0)
-        base_np[:] = work
-        if not newly_r:
-            return BatchStep(self._empty, self._empty)
-        rows_n = np.concatenate(newly_r)
-        pids = np.concatenate(newly_q)
-        if len(newly_r) > 1:
-            at = np.lexsort((pids, rows_n))  # by row, then plan: as (row, plan) pairs sort
-            rows_n, pids = rows_n[at], pids[at]
-        result = BatchStep(torch.from_numpy(rows_n), torch.from_numpy(pids))
-        if self._plans:
-            # The rows by plan (each group in row order), as `BatchStep.by_plan` makes.
-            names = ("", *m.plan_names)
-            qs = np.unique(pids).tolist()
-            self._run_plans(result, {
-                names[q + 1]: result.terminal if len(qs) == 1 else
-                torch.from_numpy(rows_n[pids == q]) for q in qs})
         return result
 
     def _known_quiet(self, known: Collection[int]) -> bool:

@@ -50,12 +50,8 @@ def outcome(fn):
     return step.terminal.tolist(), step.plan_ids.tolist()
 
 
-@pytest.mark.parametrize("numpy_rows", [0, 10_000], ids=["numpy", "row_by_row"])
 @pytest.mark.parametrize("seed", range(40))
-def test_step_rows_is_the_dense_step(seed, numpy_rows, monkeypatch):
-    # Both ways `step_rows` decides (numpy ops per round from so many pairs on, else a
-    # Python loop per row) are the dense step.
-    monkeypatch.setattr(batch_mod, "_NUMPY_ROWS", numpy_rows)
+def test_step_rows_is_the_dense_step(seed):
     rng = random.Random(seed)
     choices = [None, None, Tick, Yield, Resume, Resume, Finish]
     dense_log, rows_log = [], []
@@ -115,15 +111,12 @@ def test_a_refused_step_rows_changes_nothing_and_names_the_first_refused_instanc
     assert b.states.tolist() == before and log == []
 
 
-@pytest.mark.parametrize("numpy_rows", [0, 10_000], ids=["numpy", "row_by_row"])
 @pytest.mark.parametrize("seed", range(8))
-def test_step_rows_of_many_sequence_rows_is_the_dense_step(seed, numpy_rows, monkeypatch):
+def test_step_rows_of_many_sequence_rows_is_the_dense_step(seed):
     # The scheduler's own machine, 64 rows, three release plans: several plans run in one
     # step, rows recycled by reset, and now and then a refused cell.
-    from terminus.fsm import batch as batch_mod
     from terminus.states.sequence import SEQUENCE
 
-    monkeypatch.setattr(batch_mod, "_NUMPY_ROWS", numpy_rows)
     n = 64
     rng = random.Random(seed)
 
