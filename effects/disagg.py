@@ -180,9 +180,9 @@ class DisaggPools:
     def kv_alloc(self, n: int) -> torch.Tensor | None:
         """`n` KV token indices on whole pages of their own (`alloc` of the pages they
         need, as every `KVAllocator` reads it), or None when short."""
-        ps = self.page_size
-        got = self.kv.alloc(-(-n // ps) * ps)
-        return None if got is None else got[:n]
+        units = -(-n // self.page_size) * self.page_size
+        got = self.kv.alloc(units)
+        return got if got is None or units == n else got[:n]
 
     def kv_units(self, indices: torch.Tensor) -> int:
         """Token slots of the KV pool that `indices` occupy: whole pages."""
@@ -286,12 +286,16 @@ def insert_kv_into_cache(ctx: ReleaseContext) -> None:
     matched = locks[0].indices if locks else None
     owned_from = locks[0].length if locks else 0
     n = _insertable(parts, res.pools.page_size)
-    kv = torch.cat(([matched] if matched is not None else []) + parts)[:owned_from + n]
+    if matched is not None:
+        parts = [matched, *parts]
+    kv = torch.cat(parts) if len(parts) > 1 else parts[0]
     tokens = inst.tokens if isinstance(inst, PrefillRequest) else ()
-    if len(tokens) < kv.numel():
-        kv = kv[:len(tokens)]
-    result = res.cache.insert(inst.key, tokens[:kv.numel()], kv,
-                              owned_from=min(owned_from, kv.numel()))
+    size = int(kv.numel())
+    keep = min(owned_from + n, size, len(tokens))
+    if keep < size:
+        kv = kv[:keep]
+    result = res.cache.insert(inst.key, tokens if len(tokens) == keep else tokens[:keep],
+                              kv, owned_from=min(owned_from, keep))
     res.staged[inst] = _not_taken(handles, owned_from, result)
 
 
@@ -676,7 +680,7 @@ class DisaggPrefill:
                 ledger.acquire(req, "req_slot", slot)
             else:
                 slot = slots[0].value
-            req.row = int(slot[0])
+            req.row = int(slot.tolist()[0])
             if not ledger.owned(req, "mamba"):
                 mamba = pools.mamba.alloc(self.mamba_per_request)
                 assert mamba is not None  # checked just above
@@ -744,7 +748,7 @@ class DisaggPrefill:
             kv = [h.value.indices for h in self.ledger.owned(req, PREFIX_LOCK)]
             kv += [h.value for h in self.ledger.owned(req, "kv")]
             try:
-                self.transport.send(rid, torch.cat(kv))
+                self.transport.send(rid, torch.cat(kv) if len(kv) > 1 else kv[0])
             except TransportError as e:
                 return req.fire(TransferFailed(str(e)))
         return report

@@ -836,7 +836,7 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
     report). An `Action` calls its function unwrapped, since the context is the
     engine's own and live (I1). A `Release(kind)` step releases the one handle of that
     kind an instance owns inline, marked first (as `Ledger._release_owned` does);
-    several handles go through `Ledger._release_owned`. Then what no step named is
+    several handles go through `Ledger._release_kind`. Then what no step named is
     released by its kind's default releaser. The instance is marked busy
     (`_BUSY`) meanwhile, which is also what makes a handle given to it during the plan
     the plan's (`Ledger._planning`), and the context is dead after the plan.
@@ -847,16 +847,15 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
     mname, runs = m.name, m.stats._runs
     observers, raw = ledger._observers, ledger._raw
     # Per step: (kind, or None for an Action; the function called unwrapped, None for
-    # the kind's default releaser; the function as given, for `_release_owned`; the
-    # step's name; best_effort).
-    steps: list[tuple[str | None, Any, Any, str, bool]] = []
+    # the kind's default releaser; the step's name; best_effort).
+    steps: list[tuple[str | None, Any, str, bool]] = []
     for st in t.plan.steps:
         if type(st) is Release:
-            steps.append((st.kind, None if st.fn is None else unwrapped(st.fn), st.fn,
-                          st.name, st.best_effort))
+            steps.append((st.kind, None if st.fn is None else unwrapped(st.fn), st.name,
+                          st.best_effort))
         else:
             assert isinstance(st, Action)
-            steps.append((None, unwrapped(st.fn), st.fn, st.name, st.best_effort))
+            steps.append((None, unwrapped(st.fn), st.name, st.best_effort))
     csteps = tuple(steps)
     new, Context, Report, Hd, busy, Err = (_new, ReleaseContext, PlanReport, Handle, _BUSY,
                                           EffectError)
@@ -878,7 +877,7 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
             ctx.event = event
             report = Report(mname, inst, pname)
             try:
-                for kind, fn, given, name, best_effort in csteps:
+                for kind, fn, name, best_effort in csteps:
                     if kind is None:  # an Action
                         try:
                             res = fn(ctx)
@@ -890,8 +889,8 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
                         if cur is None:
                             continue
                         if cur.__class__ is not Hd:  # several handles
-                            ledger._release_owned(ctx, inst, kind, given, report, name,
-                                                  best_effort)
+                            ledger._release_kind(ctx, inst, cur, kind, fn, report, name,
+                                                 best_effort)
                             continue
                         if cur.released or cur.kind != kind:
                             continue
@@ -913,8 +912,12 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
                         task = step_result(res, report, name, best_effort)
                         if task is not None:
                             ledger._keep(task, report, name, best_effort)
-                if inst._owns is not None:  # the handles no step named
-                    ledger._release_owned(ctx, inst, None, None, report, None, False)
+                cur = inst._owns
+                if cur is not None:  # the handles no step named
+                    if cur.__class__ is not Hd:
+                        ledger._release_kind(ctx, inst, cur, None, None, report, None, False)
+                    else:
+                        ledger._release_owned(ctx, inst, None, None, report, None, False)
             finally:
                 ctx._live = False
                 if refs(ctx) == 2:  # ours and the call's: nobody kept it
