@@ -204,8 +204,7 @@ class Machine:
         a = alts[0]
         f: _OnCell | None = None
         if len(alts) > 1 or a.guard is not None:
-            if table is self._on_unobserved:
-                f = self._compile_guarded(cell, s, alts)
+            f = self._compile_guarded(cell, s, alts, table is self._on_recorded)
         elif a.decision == IGNORED:
             ignored = (self.states[s], self._enames[e])
             f = (_compile_ignore(self, ignored) if table is self._on_unobserved
@@ -222,25 +221,30 @@ class Machine:
         table[cell] = f
         return f
 
-    def _compile_guarded(self, cell: int, s: int,
-                         alts: tuple[Alt, ...]) -> _OnCell | None:
-        """An unobserved guarded cell: the guards in order, then the first alternative
-        that holds, compiled as its own cell would be (a plain transition, an ignore, or
-        a terminal edge's plan run); None (the general path) when one of them cannot be
-        compiled (an error cell, an unbound plan)."""
+    def _compile_guarded(self, cell: int, s: int, alts: tuple[Alt, ...],
+                         recorded: bool) -> _OnCell | None:
+        """A guarded cell, unobserved or `recorded` (only the recorder observes): the
+        guards in order, then the first alternative that holds, compiled as its own
+        cell would be (a plain transition, an ignore, or a terminal edge's plan run;
+        recorded with that alternative's index); None (the general path) when one of
+        them cannot be compiled (an error cell, an unbound plan)."""
+        e = cell % self._n_events
         guards: list[Guard | None] = []
         runs: list[_OnCell | None] = []
-        for a in alts:
+        for k, a in enumerate(alts):
             guards.append(None if a.guard is None else self._guards[a.guard])
             if a.decision == IGNORED:
-                ignored = (self.states[s], self._enames[cell % self._n_events])
-                runs.append(_compile_ignore(self, ignored))
+                ignored = (self.states[s], self._enames[e])
+                runs.append(_compile_recorded(s, s, e, ignored, k) if recorded
+                            else _compile_ignore(self, ignored))
             elif a.decision != TRANSITION:
                 return None
             elif not self.terminal[a.target]:
-                runs.append(None)  # a plain transition: `fire_guarded` stores the target
+                # Unobserved, `fire_guarded` stores the target itself.
+                runs.append(_compile_recorded(a.target, s, e, None, k) if recorded else None)
             elif a.plan is None or a.plan in self._plans or self._partial:
-                runs.append(_compile_terminal(self, self._terminal(s, a.target, a.plan)))
+                run = _compile_terminal(self, self._terminal(s, a.target, a.plan))
+                runs.append(_compile_recorded_terminal(s, e, run, k) if recorded else run)
             else:
                 return None
         return _compile_guarded(cell, tuple(zip(guards, (a.target for a in alts), runs,
@@ -695,9 +699,10 @@ def _compile_ignore(m: Machine, ignored: tuple[str, str]) -> Callable[[Instance,
 
 
 def _compile_recorded(target: int, s: int, e: int,
-                      ignored: tuple[str, str] | None) -> _OnCell:
+                      ignored: tuple[str, str] | None, k: int = 0) -> _OnCell:
     """A plain transition (`ignored` None) or an ignore while only the process-wide
-    recorder observes: the step, then `record()`, with the instance busy meanwhile."""
+    recorder observes: the step, then `record()` (of alternative `k` of the cell), with
+    the instance busy meanwhile."""
     busy = _STEPPING
 
     def fire_recorded(inst: Instance, event: Any) -> None:
@@ -708,7 +713,7 @@ def _compile_recorded(target: int, s: int, e: int,
                 inst._s = target
             else:
                 m.stats.ignored[ignored] += 1
-            m._rec.record(m, s, e, 0)
+            m._rec.record(m, s, e, k)
         except Exception as exc:
             q = inst._q
             if q is busy:
@@ -725,15 +730,15 @@ def _compile_recorded(target: int, s: int, e: int,
     return fire_recorded
 
 
-def _compile_recorded_terminal(s: int, e: int, run: _OnCell) -> _OnCell:
-    """A compiled terminal edge while only the recorder observes: `record()`, then the
-    step; when `record()` raised, the plan still runs (I1) and its error, if any, wins,
-    as in `Machine._step`."""
+def _compile_recorded_terminal(s: int, e: int, run: _OnCell, k: int = 0) -> _OnCell:
+    """A compiled terminal edge while only the recorder observes: `record()` (of
+    alternative `k` of the cell), then the step; when `record()` raised, the plan still
+    runs (I1) and its error, if any, wins, as in `Machine._step`."""
 
     def fire_terminal_recorded(inst: Instance, event: Any) -> PlanReport | None:
         m = inst._m
         try:
-            m._rec.record(m, s, e, 0)
+            m._rec.record(m, s, e, k)
         except Exception:
             run(inst, event)
             raise
@@ -744,11 +749,13 @@ def _compile_recorded_terminal(s: int, e: int, run: _OnCell) -> _OnCell:
 
 def _compile_guarded(cell: int,
                      alts: tuple[tuple[Guard | None, int, _OnCell | None], ...]) -> _OnCell:
-    """What `Instance.fire` runs for a guarded cell while nobody observes: the guards
-    in order, with the instance busy meanwhile (an event a guard fired at it queues, as
-    on the general path), then the first alternative that holds: its target stored
-    (a plain transition), or its compiled cell (an ignore, a terminal edge). No guard
-    holding is the general path's error, told which alternative (none) was picked."""
+    """What `Instance.fire` runs for a guarded cell while nobody (or only the recorder)
+    observes: the guards in order, with the instance busy meanwhile (an event a guard
+    fired at it queues, as on the general path), then the first alternative that holds:
+    its target stored (an unobserved plain transition), or its compiled cell (an
+    ignore, a terminal edge, a recorded transition). No guard holding is the general
+    path's error, told that none held; so is an event a guard fired at the instance,
+    told which alternative it picked."""
     stepping = _STEPPING
     guards = tuple(a[0] for a in alts)
     outs = tuple(a[1:] for a in alts)

@@ -210,3 +210,33 @@ def test_events_an_action_fires_at_its_instance_run_after_the_plan(kv):
     assert m.stats.ignored[("aborted", "Finish")] == 1
     assert m.stats.plans_run == {"release_aborted": 1}
     ledger.assert_empty()
+
+
+def test_a_recorded_guarded_cell_records_the_alternative_it_took(kv):
+    from terminus.fsm import observe
+
+    seen: list[tuple[str, str, int]] = []
+
+    class Recorder:
+        def record(self, machine, source, event, alt):
+            seen.append((machine.states[source], machine.event_names[event], alt))
+
+        def record_counts(self, machine, counts):
+            pass
+
+    m, ledger = machine(kv)
+    prev = observe.set_recorder(Recorder())
+    try:
+        job = Job(m, "r")
+        h = ledger.acquire(job, "kv", kv.alloc(4))
+        job.fire(Start())
+        job.fire(Chunk(last=False))  # the fallback: alternative 1
+        job.in_flight = 1
+        job.fire(Abort())  # chunks in flight: alternative 0, draining
+        job.fire(Chunk(last=True))  # draining ends: aborted, its plan runs
+    finally:
+        observe.set_recorder(prev)
+    assert seen == [("queued", "Start", 0), ("prefilling", "Chunk", 1),
+                    ("prefilling", "Abort", 0), ("draining", "Chunk", 0)]
+    assert job.state == "aborted" and h.released
+    ledger.assert_empty()
