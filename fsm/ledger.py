@@ -268,7 +268,7 @@ class Ledger:
         # handle it found there), so `cur` is `h` or a list of two or more holding it.
         # The list is the ledger's own (`owned()` and the plans' snapshots are copies):
         # changed in place, and back to the bare handle when one is left.
-        cur = self._get(owner)
+        cur: Any = self._get(owner)
         if cur is h:
             self._put(owner, None)
         elif type(cur) is list:
@@ -290,7 +290,7 @@ class Ledger:
             # The engine's instances: the same checks and moves on their slots.
             if to._m.ledger is not self:
                 self._require_mine(to, "transfer to")
-            cur = owner._owns
+            cur: Any = owner._owns
             if cur is not handle and (cur.__class__ is not list
                                       or not any(x is handle for x in cur)):
                 raise OwnershipError(f"{handle!r} is not in the ledger")
@@ -301,9 +301,10 @@ class Ledger:
             if cur is handle:
                 owner._owns = None
             else:
-                cur.remove(handle)
-                if len(cur) == 1:
-                    owner._owns = cur[0]
+                rest: Any = owner._owns  # the list holding it
+                rest.remove(handle)
+                if len(rest) == 1:
+                    owner._owns = rest[0]
             handle.owner = to
             cur = to._owns
             if cur is None:
@@ -354,12 +355,14 @@ class Ledger:
 
     def owned(self, owner: Any, kind: str | None = None) -> list[Handle]:
         """The unreleased handles `owner` owns now, of `kind` if given, in acquire order."""
-        cur = self._get(owner)
+        cur: Any = owner._owns if isinstance(owner, Holder) else self._owned.get(owner)
         if cur is None:
             return []
-        if type(cur) is not list:
-            return [cur] if kind is None or cur.kind == kind else []  # type: ignore[list-item, union-attr]
-        return [h for h in cur if kind is None or h.kind == kind]
+        if cur.__class__ is not list:
+            return [cur] if kind is None or cur.kind == kind else []
+        if kind is None:
+            return list(cur)
+        return [h for h in cur if h.kind == kind]
 
     def outstanding(self) -> dict[Any, list[Handle]]:
         """Every unreleased handle, by owner (owners in the order of their oldest)."""
@@ -479,7 +482,7 @@ class Ledger:
                 continue
             self._release(ctx, h, fn, report, step or f"release {h.kind}", best_effort)
 
-    def _release_kind(self, ctx: ReleaseContext, owner: Any, cur: list[Handle],
+    def _release_kind(self, ctx: ReleaseContext, owner: Holder, cur: list[Handle],
                       kind: str | None, fn: Callable[..., Any] | None, report: PlanReport,
                       step: str | None, best_effort: bool) -> None:
         """`_release_owned` of an owner whose handles are the list `cur`, for the
@@ -487,11 +490,21 @@ class Ledger:
         is called unwrapped (None: the kind's default releaser, unwrapped). Each handle
         of `kind` (every one when None) is released in order, marked first; one an
         earlier release effect moved or released is skipped."""
-        raw = self._raw
-        for h in [x for x in cur if kind is None or x.kind == kind]:
+        raw, observers = self._raw, self._observers
+        for h in list(cur) if kind is None else [x for x in cur if x.kind == kind]:
             if h.released or h.owner is not owner:
                 continue
-            self._mark_released(h)
+            h.released = True  # marked first: never released twice
+            now: Any = owner._owns  # `_unlink`, on the owner's slot
+            if now is h:
+                owner._owns = None
+            elif now.__class__ is list:
+                now.remove(h)
+                if len(now) == 1:
+                    owner._owns = now[0]
+            if observers:
+                observers.pop(h, None)
+            self._released += 1
             report.released.append(h)
             name = step or f"release {h.kind}"
             try:

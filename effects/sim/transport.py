@@ -78,7 +78,7 @@ class FakeTransport:
             return
         faults = (every or []) + (mine or [])
         if every and mine:
-            faults.sort(key=lambda f: f[1])  # the one armed first fires first
+            faults.sort(key=lambda f: f[1] or 0)  # the one armed first fires first
         for fault in faults:
             left = fault[0]
             if left is not None:
@@ -89,8 +89,8 @@ class FakeTransport:
                     for lst in (every, mine):
                         if lst is not None and fault in lst:
                             lst.remove(fault)
-                    if mine is not None and not mine:
-                        del by_rid[rid]  # type: ignore[index]
+                    if by_rid is not None and mine is not None and not mine:
+                        del by_rid[rid]
             raise TransportError(f"injected {step} failure for {rid!r}")
 
     def bootstrap(self, rid: str) -> None:
