@@ -669,9 +669,10 @@ class DisaggPrefill:
                 or pools.mamba.available_size() < self.mamba_per_request)):
             return None
         ledger = self.ledger
+        owns: set[str] = set()
         if k == 0:
-            slots = ledger.owned(req, "req_slot")
-            if not slots:
+            owns = {h.kind for h in ledger.owned(req)}  # one walk for the three kinds
+            if "req_slot" not in owns:
                 # Each unit is recorded the moment it is taken: a pool that raises on
                 # the next alloc leaves this one owned by the request (its release
                 # frees it).
@@ -679,9 +680,9 @@ class DisaggPrefill:
                 assert slot is not None  # checked just above
                 ledger.acquire(req, "req_slot", slot)
             else:
-                slot = slots[0].value
+                slot = ledger.owned(req, "req_slot")[0].value
             req.row = int(slot.tolist()[0])
-            if not ledger.owned(req, "mamba"):
+            if "mamba" not in owns:
                 mamba = pools.mamba.alloc(self.mamba_per_request)
                 assert mamba is not None  # checked just above
                 ledger.acquire(req, "mamba", mamba)
@@ -692,7 +693,7 @@ class DisaggPrefill:
         ledger.acquire(chunk, "kv", kv)
         row = req.row
         try:
-            if k == 0:
+            if PREFIX_LOCK in owns:  # (k == 0)
                 for h in ledger.owned(req, PREFIX_LOCK):
                     pools.table.write(row, 0, h.value.indices)
             pools.table.write(row, req.cached + k * req.chunk_size, kv)
