@@ -180,9 +180,9 @@ class DisaggPools:
     def kv_alloc(self, n: int) -> torch.Tensor | None:
         """`n` KV token indices on whole pages of their own (`alloc` of the pages they
         need, as every `KVAllocator` reads it), or None when short."""
-        ps = self.page_size
-        got = self.kv.alloc(-(-n // ps) * ps)
-        return None if got is None else got[:n]
+        units = -(-n // self.page_size) * self.page_size
+        got = self.kv.alloc(units)
+        return got if got is None or units == n else got[:n]
 
     def kv_units(self, indices: torch.Tensor) -> int:
         """Token slots of the KV pool that `indices` occupy: whole pages."""
@@ -286,12 +286,16 @@ def insert_kv_into_cache(ctx: ReleaseContext) -> None:
     matched = locks[0].indices if locks else None
     owned_from = locks[0].length if locks else 0
     n = _insertable(parts, res.pools.page_size)
-    kv = torch.cat(([matched] if matched is not None else []) + parts)[:owned_from + n]
+    if matched is not None:
+        parts = [matched, *parts]
+    kv = torch.cat(parts) if len(parts) > 1 else parts[0]
     tokens = inst.tokens if isinstance(inst, PrefillRequest) else ()
-    if len(tokens) < kv.numel():
-        kv = kv[:len(tokens)]
-    result = res.cache.insert(inst.key, tokens[:kv.numel()], kv,
-                              owned_from=min(owned_from, kv.numel()))
+    size = int(kv.numel())
+    keep = min(owned_from + n, size, len(tokens))
+    if keep < size:
+        kv = kv[:keep]
+    result = res.cache.insert(inst.key, tokens if len(tokens) == keep else tokens[:keep],
+                              kv, owned_from=min(owned_from, keep))
     res.staged[inst] = _not_taken(handles, owned_from, result)
 
 
@@ -665,9 +669,10 @@ class DisaggPrefill:
                 or pools.mamba.available_size() < self.mamba_per_request)):
             return None
         ledger = self.ledger
+        owns: set[str] = set()
         if k == 0:
-            slots = ledger.owned(req, "req_slot")
-            if not slots:
+            owns = {h.kind for h in ledger.owned(req)}  # one walk for the three kinds
+            if "req_slot" not in owns:
                 # Each unit is recorded the moment it is taken: a pool that raises on
                 # the next alloc leaves this one owned by the request (its release
                 # frees it).
@@ -675,9 +680,9 @@ class DisaggPrefill:
                 assert slot is not None  # checked just above
                 ledger.acquire(req, "req_slot", slot)
             else:
-                slot = slots[0].value
-            req.row = int(slot[0])
-            if not ledger.owned(req, "mamba"):
+                slot = ledger.owned(req, "req_slot")[0].value
+            req.row = int(slot.tolist()[0])
+            if "mamba" not in owns:
                 mamba = pools.mamba.alloc(self.mamba_per_request)
                 assert mamba is not None  # checked just above
                 ledger.acquire(req, "mamba", mamba)
@@ -688,7 +693,7 @@ class DisaggPrefill:
         ledger.acquire(chunk, "kv", kv)
         row = req.row
         try:
-            if k == 0:
+            if PREFIX_LOCK in owns:  # (k == 0)
                 for h in ledger.owned(req, PREFIX_LOCK):
                     pools.table.write(row, 0, h.value.indices)
             pools.table.write(row, req.cached + k * req.chunk_size, kv)
@@ -744,7 +749,7 @@ class DisaggPrefill:
             kv = [h.value.indices for h in self.ledger.owned(req, PREFIX_LOCK)]
             kv += [h.value for h in self.ledger.owned(req, "kv")]
             try:
-                self.transport.send(rid, torch.cat(kv))
+                self.transport.send(rid, torch.cat(kv) if len(kv) > 1 else kv[0])
             except TransportError as e:
                 return req.fire(TransferFailed(str(e)))
         return report

@@ -91,9 +91,10 @@ class FanOutMismatch(RuntimeError):
 @release_effect
 def release_lora(ctx: Any, handle: Any) -> Any:
     """Return one reference to the registry by its acquired id (the `"lora"` releaser)."""
-    reg = ctx.resources.lora_registry
+    res = ctx.resources
+    reg = res.lora_registry
     nowait = getattr(reg, "release_nowait", None)
-    if nowait is not None and not getattr(ctx.resources, "async_release", False):
+    if nowait is not None and not getattr(res, "async_release", False):
         nowait(handle.value)
         return None
     return reg.release(handle.value)  # a coroutine: the ledger keeps its task alive

@@ -55,6 +55,7 @@ from terminus.states.request import (
     Submitted,
     Validated,
     ValidationFailed,
+    client_rid,
 )
 from terminus.states.sampling import BatchFailed, FanOut, SamplingGroup, WarmupFinished
 
@@ -574,7 +575,10 @@ class TokenizerSide:
         return self._deliver(rid, DispatchFailed(message))
 
     def _deliver(self, rid: Any, event: Any) -> bool:
-        inst = self.get(rid)
+        # `get`, with its common case first: the key of a live instance.
+        inst = self._live.get(rid) if rid.__class__ is RequestKey else None
+        if inst is None:
+            inst = self.get(rid)
         if inst is None:
             self._not_created(rid)
             self.unknown_events += 1
@@ -600,8 +604,9 @@ class TokenizerSide:
             inst.fire(event)
         finally:
             # Newly terminal: every instance is live (in `_live`) from its creation
-            # until it is retired here, once.
-            if inst.terminal and self._live.get(inst.key) is inst:
+            # until it is retired here, once. (`inst.terminal`, read without the
+            # property: this runs for every event the side delivers.)
+            if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
                 self._retired(inst, event)
 
     def _end(self, inst: Instance, message: str) -> None:
@@ -635,7 +640,13 @@ class TokenizerSide:
         elif isinstance(inst, Request):
             if inst.role == "warmup":
                 self._warmup_ended(inst, event)
-            self._family_check(inst.parent if inst.parent is not None else inst)
+            parent = inst.parent
+            if parent is not None:
+                self._family_check(parent)
+            else:  # a request of its own is its whole family (and has no batch)
+                name = client_rid(inst.key)
+                if self._names.get(name) is inst:
+                    del self._names[name]
 
     def _family_check(self, top: Instance) -> None:
         """Forget a family once every member has ended (its ids are free again)."""

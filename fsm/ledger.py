@@ -32,6 +32,7 @@ from .plan import (
     call_step,
     release_context,
     require_effect,
+    step_result,
     unwrapped,
 )
 
@@ -265,18 +266,55 @@ class Ledger:
     def _unlink(self, owner: Any, h: Handle) -> None:
         # Callers hold `h` as owned by `owner` (transfer checks it, a release marks a
         # handle it found there), so `cur` is `h` or a list of two or more holding it.
-        cur = self._get(owner)
+        # The list is the ledger's own (`owned()` and the plans' snapshots are copies):
+        # changed in place, and back to the bare handle when one is left.
+        cur: Any = self._get(owner)
         if cur is h:
             self._put(owner, None)
         elif type(cur) is list:
-            rest = [x for x in cur if x is not h]
-            self._put(owner, rest[0] if len(rest) == 1 else rest)
+            try:
+                cur.remove(h)  # by identity: handles compare by identity
+            except ValueError:
+                return
+            if len(cur) == 1:
+                self._put(owner, cur[0])
 
     def transfer(self, handle: Handle, to: Owner) -> None:
         """Move ownership of `handle` to `to`; released at once if `to` is terminal."""
         if handle.released:
             raise OwnershipError(f"cannot transfer {handle!r}: it was already released")
-        if handle.owner is to:
+        owner = handle.owner
+        if owner is to:
+            return
+        if isinstance(to, Holder) and isinstance(owner, Holder):
+            # The engine's instances: the same checks and moves on their slots.
+            if to._m.ledger is not self:
+                self._require_mine(to, "transfer to")
+            cur: Any = owner._owns
+            if cur is not handle and (cur.__class__ is not list
+                                      or not any(x is handle for x in cur)):
+                raise OwnershipError(f"{handle!r} is not in the ledger")
+            if owner._m.terminal[owner._s] and not self._planning(owner):
+                raise OwnershipError(
+                    f"cannot transfer {handle!r}: its owner is terminal and has released it"
+                )
+            if cur is handle:
+                owner._owns = None
+            else:
+                rest: Any = owner._owns  # the list holding it
+                rest.remove(handle)
+                if len(rest) == 1:
+                    owner._owns = rest[0]
+            handle.owner = to
+            cur = to._owns
+            if cur is None:
+                to._owns = handle
+            elif cur.__class__ is list:
+                cur.append(handle)
+            else:
+                to._owns = [cur, handle]
+            if to._m.terminal[to._s] and not self._planning(to):
+                self._release_late(handle)
             return
         self._require_mine(to, "transfer to")
         if not self._holds(handle.owner, handle):
@@ -317,12 +355,14 @@ class Ledger:
 
     def owned(self, owner: Any, kind: str | None = None) -> list[Handle]:
         """The unreleased handles `owner` owns now, of `kind` if given, in acquire order."""
-        cur = self._get(owner)
+        cur: Any = owner._owns if isinstance(owner, Holder) else self._owned.get(owner)
         if cur is None:
             return []
-        if type(cur) is not list:
-            return [cur] if kind is None or cur.kind == kind else []  # type: ignore[list-item, union-attr]
-        return [h for h in cur if kind is None or h.kind == kind]
+        if cur.__class__ is not list:
+            return [cur] if kind is None or cur.kind == kind else []
+        if kind is None:
+            return list(cur)
+        return [h for h in cur if h.kind == kind]
 
     def outstanding(self) -> dict[Any, list[Handle]]:
         """Every unreleased handle, by owner (owners in the order of their oldest)."""
@@ -441,6 +481,42 @@ class Ledger:
             if h.released or h.owner is not owner or (kind is not None and h.kind != kind):
                 continue
             self._release(ctx, h, fn, report, step or f"release {h.kind}", best_effort)
+
+    def _release_kind(self, ctx: ReleaseContext, owner: Holder, cur: list[Handle],
+                      kind: str | None, fn: Callable[..., Any] | None, report: PlanReport,
+                      step: str | None, best_effort: bool) -> None:
+        """`_release_owned` of an owner whose handles are the list `cur`, for the
+        engine's compiled plans (`machine._compile_plan`), which hold `ctx` live: `fn`
+        is called unwrapped (None: the kind's default releaser, unwrapped). Each handle
+        of `kind` (every one when None) is released in order, marked first; one an
+        earlier release effect moved or released is skipped."""
+        raw, observers = self._raw, self._observers
+        for h in list(cur) if kind is None else [x for x in cur if x.kind == kind]:
+            if h.released or h.owner is not owner:
+                continue
+            h.released = True  # marked first: never released twice
+            now: Any = owner._owns  # `_unlink`, on the owner's slot
+            if now is h:
+                owner._owns = None
+            elif now.__class__ is list:
+                now.remove(h)
+                if len(now) == 1:
+                    owner._owns = now[0]
+            if observers:
+                observers.pop(h, None)
+            self._released += 1
+            report.released.append(h)
+            name = step or f"release {h.kind}"
+            try:
+                res = (fn or raw[h.kind])(ctx, h)
+            except Exception as e:  # every step runs; the error is reported
+                report.errors.append(EffectError(report.machine, report.plan, name,
+                                                 best_effort, e))
+                continue
+            if res is not None:
+                task = step_result(res, report, name, best_effort)
+                if task is not None:
+                    self._keep(task, report, name, best_effort)
 
     def _release_late(self, handle: Handle) -> None:
         owner = handle.owner

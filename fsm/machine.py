@@ -32,6 +32,7 @@ from .ledger import PLAN_RUNNING, Handle, Holder, Ledger, QueuedInPlan
 from .observe import Stats
 from .plan import (
     EMPTY_PLAN,
+    Action,
     EffectError,
     Plan,
     PlanReport,
@@ -203,7 +204,7 @@ class Machine:
         a = alts[0]
         f: _OnCell | None = None
         if len(alts) > 1 or a.guard is not None:
-            pass
+            f = self._compile_guarded(cell, s, alts, table is self._on_recorded)
         elif a.decision == IGNORED:
             ignored = (self.states[s], self._enames[e])
             f = (_compile_ignore(self, ignored) if table is self._on_unobserved
@@ -219,6 +220,35 @@ class Machine:
                 f = _compile_recorded_terminal(s, e, f)
         table[cell] = f
         return f
+
+    def _compile_guarded(self, cell: int, s: int, alts: tuple[Alt, ...],
+                         recorded: bool) -> _OnCell | None:
+        """A guarded cell, unobserved or `recorded` (only the recorder observes): the
+        guards in order, then the first alternative that holds, compiled as its own
+        cell would be (a plain transition, an ignore, or a terminal edge's plan run;
+        recorded with that alternative's index); None (the general path) when one of
+        them cannot be compiled (an error cell, an unbound plan)."""
+        e = cell % self._n_events
+        guards: list[Guard | None] = []
+        runs: list[_OnCell | None] = []
+        for k, a in enumerate(alts):
+            guards.append(None if a.guard is None else self._guards[a.guard])
+            if a.decision == IGNORED:
+                ignored = (self.states[s], self._enames[e])
+                runs.append(_compile_recorded(s, s, e, ignored, k) if recorded
+                            else _compile_ignore(self, ignored))
+            elif a.decision != TRANSITION:
+                return None
+            elif not self.terminal[a.target]:
+                # Unobserved, `fire_guarded` stores the target itself.
+                runs.append(_compile_recorded(a.target, s, e, None, k) if recorded else None)
+            elif a.plan is None or a.plan in self._plans or self._partial:
+                run = _compile_terminal(self, self._terminal(s, a.target, a.plan))
+                runs.append(_compile_recorded_terminal(s, e, run, k) if recorded else run)
+            else:
+                return None
+        return _compile_guarded(cell, tuple(zip(guards, (a.target for a in alts), runs,
+                                                strict=True)))
 
     def _refresh(self) -> None:
         rec = _obs.recorder()
@@ -434,12 +464,16 @@ class Machine:
             return None
         return self._fire_step(-1, inst, event)
 
-    def _fire_step(self, cell: int, inst: Instance, event: Any) -> PlanReport | None:
-        """The general path: one `_step`, then the events it queued."""
-        q: list[Any] = []
+    def _fire_step(self, cell: int, inst: Instance, event: Any, chosen: int = -1,
+                   queued: Any = None) -> PlanReport | None:
+        """The general path: one `_step`, then the events it queued. `chosen` >= 0: the
+        alternative of the cell a compiled guarded cell already picked (its guards are
+        not asked again; `_NONE_HELD`: none held), and `queued` what was fired at the
+        instance meanwhile."""
+        q: list[Any] = [] if queued is None else list(queued)
         inst._q = q
         try:  # the fired event's own step: its report is what fire() returns
-            result = self._step(inst, event, cell)
+            result = self._step(inst, event, cell, chosen)
         except Exception as e:
             if not q:
                 inst._q = None
@@ -474,9 +508,12 @@ class Machine:
             raise errors[0]
         return result
 
-    def _step(self, inst: Instance, event: Any, cell: int = -1) -> PlanReport | None:
+    def _step(self, inst: Instance, event: Any, cell: int = -1,
+              chosen: int = -1) -> PlanReport | None:
         """One event's step; `cell` = state * events + event when the caller already
-        looked the pair up (the fast path's code), else -1."""
+        looked the pair up (the fast path's code), else -1; `chosen` >= 0: the
+        alternative already picked by the cell's guards (-1: ask them here;
+        `_NONE_HELD`: none of them held)."""
         s = inst._s
         if cell >= 0:
             e = cell - s * self._n_events
@@ -487,10 +524,15 @@ class Machine:
         alts = self.cells[s][e]
         k = -1
         alt: Alt | None = None
-        for i, a in enumerate(alts):
-            if a.guard is None or self._guards[a.guard](inst, event):
-                k, alt = i, a
-                break
+        if chosen >= 0:
+            k, alt = chosen, alts[chosen]
+        elif chosen == _NONE_HELD:
+            pass
+        else:
+            for i, a in enumerate(alts):
+                if a.guard is None or self._guards[a.guard](inst, event):
+                    k, alt = i, a
+                    break
         if alt is None or alt.decision == ERRORED:
             if self._observed:
                 self._observe(inst, s, e, k, alt, None)
@@ -608,6 +650,9 @@ _BUSY = PLAN_RUNNING
 appended to: the first queued event replaces it with a `QueuedInPlan` of its own,
 which the step turns into a plain list before it drains it, its plan done)."""
 
+_NONE_HELD = -2
+"""`Machine._step`'s `chosen` when a compiled guarded cell found that no guard held."""
+
 _STEPPING: list[Any] = []
 """`Instance._q` while a compiled recorded step runs and nothing was queued yet."""
 
@@ -654,9 +699,10 @@ def _compile_ignore(m: Machine, ignored: tuple[str, str]) -> Callable[[Instance,
 
 
 def _compile_recorded(target: int, s: int, e: int,
-                      ignored: tuple[str, str] | None) -> _OnCell:
+                      ignored: tuple[str, str] | None, k: int = 0) -> _OnCell:
     """A plain transition (`ignored` None) or an ignore while only the process-wide
-    recorder observes: the step, then `record()`, with the instance busy meanwhile."""
+    recorder observes: the step, then `record()` (of alternative `k` of the cell), with
+    the instance busy meanwhile."""
     busy = _STEPPING
 
     def fire_recorded(inst: Instance, event: Any) -> None:
@@ -667,7 +713,7 @@ def _compile_recorded(target: int, s: int, e: int,
                 inst._s = target
             else:
                 m.stats.ignored[ignored] += 1
-            m._rec.record(m, s, e, 0)
+            m._rec.record(m, s, e, k)
         except Exception as exc:
             q = inst._q
             if q is busy:
@@ -684,21 +730,66 @@ def _compile_recorded(target: int, s: int, e: int,
     return fire_recorded
 
 
-def _compile_recorded_terminal(s: int, e: int, run: _OnCell) -> _OnCell:
-    """A compiled terminal edge while only the recorder observes: `record()`, then the
-    step; when `record()` raised, the plan still runs (I1) and its error, if any, wins,
-    as in `Machine._step`."""
+def _compile_recorded_terminal(s: int, e: int, run: _OnCell, k: int = 0) -> _OnCell:
+    """A compiled terminal edge while only the recorder observes: `record()` (of
+    alternative `k` of the cell), then the step; when `record()` raised, the plan still
+    runs (I1) and its error, if any, wins, as in `Machine._step`."""
 
     def fire_terminal_recorded(inst: Instance, event: Any) -> PlanReport | None:
         m = inst._m
         try:
-            m._rec.record(m, s, e, 0)
+            m._rec.record(m, s, e, k)
         except Exception:
             run(inst, event)
             raise
         return run(inst, event)
 
     return fire_terminal_recorded
+
+
+def _compile_guarded(cell: int,
+                     alts: tuple[tuple[Guard | None, int, _OnCell | None], ...]) -> _OnCell:
+    """What `Instance.fire` runs for a guarded cell while nobody (or only the recorder)
+    observes: the guards in order, with the instance busy meanwhile (an event a guard
+    fired at it queues, as on the general path), then the first alternative that holds:
+    its target stored (an unobserved plain transition), or its compiled cell (an
+    ignore, a terminal edge, a recorded transition). No guard holding is the general
+    path's error, told that none held; so is an event a guard fired at the instance,
+    told which alternative it picked."""
+    stepping = _STEPPING
+    guards = tuple(a[0] for a in alts)
+    outs = tuple(a[1:] for a in alts)
+
+    def fire_guarded(inst: Instance, event: Any) -> PlanReport | None:
+        inst._q = stepping
+        try:
+            k = 0
+            for guard in guards:
+                if guard is None or guard(inst, event):
+                    break
+                k += 1
+            else:
+                k = -1
+        except Exception as exc:
+            q = inst._q
+            if q is stepping:
+                inst._q = None
+                raise
+            inst._q = q = list(q)
+            return inst._m._drain(inst, q, [exc])
+        q = inst._q
+        if q is not stepping or k < 0:  # a guard fired at it, or none held: general path
+            inst._q = None
+            return inst._m._fire_step(cell, inst, event, k if k >= 0 else _NONE_HELD,
+                                      None if q is stepping else q)
+        inst._q = None
+        target, run = outs[k]
+        if run is None:
+            inst._s = target
+            return None
+        return run(inst, event)
+
+    return fire_guarded
 
 
 def _first_fire(cell: int, inst: Instance, event: Any) -> PlanReport | None:
@@ -744,6 +835,120 @@ def _compile_general(m: Machine, t: _Terminal) -> _OnCell:
     return fire_terminal
 
 
+def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
+    """`_compile_terminal` for a plan with actions over a ledger: `Ledger._run_steps`'s
+    walk, unrolled into one function whose constants are bound here.
+
+    Steps run in order, each even when an earlier one raised (the error goes to the
+    report). An `Action` calls its function unwrapped, since the context is the
+    engine's own and live (I1). A `Release(kind)` step releases the one handle of that
+    kind an instance owns inline, marked first (as `Ledger._release_owned` does);
+    several handles go through `Ledger._release_kind`. Then what no step named is
+    released by its kind's default releaser. The instance is marked busy
+    (`_BUSY`) meanwhile, which is also what makes a handle given to it during the plan
+    the plan's (`Ledger._planning`), and the context is dead after the plan.
+    """
+    ledger = t.ledger
+    assert ledger is not None
+    target, edge, pname, pid = t.target, t.edge, t.pname, t.pid
+    mname, runs = m.name, m.stats._runs
+    observers, raw = ledger._observers, ledger._raw
+    # Per step: (kind, or None for an Action; the function called unwrapped, None for
+    # the kind's default releaser; the step's name; best_effort).
+    steps: list[tuple[str | None, Any, str, bool]] = []
+    for st in t.plan.steps:
+        if type(st) is Release:
+            steps.append((st.kind, None if st.fn is None else unwrapped(st.fn), st.name,
+                          st.best_effort))
+        else:
+            assert isinstance(st, Action)
+            steps.append((None, unwrapped(st.fn), st.name, st.best_effort))
+    csteps = tuple(steps)
+    new, Context, Report, Hd, busy, Err = (_new, ReleaseContext, PlanReport, Handle, _BUSY,
+                                          EffectError)
+    spare: ReleaseContext | None = None  # a dead context nobody kept (`_compile_terminal`)
+    refs = _refs
+
+    def fire_terminal(inst: Instance, event: Any) -> PlanReport | None:
+        nonlocal spare
+        inst._s = target
+        inst._q = busy
+        try:
+            ctx = spare
+            spare = None  # taken (no jump or call between: no other thread runs between)
+            if ctx is None:
+                ctx = new(Context)
+                ctx._edge = edge
+            ctx._live = True  # live until the finally below (I1)
+            ctx.instance = inst
+            ctx.event = event
+            report = Report(mname, inst, pname)
+            try:
+                for kind, fn, name, best_effort in csteps:
+                    if kind is None:  # an Action
+                        try:
+                            res = fn(ctx)
+                        except Exception as e:  # every step runs; the error is reported
+                            report.errors.append(Err(mname, pname, name, best_effort, e))
+                            continue
+                    else:
+                        cur = inst._owns
+                        if cur is None:
+                            continue
+                        if cur.__class__ is not Hd:  # several handles
+                            ledger._release_kind(ctx, inst, cur, kind, fn, report, name,
+                                                 best_effort)
+                            continue
+                        if cur.released or cur.kind != kind:
+                            continue
+                        cur.released = True  # marked first: never released twice
+                        inst._owns = None
+                        if observers:
+                            observers.pop(cur, None)
+                        ledger._released += 1
+                        if report._released is None:
+                            report._released = cur
+                        else:
+                            report.released.append(cur)
+                        try:
+                            res = (fn or raw[kind])(ctx, cur)
+                        except Exception as e:
+                            report.errors.append(Err(mname, pname, name, best_effort, e))
+                            continue
+                    if res is not None:
+                        task = step_result(res, report, name, best_effort)
+                        if task is not None:
+                            ledger._keep(task, report, name, best_effort)
+                cur = inst._owns
+                if cur is not None:  # the handles no step named
+                    if cur.__class__ is not Hd:
+                        ledger._release_kind(ctx, inst, cur, None, None, report, None, False)
+                    else:
+                        ledger._release_owned(ctx, inst, None, None, report, None, False)
+            finally:
+                ctx._live = False
+                if refs(ctx) == 2:  # ours and the call's: nobody kept it
+                    ctx.instance = ctx.event = None
+                    spare = ctx
+                    del ctx  # nor does this frame, should a traceback keep it
+            runs[pid] += 1
+            if report._errors:
+                inst._m._plan_failed(report, ledger)
+        except Exception as e:
+            q = inst._q
+            if q is busy:
+                inst._q = None
+                raise
+            return inst._m._drain_after_plan(inst, q, [e])
+        q = inst._q
+        if q is not busy:  # events its effects fired at this instance, in order
+            return inst._m._drain_after_plan(inst, q, [], report)
+        inst._q = None
+        return report
+
+    return fire_terminal
+
+
 def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
     """What `Instance.fire` runs for an unguarded terminal edge while nobody observes:
     the whole step, in one function whose constants are bound here.
@@ -757,8 +962,10 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
     plans through `_compile_general`.
     """
     ledger, kinds = t.ledger, t.kinds
-    if ledger is None or kinds is None:  # no ledger, or a plan with actions
+    if ledger is None:  # no ledger: the plan's actions through `_run_terminal`
         return _compile_general(m, t)
+    if kinds is None:  # a plan with actions
+        return _compile_plan(m, t)
     target, edge, pname, pid, steps, sweep = t.target, t.edge, t.pname, t.pid, t.plan.steps, t.sweep
     mname, runs = m.name, m.stats._runs
     observers, raw = ledger._observers, ledger._raw

@@ -509,7 +509,7 @@ class SimDisagg:
     def step(self) -> None:
         """Bootstrap, results of last step's chunks, new chunks, transfers."""
         e = self.engine
-        kv: Any = e.pools.kv  # our TokenKVAllocator; the protocol has no capacity
+        kv: Any = self._kv  # our TokenKVAllocator (read past the fault proxy: no call)
         if kv.available < kv.capacity // 4:  # memory pressure: evict unlocked pages
             e.cache.evict(kv.capacity // 4 - kv.available)
         done = []
@@ -525,7 +525,8 @@ class SimDisagg:
             if in_flight:
                 self._call(e.result, rid, in_flight.popleft())
                 state = req.state
-            while len(in_flight) < 2 and state in _SCHEDULING:
+            # (`schedule` would return None for a request whose chunks are all out.)
+            while len(in_flight) < 2 and state in _SCHEDULING and len(req.chunks) < req.n_chunks:
                 chunk = self._call(e.schedule, rid)
                 if chunk is None:
                     break

@@ -34,7 +34,13 @@ class FakeTransport:
         self.aborts: Counter[str] = Counter()
         self.sends: Counter[str] = Counter()
         self.sent_tokens: Counter[str] = Counter()
-        self._faults: list[tuple[str, frozenset[str] | None, list[int | None]]] = []
+        # Armed faults by step: those for every request, and those for some, by rid.
+        # Each is [calls left (None: always), the order it was armed in]; one whose
+        # count ran out is dropped, so a call looks at what can still fire for its rid
+        # only, however many faults a long run armed and used up.
+        self._any: dict[str, list[list[int | None]]] = {}
+        self._by_rid: dict[str, dict[str, list[list[int | None]]]] = {}
+        self._armed = 0
         self._transfers: dict[str, Poll] = {}
 
     def fail(self, step: str, rids: Iterable[str] | str | None = None,
@@ -45,23 +51,47 @@ class FakeTransport:
                              f"use one of {', '.join(STEPS)}")
         if times is not None and times < 1:
             raise ValueError(f"FakeTransport.fail: times must be >= 1 or None, got {times}")
-        who = None if rids is None else frozenset([rids] if isinstance(rids, str) else rids)
-        self._faults.append((step, who, [times]))
+        self._armed += 1
+        if rids is None:
+            self._any.setdefault(step, []).append([times, self._armed])
+            return
+        by_rid = self._by_rid.setdefault(step, {})
+        # One count shared by every rid it names (`times` failures in all).
+        fault: list[int | None] = [times, self._armed]
+        for rid in frozenset([rids] if isinstance(rids, str) else rids):
+            by_rid.setdefault(rid, []).append(fault)
 
     def heal(self, step: str | None = None) -> None:
         """Disarm the faults of `step` (all steps when None)."""
-        self._faults = [f for f in self._faults if step is not None and f[0] != step]
+        for armed in (self._any, self._by_rid):
+            if step is None:
+                armed.clear()
+            else:
+                armed.pop(step, None)
 
     def _call(self, step: str, rid: str) -> None:
         self.calls.append((step, rid))
-        for s, who, left in self._faults:
-            if s != step or (who is not None and rid not in who):
-                continue
-            if left[0] is None:
-                raise TransportError(f"injected {step} failure for {rid!r}")
-            if left[0] > 0:
-                left[0] -= 1
-                raise TransportError(f"injected {step} failure for {rid!r}")
+        every = self._any.get(step)
+        by_rid = self._by_rid.get(step)
+        mine = by_rid.get(rid) if by_rid else None
+        if not every and not mine:
+            return
+        faults = (every or []) + (mine or [])
+        if every and mine:
+            faults.sort(key=lambda f: f[1] or 0)  # the one armed first fires first
+        for fault in faults:
+            left = fault[0]
+            if left is not None:
+                if left <= 0:
+                    continue  # used up (by another rid it names)
+                fault[0] = left - 1
+                if left == 1:  # used up now: no later call looks at it
+                    for lst in (every, mine):
+                        if lst is not None and fault in lst:
+                            lst.remove(fault)
+                    if by_rid is not None and mine is not None and not mine:
+                        del by_rid[rid]
+            raise TransportError(f"injected {step} failure for {rid!r}")
 
     def bootstrap(self, rid: str) -> None:
         """Handshake; fails when armed."""
