@@ -30,6 +30,7 @@ import torch
 
 from .naive import naive_parts
 from .serving import ServingLoop, SimConfig, machine_parts
+from . import workload as workload_mod
 from .workload import WorkloadConfig, generate
 
 _POOL_METHODS = ("alloc", "free", "prefetch", "lock", "unlock")
@@ -43,8 +44,14 @@ class _PoolClock:
         self.depth = 0
 
     def wrap(self, obj: Any) -> None:
+        # A pool seen through a fault-injection proxy: the method is read from the pool
+        # itself and set through the proxy (which sets it on the pool and forgets its own
+        # wrappers), so a call goes proxy -> clock -> pool once. Read through the proxy,
+        # the proxy's wrapper would be wrapped again: every call recorded twice, and
+        # the outer proxy layer charged to the lifecycle.
+        target = getattr(obj, "__wrapped__", obj)
         for name in _POOL_METHODS:
-            fn = getattr(obj, name, None)
+            fn = getattr(target, name, None)
             if fn is not None and callable(fn):
                 setattr(obj, name, self._timed(fn))
 
@@ -74,6 +81,10 @@ def _pools_of(loop: ServingLoop) -> list[Any]:
 
 
 def _run(workload: list[Any], naive: bool) -> tuple[float, float]:
+    # The workload's memoised prompt pieces start empty for each loop: made by the
+    # first loop, they would be the second loop's for free.
+    workload_mod._segment.cache_clear()
+    workload_mod._prompt.cache_clear()
     loop = ServingLoop(workload, SimConfig(), parts=naive_parts if naive else machine_parts)
     clock = _PoolClock()
     for pool in _pools_of(loop):
