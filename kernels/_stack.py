@@ -155,6 +155,7 @@ class FreeStack:
         # A dense source of ones for scatter_add_: on CPU it runs ~40 % faster than the
         # stride-0 ``_plus.expand(n)``, and folding a batched free is the bitmap's cost.
         self._ones = self._plus
+        self._ones_np = np.ones(1, dtype=np.uint8)  # the same, for CPU folds
         self._stack = torch.empty(capacity, dtype=torch.int64, device=self._device)
         self._count = torch.zeros(capacity + 2, dtype=_COUNT, device=self._device)
         # The counts as indexed by id directly, where ids start at 0 or 1 (every pool here):
@@ -165,7 +166,8 @@ class FreeStack:
         # instead of half a dozen torch calls of ~5 us each (a scheduler pops a handful
         # of ids at a time).
         self._host = self._cpu and detect and self._by_id is not None
-        self._stack_np = self._stack.numpy() if self._host else None
+        self._stack_host = self._stack.numpy() if self._cpu else None
+        self._stack_np = self._stack_host if self._host else None
         self._by_id_np = self._by_id.numpy() if self._host and self._by_id is not None else None
         self._sentinels = torch.tensor([0, capacity + 1], device=self._device)
         self._bad = torch.zeros(capacity + 2, dtype=torch.bool, device=self._device)
@@ -232,6 +234,13 @@ class FreeStack:
             )
         return self._ones.narrow(0, 0, n)
 
+    def _ones_host(self, n: int) -> np.ndarray:
+        """``n`` ones (uint8) as a numpy slice of a buffer grown to the largest fold."""
+        if self._ones_np.shape[0] < n:
+            self._ones_np = np.ones(max(n, min(2 * self._ones_np.shape[0], self._cap)),
+                                    dtype=np.uint8)
+        return self._ones_np[:n]
+
     def _count_add(self, ids: torch.Tensor, delta: torch.Tensor | None = None) -> None:
         """Add ``delta`` (default 1) to the counts of ``ids``; RuntimeError: counts unknown."""
         n = ids.numel()
@@ -261,7 +270,19 @@ class FreeStack:
     def _sync(self) -> None:
         if self._synced < self._top and self.detect:
             try:
-                self._count_add(self._stack.narrow(0, self._synced, self._top - self._synced))
+                if self._stack_host is not None and self._by_id is not None:
+                    # CPU: the ids and the ones as numpy slices wrapped by from_numpy (no
+                    # dispatched op); scatter_add_ is then the fold's one torch op.
+                    n = self._top - self._synced
+                    self._by_id.scatter_add_(
+                        0,
+                        torch.from_numpy(self._stack_host[self._synced : self._top]),
+                        torch.from_numpy(self._ones_host(n)),
+                    )
+                else:
+                    self._count_add(
+                        self._stack.narrow(0, self._synced, self._top - self._synced)
+                    )
             except RuntimeError:
                 # A foreign id (out of bounds) stopped the scatter part-way; the id stays
                 # in the stack, where check() finds and names it.
@@ -358,7 +379,12 @@ class FreeStack:
             self._by_id_np[vals] = 1
             self._top = self._synced = self._top + n
             return
-        self._stack.narrow(0, self._top, n).copy_(ids)
+        if self._stack_host is not None and ids.device.type == "cpu":
+            # A CPU stack: written through its numpy view (one numpy op, widening int32
+            # as copy_ does; two torch ops of cold dispatch cost more than the copy).
+            self._stack_host[self._top : self._top + n] = ids.numpy()
+        else:
+            self._stack.narrow(0, self._top, n).copy_(ids)
         self._top += n
         if self.strict:
             self._sync()
