@@ -258,7 +258,7 @@ def release_batch(
                 raise _out_of_range(at.tolist(), cap)
             starts = None if kv_start is None else _starts_np(kv_start, n_rows)
             try:
-                lens = lengths_np[at]
+                lens = lengths_np.take(at)  # the gather's own machinery (warm for the rows)
             except IndexError:  # a slot >= capacity
                 raise _out_of_range(at.tolist(), cap) from None
             raw = lens.tobytes()
