@@ -422,6 +422,22 @@ class FreeStack:
         Syncs with the host; changes nothing.
         """
         self._sync()
+        mv = self._count_mv
+        if (mv is not None and ids.device.type == "cpu" and ids.dtype in _INT_DTYPES
+                and ids.numel() <= _HOST_FOLD):
+            # A few ids of a CPU pool (a strict pool's every free): checked in Python,
+            # their counts read through the memoryview, with no torch op at all.
+            vals = (ids if ids.dim() == 1 else ids.reshape(-1)).tolist()
+            lo, hi, off = self.lo, self.hi, self._off
+            foreign = [v for v in vals if not lo <= v < hi]
+            if foreign:
+                raise ForeignIndex(self.name, foreign, self.valid_range())
+            got = [mv[v + off] for v in vals]
+            if any(got):
+                raise DoubleFree(self.name, [v for v, c in zip(vals, got, strict=True) if c])
+            if len(set(vals)) != len(vals):
+                raise DoubleFree(self.name, sorted({v for v in vals if vals.count(v) > 1}))
+            return
         ids = ids.to(self._device).long().reshape(-1)
         n = ids.numel()
         if self._cpu and n <= 64:
