@@ -233,9 +233,10 @@ def release_batch(
         return BatchRelease(0, 0, 0)
     host = table._np if _HOST_RELEASE else None
     if host is not None:
-        # A CPU table: read and reset through numpy views of it (the same memory). After
-        # a scheduler's Python-heavy step every distinct torch op pays ~10 us of cold
-        # dispatch, a numpy op a third of that (see README, "Batched release").
+        # A CPU table: read and reset through numpy views of it (the same memory), with
+        # as few distinct ops as it takes: after a scheduler's Python-heavy step the
+        # first call of each op pays tens of us of cold code (README, "terminus bench
+        # kernels"), more for a torch op than for numpy's take or slice assignment.
         lengths_np, _, r2t = host
         at = ids.numpy()
         cap = table.capacity
