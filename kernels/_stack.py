@@ -400,10 +400,14 @@ class FreeStack:
                 and ids.device.type == "cpu":
             # Validated above (in range, distinct, none free; the counts synced): a few
             # ids of a CPU pool are written and counted (0 -> 1) through numpy views.
-            assert self._by_id_np is not None
-            vals = ids.tolist()
-            self._stack_np[self._top : self._top + n] = vals
-            self._by_id_np[vals] = 1
+            assert self._by_id_np is not None and self._count_mv is not None
+            self._stack_np[self._top : self._top + n] = ids.numpy()
+            if n <= _HOST_FOLD:
+                mv, off = self._count_mv, self._off
+                for v in ids.tolist():
+                    mv[v + off] = 1
+            else:
+                self._by_id_np[ids.numpy()] = 1
             self._top = self._synced = self._top + n
             return
         if self._stack_host is not None and ids.device.type == "cpu":
