@@ -410,9 +410,11 @@ class FreeStack:
                 self._by_id_np[ids.numpy()] = 1
             self._top = self._synced = self._top + n
             return
-        if self._stack_host is not None and ids.device.type == "cpu":
-            # A CPU stack: written through its numpy view (one numpy op, widening int32
-            # as copy_ does; two torch ops of cold dispatch cost more than the copy).
+        if n > _HOST_FOLD and self._stack_host is not None and ids.device.type == "cpu":
+            # Many ids to a CPU stack: written through its numpy view (one numpy op,
+            # widening int32 as copy_ does; after a Python-heavy step the torch ops'
+            # cold dispatch costs more than the copy). A few ids take narrow + copy_,
+            # which reads nothing back (tests/test_batch_sync.py counts .numpy() too).
             self._stack_host[self._top : self._top + n] = ids.numpy()
         else:
             self._stack.narrow(0, self._top, n).copy_(ids)

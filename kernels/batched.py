@@ -238,14 +238,14 @@ def release_batch(
         # first call of each op pays tens of us of cold code (README, "terminus bench
         # kernels"), more for a torch op than for numpy's take or slice assignment.
         lengths_np, _, r2t = host
-        at = ids.numpy()
         cap = table.capacity
-        n_rows = at.shape[0]
+        n_rows = ids.shape[0]
         if n_rows <= _HOST_ROWS:
             # A few rows: their KV gathered one slice a row (the same tokens, in order).
-            rows = at.tolist()
+            rows = ids.tolist()
             if min(rows) < 0 or max(rows) >= cap:
                 raise _out_of_range(rows, cap)
+            at: np.ndarray | list[int] = rows
             ends = lengths_np[at].tolist()
             firsts = [0] * n_rows if kv_start is None else _starts(kv_start, n_rows)
             runs = [r2t[r, a:b] for r, a, b in zip(rows, firsts, ends, strict=True) if b > a]
@@ -255,6 +255,7 @@ def release_batch(
             # Many rows: one gather of whole rows when every row owns [0, L) with one
             # common L, else one boolean-mask gather of each row's owned columns. No
             # numpy reduction on the uniform path (see _non_negative).
+            at = ids.numpy()
             if not _non_negative(at):
                 raise _out_of_range(at.tolist(), cap)
             starts = None if kv_start is None else _starts_np(kv_start, n_rows)

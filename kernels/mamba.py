@@ -83,7 +83,8 @@ class MambaStatePool(StackPool):
         if len(seen) != len(tensors) or any(
                 a is not b for a, b in zip(seen, tensors, strict=True)
         ):
-            if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+            if any(t.device.type != "cpu" or not t.is_contiguous() or t.requires_grad
+                   for t in tensors):
                 return None
             self._views = [t.view(torch.uint8).numpy() for t in tensors]
             self._views_of = tensors
