@@ -51,6 +51,11 @@ _SENTINEL_BASE = 2
 # Pops of at most this many ids on a CPU are done on the host (numpy views of the stack
 # and the counts): a scheduler's pops are a handful of ids.
 _HOST_POP = 64
+# Folds of at most _HOST_FOLD ids, and pops of at most _HOST_TAKE, on a CPU go id by id
+# through a memoryview of the counts (~60 ns an id for a fold, ~150 for a pop's test and
+# update; one scatter_add_ is ~2.6 us, a pop's numpy gather, tolist and set ~2).
+_HOST_FOLD = 32
+_HOST_TAKE = 8
 
 
 # Tensor dtypes accepted as ids. A float or bool tensor is refused, never truncated.
@@ -155,6 +160,7 @@ class FreeStack:
         # A dense source of ones for scatter_add_: on CPU it runs ~40 % faster than the
         # stride-0 ``_plus.expand(n)``, and folding a batched free is the bitmap's cost.
         self._ones = self._plus
+        self._ones_np = np.ones(1, dtype=np.uint8)  # the same, for CPU folds
         self._stack = torch.empty(capacity, dtype=torch.int64, device=self._device)
         self._count = torch.zeros(capacity + 2, dtype=_COUNT, device=self._device)
         # The counts as indexed by id directly, where ids start at 0 or 1 (every pool here):
@@ -165,8 +171,10 @@ class FreeStack:
         # instead of half a dozen torch calls of ~5 us each (a scheduler pops a handful
         # of ids at a time).
         self._host = self._cpu and detect and self._by_id is not None
-        self._stack_np = self._stack.numpy() if self._host else None
+        self._stack_host = self._stack.numpy() if self._cpu else None
+        self._stack_np = self._stack_host if self._host else None
         self._by_id_np = self._by_id.numpy() if self._host and self._by_id is not None else None
+        self._count_mv = self._count.numpy().data if self._cpu else None  # a memoryview
         self._sentinels = torch.tensor([0, capacity + 1], device=self._device)
         self._bad = torch.zeros(capacity + 2, dtype=torch.bool, device=self._device)
         # Clamped copies of ids go here: a fresh tensor per sync would be a fresh mmap
@@ -232,6 +240,13 @@ class FreeStack:
             )
         return self._ones.narrow(0, 0, n)
 
+    def _ones_host(self, n: int) -> np.ndarray:
+        """``n`` ones (uint8) as a numpy slice of a buffer grown to the largest fold."""
+        if self._ones_np.shape[0] < n:
+            self._ones_np = np.ones(max(n, min(2 * self._ones_np.shape[0], self._cap)),
+                                    dtype=np.uint8)
+        return self._ones_np[:n]
+
     def _count_add(self, ids: torch.Tensor, delta: torch.Tensor | None = None) -> None:
         """Add ``delta`` (default 1) to the counts of ``ids``; RuntimeError: counts unknown."""
         n = ids.numel()
@@ -260,8 +275,33 @@ class FreeStack:
 
     def _sync(self) -> None:
         if self._synced < self._top and self.detect:
+            if self._top - self._synced <= _HOST_FOLD and self._count_mv is not None:
+                # A few ids on a CPU: counted one by one, a foreign id onto its sentinel
+                # exactly as _slots clamps it (what a recount after a refused scatter
+                # gives), so the counts are the same as the scatter's.
+                mv, off, last = self._count_mv, self._off, self._cap + 1
+                assert self._stack_host is not None
+                for v in self._stack_host[self._synced : self._top].tolist():
+                    s = v + off
+                    if not 0 <= s <= last:
+                        s = 0 if s < 0 else last
+                    mv[s] = (mv[s] + 1) & 255
+                self._synced = self._top
+                return
             try:
-                self._count_add(self._stack.narrow(0, self._synced, self._top - self._synced))
+                if self._stack_host is not None and self._by_id is not None:
+                    # CPU: the ids and the ones as numpy slices wrapped by from_numpy (no
+                    # dispatched op); scatter_add_ is then the fold's one torch op.
+                    n = self._top - self._synced
+                    self._by_id.scatter_add_(
+                        0,
+                        torch.from_numpy(self._stack_host[self._synced : self._top]),
+                        torch.from_numpy(self._ones_host(n)),
+                    )
+                else:
+                    self._count_add(
+                        self._stack.narrow(0, self._synced, self._top - self._synced)
+                    )
             except RuntimeError:
                 # A foreign id (out of bounds) stopped the scatter part-way; the id stays
                 # in the stack, where check() finds and names it.
@@ -287,9 +327,17 @@ class FreeStack:
             seg = self._stack_np[old - n : old]
             vals = seg.tolist()
             if self.lo <= min(vals) and max(vals) < self.hi:
+                mv, off = self._count_mv, self._off
+                if (n <= _HOST_TAKE and mv is not None
+                        and all(mv[v + off] == 1 for v in vals)):
+                    # The same test and update, id by id (see _HOST_TAKE).
+                    for v in vals:
+                        mv[v + off] = 0
+                    self._top = self._synced = old - n
+                    return torch.from_numpy(seg.copy())
                 counts_np = self._by_id_np
                 assert counts_np is not None
-                if counts_np[seg].tolist().count(1) == n:
+                if n > _HOST_TAKE and counts_np[seg].tolist().count(1) == n:
                     # Counts of 1 mean no id is twice in `seg`: setting them to 0 is
                     # exactly the scatter of -1 below.
                     counts_np[seg] = 0
@@ -352,13 +400,24 @@ class FreeStack:
                 and ids.device.type == "cpu":
             # Validated above (in range, distinct, none free; the counts synced): a few
             # ids of a CPU pool are written and counted (0 -> 1) through numpy views.
-            assert self._by_id_np is not None
-            vals = ids.tolist()
-            self._stack_np[self._top : self._top + n] = vals
-            self._by_id_np[vals] = 1
+            assert self._by_id_np is not None and self._count_mv is not None
+            self._stack_np[self._top : self._top + n] = ids.numpy()
+            if n <= _HOST_FOLD:
+                mv, off = self._count_mv, self._off
+                for v in ids.tolist():
+                    mv[v + off] = 1
+            else:
+                self._by_id_np[ids.numpy()] = 1
             self._top = self._synced = self._top + n
             return
-        self._stack.narrow(0, self._top, n).copy_(ids)
+        if n > _HOST_FOLD and self._stack_host is not None and ids.device.type == "cpu":
+            # Many ids to a CPU stack: written through its numpy view (one numpy op,
+            # widening int32 as copy_ does; after a Python-heavy step the torch ops'
+            # cold dispatch costs more than the copy). A few ids take narrow + copy_,
+            # which reads nothing back (tests/test_batch_sync.py counts .numpy() too).
+            self._stack_host[self._top : self._top + n] = ids.numpy()
+        else:
+            self._stack.narrow(0, self._top, n).copy_(ids)
         self._top += n
         if self.strict:
             self._sync()
@@ -369,6 +428,22 @@ class FreeStack:
         Syncs with the host; changes nothing.
         """
         self._sync()
+        mv = self._count_mv
+        if (mv is not None and ids.device.type == "cpu" and ids.dtype in _INT_DTYPES
+                and ids.numel() <= _HOST_FOLD):
+            # A few ids of a CPU pool (a strict pool's every free): checked in Python,
+            # their counts read through the memoryview, with no torch op at all.
+            vals = (ids if ids.dim() == 1 else ids.reshape(-1)).tolist()
+            lo, hi, off = self.lo, self.hi, self._off
+            foreign = [v for v in vals if not lo <= v < hi]
+            if foreign:
+                raise ForeignIndex(self.name, foreign, self.valid_range())
+            got = [mv[v + off] for v in vals]
+            if any(got):
+                raise DoubleFree(self.name, [v for v, c in zip(vals, got, strict=True) if c])
+            if len(set(vals)) != len(vals):
+                raise DoubleFree(self.name, sorted({v for v in vals if vals.count(v) > 1}))
+            return
         ids = ids.to(self._device).long().reshape(-1)
         n = ids.numel()
         if self._cpu and n <= 64:

@@ -53,8 +53,57 @@ class BatchRelease:
     mamba_slots: int
 
 
-# A release of at most this many rows of a CPU table is done through numpy views.
+# A release from a CPU table is done through numpy views of it (tests turn this off to
+# run the tensor path, the one a device takes, on a CPU); up to this many rows a row at
+# a time, more rows vectorized.
+_HOST_RELEASE = True
 _HOST_ROWS = 64
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _non_negative(a: np.ndarray) -> bool:
+    """Whether int64 array ``a`` holds no negative value: on a little-endian host, whether
+    every value's top byte is below 0x80, which ``bytes.isascii`` tests in one C pass.
+
+    After a scheduler's Python-heavy step, the first numpy reduction (``a.min()``) of a
+    release costs 30-40 us of cold code (cache misses in numpy's reduction machinery);
+    this costs ~4 us, as does the ``bytes`` comparison that tests the lengths for one
+    common value.
+    """
+    if _LITTLE_ENDIAN and a.dtype == np.int64:
+        return a.tobytes()[7::8].isascii()
+    return bool((a >= 0).all())  # pragma: no cover - big-endian hosts
+
+
+def _out_of_range(rows: list[int], capacity: int) -> IndexError:
+    bad = [r for r in rows if not 0 <= r < capacity]
+    return IndexError(f"release_batch: slots {bad} are out of range 0..{capacity - 1}; "
+                      "pass request slots the table's alloc() returned")
+
+
+def _starts(kv_start: torch.Tensor, n: int) -> list[int]:
+    """``kv_start`` as a list of ``n`` ints >= 0 (ValueError naming what is wrong)."""
+    starts = kv_start.reshape(-1).tolist()
+    if len(starts) != n or (starts and min(starts) < 0):
+        raise _bad_starts(starts, n)
+    return starts
+
+
+def _starts_np(kv_start: torch.Tensor, n: int) -> np.ndarray:
+    """``kv_start`` as a numpy array of ``n`` ints >= 0 (ValueError naming what is wrong)."""
+    starts = kv_start.detach().reshape(-1).cpu().numpy()
+    if starts.shape[0] != n or (n and int(starts.min()) < 0):
+        raise _bad_starts(starts.tolist(), n)
+    return starts
+
+
+def _bad_starts(starts: list[int], n: int) -> ValueError:
+    """The error for per-row first columns (``kv_start``) that are not one int >= 0 a row."""
+    if len(starts) != n:
+        return ValueError(f"release_batch: kv_start has {len(starts)} entries for {n} slots; "
+                          "pass one first owned column per slot")
+    return ValueError(f"release_batch: kv_start {[s for s in starts if s < 0]} is negative; "
+                      "pass first owned columns >= 0")
 
 
 def _empty(table: ReqToTokenTable) -> torch.Tensor:
@@ -93,11 +142,18 @@ def gather_kv(
         counts = lengths.long()
         base = slots * width
     else:
-        start = start.to(lengths.device, torch.int64)
+        start = start.to(lengths.device, torch.int64).reshape(-1)
+        if start.numel() != slots.numel():
+            raise _bad_starts(start.tolist(), slots.numel())
         counts = (lengths.long() - start).clamp_(min=0)
         base = slots * width + start
     ends = counts.cumsum(0)
-    total = int(ends[-1])
+    if start is None:
+        total = int(ends[-1])
+    else:  # the check of the starts rides on the same host sync
+        total, lowest = torch.stack((ends[-1], start.min())).tolist()
+        if lowest < 0:
+            raise _bad_starts(start.tolist(), slots.numel())
     if total <= 0:
         return _empty(table)
     first = ends - counts
@@ -175,20 +231,53 @@ def release_batch(
             ids = ids.long()  # index_fill_ takes int64 indices only
     if not ids.numel():
         return BatchRelease(0, 0, 0)
-    host = table._np if ids.numel() <= _HOST_ROWS else None
+    host = table._np if _HOST_RELEASE else None
     if host is not None:
-        # A few rows of a CPU table: read and reset through numpy views of it, and the
-        # KV they own gathered one slice a row (the same tokens, in the same order).
-        rows = ids.tolist()
-        if min(rows) < 0:  # numpy would count from the end; index_select refused these
-            raise IndexError(f"release_batch: slots {[r for r in rows if r < 0]} are out "
-                             f"of range 0..{table.capacity - 1}")
+        # A CPU table: read and reset through numpy views of it (the same memory), with
+        # as few distinct ops as it takes: after a scheduler's Python-heavy step the
+        # first call of each op pays tens of us of cold code (README, "terminus bench
+        # kernels"), more for a torch op than for numpy's take or slice assignment.
         lengths_np, _, r2t = host
-        ends = lengths_np[rows].tolist()
-        firsts = [0] * len(rows) if kv_start is None else kv_start.tolist()
-        runs = [r2t[r, a:b] for r, a, b in zip(rows, firsts, ends, strict=True) if b > a]
-        tokens = (torch.from_numpy(np.concatenate(runs)) if len(runs) > 1 else
-                  torch.from_numpy(runs[0].copy()) if runs else _empty(table))
+        cap = table.capacity
+        n_rows = ids.shape[0]
+        if n_rows <= _HOST_ROWS:
+            # A few rows: their KV gathered one slice a row (the same tokens, in order).
+            rows = ids.tolist()
+            if min(rows) < 0 or max(rows) >= cap:
+                raise _out_of_range(rows, cap)
+            at: np.ndarray | list[int] = rows
+            ends = lengths_np[at].tolist()
+            firsts = [0] * n_rows if kv_start is None else _starts(kv_start, n_rows)
+            runs = [r2t[r, a:b] for r, a, b in zip(rows, firsts, ends, strict=True) if b > a]
+            tokens = (torch.from_numpy(np.concatenate(runs)) if len(runs) > 1 else
+                      torch.from_numpy(runs[0].copy()) if runs else _empty(table))
+        else:
+            # Many rows: one gather of whole rows when every row owns [0, L) with one
+            # common L, else one boolean-mask gather of each row's owned columns. No
+            # numpy reduction on the uniform path (see _non_negative).
+            at = ids.numpy()
+            if not _non_negative(at):
+                raise _out_of_range(at.tolist(), cap)
+            starts = None if kv_start is None else _starts_np(kv_start, n_rows)
+            try:
+                lens = lengths_np.take(at)  # the gather's own machinery (warm for the rows)
+            except IndexError:  # a slot >= capacity
+                raise _out_of_range(at.tolist(), cap) from None
+            raw = lens.tobytes()
+            if starts is None and raw == raw[: lens.itemsize] * n_rows:  # one common length
+                hi = int(lens[0])
+                src = r2t if hi == r2t.shape[1] else r2t[:, :hi]
+                flat = src.take(at, axis=0).reshape(-1) if hi > 0 else None
+            else:
+                hi = int(lens.max())
+                flat = None
+                if hi > 0:
+                    cols = np.arange(hi, dtype=np.int32)
+                    mask = cols < lens[:, None]
+                    if starts is not None:
+                        mask &= cols >= starts[:, None]
+                    flat = r2t[at, :hi][mask]
+            tokens = torch.from_numpy(flat) if flat is not None and flat.size else _empty(table)
     else:
         tokens = gather_kv(table, ids, kv_start)
     errors: list[Exception] = []
@@ -198,13 +287,13 @@ def release_batch(
         errors.append(e)
     else:
         if host is not None:
-            host[0][rows] = 0
+            host[0][at] = 0
         else:
             table.lengths.index_fill_(0, ids, 0)
     m = None
     if mamba is not None:
         if host is not None:
-            held = host[1][rows]
+            held = host[1][at]
             m = torch.from_numpy(held[held > 0])
         else:
             m = table.mamba_slots.index_select(0, ids)
@@ -216,7 +305,7 @@ def release_batch(
             errors.append(e)
         else:
             if host is not None:
-                host[1][rows] = 0
+                host[1][at] = 0
             else:
                 table.mamba_slots.index_fill_(0, ids, 0)
     if not errors:

@@ -14,6 +14,7 @@ from terminus.kernels import (
     MambaStatePool,
     ReqToTokenTable,
     TokenKVAllocator,
+    batched,
     release_batch,
 )
 from terminus.kernels.batched import gather_kv, repeat_rows
@@ -35,6 +36,18 @@ class Counting:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+@pytest.fixture(autouse=True, params=["rows", "vector", "tensor"])
+def release_path(request, monkeypatch):
+    """Each test runs on each way a release reads the table: a CPU table's few rows one
+    at a time (``rows``) or vectorized in numpy (``vector``), or tensor ops (``tensor``:
+    what a device table takes, run here on the CPU)."""
+    if request.param == "vector":
+        monkeypatch.setattr(batched, "_HOST_ROWS", 0)
+    elif request.param == "tensor":
+        monkeypatch.setattr(batched, "_HOST_RELEASE", False)
+    return request.param
 
 
 def setup(lengths, device, page_size=1, strict=True):
@@ -329,3 +342,58 @@ def test_repeat_rows_is_repeat_interleave(device, counts, pass_total):
     got = repeat_rows(c, sum(counts) if pass_total else None)
     assert got.device.type == device and got.dtype == torch.int64
     assert got.tolist() == torch.repeat_interleave(c).tolist()
+
+
+@pytest.mark.parametrize("bad", [-1, 8, 100])
+def test_a_slot_out_of_range_is_refused_changing_nothing(device, bad):
+    kv, table, mamba, slots = setup([3, 2], device)
+    before = (kv.available, table.available, mamba.available, table.lengths.tolist())
+    with pytest.raises(IndexError):
+        release_batch(torch.cat((slots, torch.tensor([bad], device=device))), table, kv, mamba)
+    assert (kv.available, table.available, mamba.available, table.lengths.tolist()) == before
+    release_batch(slots, table, kv, mamba)
+    for pool in (kv, table, mamba):
+        pool.assert_full()
+
+
+@pytest.mark.parametrize(
+    ("starts", "match"),
+    [([0, -1], r"kv_start \[-1\] is negative"), ([0], "kv_start has 1 entries for 2 slots")],
+)
+def test_bad_kv_starts_are_refused_changing_nothing(device, starts, match):
+    kv, table, mamba, slots = setup([3, 2], device)
+    before = (kv.available, table.available, mamba.available, table.lengths.tolist())
+    with pytest.raises(ValueError, match=match):
+        release_batch(slots, table, kv, mamba, kv_start=torch.tensor(starts, device=device))
+    assert (kv.available, table.available, mamba.available, table.lengths.tolist()) == before
+    release_batch(slots, table, kv, mamba)
+    for pool in (kv, table, mamba):
+        pool.assert_full()
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.data())
+def test_any_batch_with_starts_frees_exactly_the_owned_columns(device, data):
+    lengths = data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=8))
+    kv = TokenKVAllocator(256, device=device, strict=True)
+    table = ReqToTokenTable(8, 9, device, strict=True)
+    slots = table.alloc(len(lengths))
+    assert slots is not None
+    owned = []
+    for s, n in zip(slots.tolist(), lengths, strict=True):
+        got = kv.alloc(n)
+        assert got is not None
+        table.write(s, 0, got)
+        owned.append(got.tolist())
+    starts = [data.draw(st.integers(0, 10)) for _ in lengths]
+    pick = data.draw(st.permutations(range(len(lengths))))
+    # The columns before each start stay with their owner (a cached prefix): freed here.
+    kv.free(torch.tensor([t for i in pick for t in owned[i][: starts[i]]], dtype=torch.int64,
+                         device=device))
+    out = release_batch(slots[list(pick)], table, kv,
+                        kv_start=torch.tensor([starts[i] for i in pick], device=device))
+    assert out.kv_tokens == sum(max(0, n - s) for n, s in zip(lengths, starts, strict=True))
+    kv.assert_full()
+    table.assert_full()

@@ -6,8 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from terminus.kernels import DoubleFree, ForeignIndex, ReqToTokenTable, TokenKVAllocator
+from terminus.kernels import DoubleFree, ForeignIndex, ReqToTokenTable, TokenKVAllocator, _stack
 
+
+@pytest.fixture(autouse=True, params=["loop", "scatter"])
+def fold_path(request, monkeypatch):
+    """Each test runs with a CPU's few-id folds and pop checks done id by id through a
+    memoryview (``loop``), and with the scatter and numpy ops that larger ones take."""
+    if request.param == "scatter":
+        monkeypatch.setattr(_stack, "_HOST_FOLD", 0)
+        monkeypatch.setattr(_stack, "_HOST_TAKE", 0)
+    return request.param
 
 @pytest.mark.parametrize("foreign", [[100], [9], [0], [100, 101]])
 def test_a_single_foreign_id_handed_out_again_is_still_reported(device, foreign):
@@ -102,3 +111,19 @@ def test_clear_frees_every_slot_of_the_table_and_the_mamba_pool(device):
     assert table.lengths.tolist() == [0, 0, 0, 0]
     table.assert_full()
     mamba.assert_full()
+
+
+@pytest.mark.parametrize("ids", [[3, 3], [5, 0], [5, 9], [-2, 4], [4, 40]])
+def test_a_few_lazy_frees_are_counted_as_a_scatter_counts_them(ids, monkeypatch):
+    # The id-by-id fold of a few ids (a CPU's) leaves the same counts as the scatter,
+    # foreign ids on their sentinels included.
+    got = []
+    for loop in (32, 0):
+        monkeypatch.setattr(_stack, "_HOST_FOLD", loop)
+        kv = TokenKVAllocator(8, strict=False)
+        held = kv.alloc(8)
+        assert held is not None
+        kv.free(torch.tensor(ids))
+        kv._free._sync()
+        got.append(kv._free._count.tolist())
+    assert got[0] == got[1]

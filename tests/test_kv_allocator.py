@@ -15,6 +15,7 @@ from terminus.kernels import (
     StaleSnapshot,
     TokenKVAllocator,
 )
+from terminus.kernels import kv as kv_module
 from terminus.kernels.protocols import KVAllocator
 
 
@@ -447,3 +448,36 @@ def test_a_float_free_inside_a_free_group_is_refused_at_the_free(device):
     kv.free(got)
     kv.free_group_end()
     kv.assert_full()
+
+
+@pytest.fixture(params=["host", "tensor"])
+def pages_path(request, monkeypatch):
+    """A paged free finds its pages in Python (a few tokens on a CPU) or with tensor ops."""
+    if request.param == "tensor":
+        monkeypatch.setattr(kv_module, "_HOST_PAGES", 0)
+    return request.param
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_paged_free_pushes_each_page_once_in_page_order(device, pages_path, strict):
+    kv = TokenKVAllocator(32, page_size=4, device=device, strict=strict)
+    a, b = kv.alloc(10), kv.alloc(5)  # pages of 3 and 2
+    assert a is not None and b is not None
+    kv.free(torch.cat((b, a, a[:3])).to(torch.int32))  # a's first page named twice
+    top = kv._free.available
+    pushed = kv._free._stack[top - 5 : top].tolist()
+    assert pushed == sorted({t // 4 for t in a.tolist() + b.tolist()})
+    kv.assert_full()
+
+
+def test_a_paged_free_of_a_negative_token_is_named_as_foreign(device, pages_path):
+    kv = TokenKVAllocator(32, page_size=4, device=device, strict=True)
+    with pytest.raises(ForeignIndex, match=r"\[-1\]"):
+        kv.free(torch.tensor([-3, 5], device=device))
+    kv.assert_full()
+    lazy = TokenKVAllocator(32, page_size=4, device=device)
+    got = lazy.alloc(8)  # two pages: the free below (two pages) fits the stack
+    assert got is not None
+    lazy.free(torch.cat((got[:4], torch.tensor([-3], device=device))))
+    with pytest.raises(ForeignIndex, match=r"\[-1\]"):
+        lazy.check()

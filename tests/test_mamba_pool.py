@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from terminus.kernels import DoubleFree, ForeignIndex, LeakError, MambaStatePool
+from terminus.kernels import DoubleFree, ForeignIndex, LeakError, MambaStatePool, mamba
 from terminus.kernels.protocols import MambaPool
 
 
@@ -26,8 +26,12 @@ def test_state_shapes_have_one_padding_slot_and_configurable_dtypes(device):
     assert {t.device.type for t in [*p.conv, p.temporal]} == {device}
 
 
-def test_alloc_zeroes_reused_slots_in_every_layer_and_leaves_others(device):
-    p = pool(device=device)
+@pytest.mark.parametrize("host_zero", [4, 0])
+def test_alloc_zeroes_reused_slots_in_every_layer_and_leaves_others(
+    device, monkeypatch, host_zero
+):
+    monkeypatch.setattr(mamba, "_HOST_ZERO", host_zero)  # 0: index_fill_ on a CPU too
+    p = pool(device=device, conv_dtype=torch.bfloat16)
     a = p.alloc(4)
     assert a is not None and 0 not in a.tolist()
     for t in [*p.conv, p.temporal]:
@@ -43,6 +47,7 @@ def test_alloc_zeroes_reused_slots_in_every_layer_and_leaves_others(device):
 
 
 def test_alloc_zeroes_with_one_op_per_tensor(monkeypatch, device):
+    monkeypatch.setattr(mamba, "_HOST_ZERO", 0)  # a CPU's few slots take byte views
     p = pool(device=device)
     calls = []
     orig = torch.Tensor.index_fill_
@@ -56,6 +61,21 @@ def test_alloc_zeroes_with_one_op_per_tensor(monkeypatch, device):
     assert len(calls) == 3  # two conv tensors + the temporal state, all slots and layers
     assert got is not None
     p.free(got)
+    p.assert_full()
+
+
+def test_a_replaced_state_tensor_is_zeroed_on_alloc(device):
+    p = pool(device=device)
+    got = p.alloc(1)
+    assert got is not None
+    p.temporal = torch.full_like(p.temporal, 3.0)
+    p.conv[1] = torch.full_like(p.conv[1], 2.0)
+    p.free(got)
+    again = p.alloc(1)
+    assert again is not None
+    assert bool((p.temporal[:, again] == 0).all()) and bool((p.conv[1][:, again] == 0).all())
+    assert bool((p.temporal[:, 0] == 3).all())  # other slots untouched
+    p.free(again)
     p.assert_full()
 
 
