@@ -194,12 +194,19 @@ class RadixTree:
 
     # -- lookups --------------------------------------------------------------------------
 
-    def _aligned(self, tokens: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
+    def _aligned(self, tokens: Sequence[int] | torch.Tensor,
+                 limit: int | None = None) -> tuple[int, ...]:
+        """`tokens[:limit]` as a tuple cut to whole pages (no copy of a tuple kept whole;
+        else one slice and one tuple of what is kept)."""
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.tolist()
-        key = tokens if type(tokens) is tuple else tuple(tokens)
-        cut = len(key) - len(key) % self.page_size
-        return key if cut == len(key) else key[:cut]
+        n = whole = len(tokens)
+        if limit is not None and limit < n:
+            n = max(0, limit)
+        cut = n - n % self.page_size
+        if type(tokens) is tuple:
+            return tokens if cut == whole else tokens[:cut]  # type: ignore[return-value]
+        return tuple(tokens if cut == whole else tokens[:cut])
 
     def _tick(self) -> int:
         self._clock += 1
@@ -254,13 +261,14 @@ class RadixTree:
             self._leaf(node)
         return node, done, values
 
-    def match_prefix(self, tokens: Sequence[int]) -> RadixMatch:
-        """The longest cached prefix of `tokens` in whole pages (may be empty).
+    def match_prefix(self, tokens: Sequence[int], *, limit: int | None = None) -> RadixMatch:
+        """The longest cached prefix of `tokens` (of `tokens[:limit]` when a limit is
+        given) in whole pages (may be empty).
 
         The match may split a node at the page where it ends (the cached data is
         unchanged). Lock the returned node before anything can evict it.
         """
-        key = self._aligned(tokens)
+        key = self._aligned(tokens, limit)
         node, _, values = self._walk(key)
         indices = torch.cat(values) if len(values) > 1 else values[0] if values \
             else self._empty
@@ -298,10 +306,10 @@ class RadixTree:
                 f"no longer cached (the tree holds {cached} of them); lock the matched "
                 "node from match_prefix until the insert so eviction cannot drop it")
         node, prefix_len, _ = self._walk(key)
-        values = kv_indices.to(torch.int64)
+        values = kv_indices if kv_indices.dtype is torch.int64 else kv_indices.to(torch.int64)
         taken = self._empty
         if prefix_len < len(key):
-            taken = values[prefix_len:len(key)].clone()
+            taken = values.narrow(0, prefix_len, len(key) - prefix_len).clone()
             new = RadixNode(key[prefix_len:], taken, node)
             new.last_access = self._tick()
             node.children[self._child_key(new.key)] = new

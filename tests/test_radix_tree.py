@@ -55,6 +55,24 @@ def test_a_second_request_matches_the_first_ones_prefix_in_whole_pages(page: int
     _drain(tree, kv)
 
 
+@pytest.mark.parametrize("as_tuple", [False, True])
+def test_a_match_with_a_limit_matches_only_that_head_in_whole_pages(as_tuple: bool):
+    kv = TokenKVAllocator(256, page_size=4)
+    tree = RadixTree(4)
+    a = list(range(1, 21))
+    a_kv = _alloc(kv, len(a))
+    tree.insert(a, a_kv)
+    query = tuple(a) if as_tuple else list(a)
+    for limit, matched in ((None, 20), (30, 20), (20, 20), (19, 16), (9, 8), (3, 0),
+                           (0, 0), (-5, 0)):
+        m = tree.match_prefix(query, limit=limit)
+        assert m.length == matched, limit
+        assert m.indices.tolist() == a_kv[:matched].tolist()
+    assert list(query) == a  # the caller's tokens are not touched
+    tree.check()
+    _drain(tree, kv)
+
+
 def test_an_insert_returns_what_is_already_cached_as_duplicates_for_the_caller_to_free():
     kv = TokenKVAllocator(64)
     tree = RadixTree()
