@@ -205,7 +205,7 @@ class RadixTree:
             n = max(0, limit)
         cut = n - n % self.page_size
         if type(tokens) is tuple:
-            return tokens if cut == whole else tokens[:cut]  # type: ignore[return-value]
+            return tokens if cut == whole else tokens[:cut]
         return tuple(tokens if cut == whole else tokens[:cut])
 
     def _tick(self) -> int:

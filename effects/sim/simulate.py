@@ -34,32 +34,28 @@ __all__ = ["main", "run_simulation"]
 class _Counting:
     """A recorder counting transitions (decisions that moved an instance: not ignores,
     not errors) per machine name, attached only for the run. Each machine's cells are
-    read once into a table of flags; a decision then costs two lookups and an add."""
+    read once into a table of flags (a row per state, a column per event, an entry per
+    alternative) kept with its count: a decision then costs one lookup and an add."""
 
     def __init__(self) -> None:
-        self._counts: dict[Any, list[int]] = {}  # machine -> [count]
-        self._moves: dict[Any, tuple[tuple[tuple[bool, ...], ...], ...]] = {}
+        # machine -> (flags, [count])
+        self._by: dict[Any, tuple[tuple[tuple[tuple[bool, ...], ...], ...], list[int]]] = {}
 
-    def _table(self, machine: Any) -> tuple[tuple[tuple[bool, ...], ...], ...]:
+    def _table(self, machine: Any) -> tuple[tuple[tuple[tuple[bool, ...], ...], ...],
+                                            list[int]]:
         t = tuple(tuple(tuple(a.decision == 0 for a in alts) for alts in row)
                   for row in machine.cells)
-        self._moves[machine] = t
-        self._counts[machine] = [0]
-        return t
+        entry = self._by[machine] = (t, [0])
+        return entry
 
     def record(self, machine: Any, source: int, event: int, alt: int) -> None:
         if alt >= 0:
-            t = self._moves.get(machine)
-            if t is None:
-                t = self._table(machine)
-            if t[source][event][alt]:
-                self._counts[machine][0] += 1
+            entry = self._by.get(machine) or self._table(machine)
+            if entry[0][source][event][alt]:
+                entry[1][0] += 1
 
     def record_counts(self, machine: Any, counts: Mapping[tuple[int, int, int], int]) -> None:
-        t = self._moves.get(machine)
-        if t is None:
-            t = self._table(machine)
-        c = self._counts[machine]
+        t, c = self._by.get(machine) or self._table(machine)
         for (s, e, k), n in counts.items():
             if k >= 0 and t[s][e][k]:
                 c[0] += n
@@ -68,7 +64,7 @@ class _Counting:
     def transitions(self) -> Counter[str]:
         """Transitions by machine name (bound copies of one machine add up)."""
         out: Counter[str] = Counter()
-        for m, c in self._counts.items():
+        for m, (_, c) in self._by.items():
             if c[0]:
                 out[m.name] += c[0]
         return out
@@ -427,10 +423,11 @@ def _serve_metrics(port: int) -> Any:
 def _run_with_progress(wcfg: WorkloadConfig, device: str, loop: str, trace: Any,
                        show: bool, page_size: int = 16,
                        metrics: Any = None) -> dict[str, Any]:
-    from .naive import naive_parts
-    from .serving import machine_parts
-
-    parts = naive_parts if loop == "naive" else machine_parts
+    parts: PartsFactory
+    if loop == "naive":  # (imported only when asked for)
+        from .naive import naive_parts as parts
+    else:
+        from .serving import machine_parts as parts
     if not show:
         return run_simulation(wcfg, device=device, parts=parts, trace=trace,
                               page_size=page_size, metrics=metrics)
