@@ -175,6 +175,24 @@ def test_an_insert_whose_matched_prefix_was_evicted_is_refused_and_changes_nothi
     _drain(tree, kv)
 
 
+def test_a_refused_insert_does_not_split_the_node_its_key_ends_inside():
+    kv = TokenKVAllocator(64)
+    tree = RadixTree()
+    tree.insert([1, 2, 9, 9, 9, 9], _alloc(kv, 6))
+    before = tree.evictable_size()
+    mine = _alloc(kv, 5)
+    # The caller claims 5 matched tokens; the tree holds 4 of them, inside one node.
+    with pytest.raises(ValueError, match=r"matched prefix \(5 tokens\) is no longer cached "
+                                         r"\(the tree holds 4 of them\)"):
+        tree.insert([1, 2, 9, 9, 5], mine, owned_from=5)
+    (only,) = tree.root.children.values()
+    assert len(only.key) == 6 and not only.children  # not split at the 4th token
+    assert tree.evictable_size() == before
+    tree.check()
+    kv.free(mine)
+    _drain(tree, kv)
+
+
 @pytest.mark.parametrize(("tokens", "indices", "kw", "message"), [
     ([1, 2], torch.tensor([3]), {}, r"2 tokens but kv_indices of shape \(1,\)"),
     ([1, 2], torch.tensor([3.0, 4.0]), {}, r"must be an integer tensor, got torch.float32"),
