@@ -160,25 +160,28 @@ def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu",
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tensors here are small: threads only add contention
-    workload = generate(wcfg)
-    cfg = SimConfig(device=device, chunk_size=wcfg.chunk_size, page_size=page_size)
-    loop = ServingLoop(workload, cfg, parts=parts or machine_parts, adapters=wcfg.adapters,
-                       trace=trace, progress=progress)
-    if metrics is not None:
-        watch_loop(metrics, loop)
-    counter = _Counting()
-    prev = observe.set_recorder(counter)
-    # What exists before the run (torch, the workload, the loop's pools) is not garbage
-    # during it: frozen, the collector's full passes scan only what the run made.
-    gc.freeze()
-    try:
-        asyncio.run(loop.run())
+    try:  # (the audits' too: starting the pool's threads for them costs more than they do)
+        workload = generate(wcfg)
+        cfg = SimConfig(device=device, chunk_size=wcfg.chunk_size, page_size=page_size)
+        loop = ServingLoop(workload, cfg, parts=parts or machine_parts,
+                           adapters=wcfg.adapters, trace=trace, progress=progress)
+        if metrics is not None:
+            watch_loop(metrics, loop)
+        counter = _Counting()
+        prev = observe.set_recorder(counter)
+        # What exists before the run (torch, the workload, the loop's pools) is not
+        # garbage during it: frozen, the collector's full passes scan only what the run
+        # made.
+        gc.freeze()
+        try:
+            asyncio.run(loop.run())
+        finally:
+            gc.unfreeze()
+            observe.set_recorder(prev)
+        prefix_cache = loop.prefix_cache()
+        leaks = loop.leaks()
     finally:
-        gc.unfreeze()
-        observe.set_recorder(prev)
         torch.set_num_threads(threads)
-    prefix_cache = loop.prefix_cache()
-    leaks = loop.leaks()
     effects = sum(sum(m.stats.plans_run.values()) for m in loop.machines())
     return {
         "loop": loop.parts.loop,
