@@ -437,8 +437,11 @@ def _run_with_progress(wcfg: WorkloadConfig, device: str, loop: str, trace: Any,
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     label = "naive baseline" if loop == "naive" else "machines"
+    # Refreshed by `advance` below at most every 0.1 s (no refresh thread of its own,
+    # which redrew it 10 times a second besides, taking the GIL from the loop).
     with Progress("[progress.description]{task.description}", BarColumn(),
-                  MofNCompleteColumn(), TimeElapsedColumn(), transient=True) as bar:
+                  MofNCompleteColumn(), TimeElapsedColumn(), transient=True,
+                  auto_refresh=False) as bar:
         task = bar.add_task(f"simulating ({label})", total=wcfg.requests)
         last = [time.monotonic()]
 
