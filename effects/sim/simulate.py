@@ -95,6 +95,9 @@ class _TraceWriter:
 
 
 def _check_device(device: str) -> None:
+    """Refuse a device the run cannot use (one line naming what to pass instead)."""
+    if device == "cpu":
+        return  # always there: no need to import torch (and time it here) to say so
     import torch
 
     try:
