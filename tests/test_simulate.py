@@ -85,6 +85,19 @@ def test_the_workload_is_the_same_for_the_same_options():
     assert generate(cfg) != generate(WorkloadConfig(requests=200, seed=8))
 
 
+def test_a_run_leaves_the_collector_and_torch_threads_as_it_found_them():
+    import gc
+
+    import torch
+
+    thresholds, threads = gc.get_threshold(), torch.get_num_threads()
+    frozen = gc.get_freeze_count()
+    r = run_simulation(WorkloadConfig(requests=40, seed=3))
+    assert sum(r["terminal_states"].values()) == 40
+    assert gc.get_threshold() == thresholds and gc.get_freeze_count() == frozen
+    assert torch.get_num_threads() == threads
+
+
 def test_token_ids_are_the_seeded_draws_of_their_segments():
     # The ids are defined as random.Random(key).randbytes(2 * n), read as native-order
     # 16-bit draws, each mod 32000 plus 1: the reused generator must give exactly those
