@@ -194,12 +194,19 @@ class RadixTree:
 
     # -- lookups --------------------------------------------------------------------------
 
-    def _aligned(self, tokens: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
+    def _aligned(self, tokens: Sequence[int] | torch.Tensor,
+                 limit: int | None = None) -> tuple[int, ...]:
+        """`tokens[:limit]` as a tuple cut to whole pages (no copy of a tuple kept whole;
+        else one slice and one tuple of what is kept)."""
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.tolist()
-        key = tokens if type(tokens) is tuple else tuple(tokens)
-        cut = len(key) - len(key) % self.page_size
-        return key if cut == len(key) else key[:cut]
+        n = whole = len(tokens)
+        if limit is not None and limit < n:
+            n = max(0, limit)
+        cut = n - n % self.page_size
+        if type(tokens) is tuple:
+            return tokens if cut == whole else tokens[:cut]
+        return tuple(tokens if cut == whole else tokens[:cut])
 
     def _tick(self) -> int:
         self._clock += 1
@@ -231,39 +238,55 @@ class RadixTree:
         parent.children[self._child_key(head.key)] = head
         return head
 
-    def _walk(self, key: tuple[int, ...]) -> tuple[RadixNode, int, list[torch.Tensor]]:
-        """Follow `key` from the root, splitting the last node where the match ends
-        inside it: (last matched node, tokens matched, the matched nodes' values)."""
-        node, done, values = self.root, 0, []
-        now = self._tick()
-        node.last_access = now
+    def _descend(self, key: tuple[int, ...]) -> tuple[list[RadixNode], int, int]:
+        """Follow `key` from the root without changing anything: (the nodes it matches
+        in order, tokens matched, and where the match ends inside the last node, or 0
+        when it matches that node whole)."""
+        path: list[RadixNode] = []
+        node, done = self.root, 0
         page = self.page_size
-        while done < len(key):
+        end = len(key)
+        while done < end:
             child = node.children.get(key[done:done + page])
             if child is None:
                 break
             n = _common(child.key, key, page, done)
             if n == 0:
                 break
+            path.append(child)
+            done += n
             if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = now
-            values.append(child.value)
-            node, done = child, done + n
+                return path, done, n
+            node = child
+        return path, done, 0
+
+    def _touch(self, path: list[RadixNode], cut: int) -> RadixNode:
+        """Mark `path` (from `_descend`) accessed now, splitting its last node `cut`
+        tokens in when the match ends inside it; returns the node the match ends at."""
+        now = self._tick()
+        self.root.last_access = now
+        if not path:
+            return self.root
+        if cut:
+            path[-1] = self._split(path[-1], cut)
+        for n in path:
+            n.last_access = now
+        node = path[-1]
         if node in self._leaves:  # its recency changed
             self._leaf(node)
-        return node, done, values
+        return node
 
-    def match_prefix(self, tokens: Sequence[int]) -> RadixMatch:
-        """The longest cached prefix of `tokens` in whole pages (may be empty).
+    def match_prefix(self, tokens: Sequence[int], *, limit: int | None = None) -> RadixMatch:
+        """The longest cached prefix of `tokens` (of `tokens[:limit]` when a limit is
+        given) in whole pages (may be empty).
 
         The match may split a node at the page where it ends (the cached data is
         unchanged). Lock the returned node before anything can evict it.
         """
-        key = self._aligned(tokens)
-        node, _, values = self._walk(key)
-        indices = torch.cat(values) if len(values) > 1 else values[0] if values \
-            else self._empty
+        path, _, cut = self._descend(self._aligned(tokens, limit))
+        node = self._touch(path, cut)
+        indices = torch.cat([n.value for n in path]) if len(path) > 1 else \
+            path[0].value if path else self._empty
         return RadixMatch(indices, node)
 
     # -- insert ---------------------------------------------------------------------------
@@ -283,25 +306,26 @@ class RadixTree:
             raise ValueError(
                 f"RadixTree.insert: {len(tokens)} tokens but kv_indices of shape "
                 f"{tuple(kv_indices.shape)}; pass one KV index per token (a 1-D tensor)")
-        if kv_indices.is_floating_point() or kv_indices.dtype == torch.bool:
+        dtype = kv_indices.dtype
+        if dtype is not torch.int64 and (dtype.is_floating_point or dtype == torch.bool):
             raise ValueError(f"RadixTree.insert: kv_indices must be an integer tensor, "
                              f"got {kv_indices.dtype}")
         if not 0 <= owned_from <= len(tokens):
             raise ValueError(f"RadixTree.insert: owned_from={owned_from} is outside "
                              f"0..{len(tokens)} (the length of the sequence)")
         key = self._aligned(tokens)
-        # Read-only pass first: decide, then mutate (nothing to check without a prefix).
-        cached = self._cached_len(key) if owned_from else 0
-        if cached < min(owned_from, len(key)):
+        # Read-only pass first: decide, then mutate.
+        path, prefix_len, cut = self._descend(key)
+        if prefix_len < min(owned_from, len(key)):
             raise ValueError(
                 f"RadixTree.insert: the caller's matched prefix ({owned_from} tokens) is "
-                f"no longer cached (the tree holds {cached} of them); lock the matched "
+                f"no longer cached (the tree holds {prefix_len} of them); lock the matched "
                 "node from match_prefix until the insert so eviction cannot drop it")
-        node, prefix_len, _ = self._walk(key)
-        values = kv_indices.to(torch.int64)
+        node = self._touch(path, cut)
+        values = kv_indices if dtype is torch.int64 else kv_indices.to(torch.int64)
         taken = self._empty
         if prefix_len < len(key):
-            taken = values[prefix_len:len(key)].clone()
+            taken = values.narrow(0, prefix_len, len(key) - prefix_len).clone()
             new = RadixNode(key[prefix_len:], taken, node)
             new.last_access = self._tick()
             node.children[self._child_key(new.key)] = new
@@ -311,20 +335,6 @@ class RadixTree:
             node = new
         dup_end = max(prefix_len, owned_from)
         return RadixInsert(prefix_len, node, taken, values, owned_from, dup_end, len(key))
-
-    def _cached_len(self, key: tuple[int, ...]) -> int:
-        node, done = self.root, 0
-        page = self.page_size
-        while done < len(key):
-            child = node.children.get(key[done:done + page])
-            if child is None:
-                break
-            n = _common(child.key, key, page, done)
-            done += n
-            if n < len(child.key):
-                break
-            node = child
-        return done
 
     # -- locks ----------------------------------------------------------------------------
 

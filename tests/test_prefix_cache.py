@@ -92,6 +92,18 @@ def test_a_finished_request_is_cached_and_the_next_one_matches_and_locks_it(pool
     end_clean(rb, cache, pools)
 
 
+def test_a_limited_lookup_counts_only_the_tokens_it_looked_up(pools):
+    rb, cache = cached_batch(pools)
+    run_to_finish(rb, list(SHARED))
+    page = cache.page_size
+    for limit, looked in ((None, 40), (60, 40), (39, 39), (5, 5), (0, 0), (-3, 0)):
+        before, hits = cache.lookup_tokens, cache.hit_tokens
+        m = cache.match(list(SHARED), limit=limit)
+        assert cache.lookup_tokens - before == looked
+        assert m.length == looked - looked % page and cache.hit_tokens - hits == m.length
+    cache.evict_all()
+
+
 def test_every_terminal_path_of_the_sequence_with_a_matched_prefix(pools):
     """Each transition path to a terminal state, driven on a row that matched a cached
     prefix: the lock is released exactly once whichever terminal state it reaches, the

@@ -55,6 +55,24 @@ def test_a_second_request_matches_the_first_ones_prefix_in_whole_pages(page: int
     _drain(tree, kv)
 
 
+@pytest.mark.parametrize("as_tuple", [False, True])
+def test_a_match_with_a_limit_matches_only_that_head_in_whole_pages(as_tuple: bool):
+    kv = TokenKVAllocator(256, page_size=4)
+    tree = RadixTree(4)
+    a = list(range(1, 21))
+    a_kv = _alloc(kv, len(a))
+    tree.insert(a, a_kv)
+    query = tuple(a) if as_tuple else list(a)
+    for limit, matched in ((None, 20), (30, 20), (20, 20), (19, 16), (9, 8), (3, 0),
+                           (0, 0), (-5, 0)):
+        m = tree.match_prefix(query, limit=limit)
+        assert m.length == matched, limit
+        assert m.indices.tolist() == a_kv[:matched].tolist()
+    assert list(query) == a  # the caller's tokens are not touched
+    tree.check()
+    _drain(tree, kv)
+
+
 def test_an_insert_returns_what_is_already_cached_as_duplicates_for_the_caller_to_free():
     kv = TokenKVAllocator(64)
     tree = RadixTree()
@@ -154,6 +172,24 @@ def test_an_insert_whose_matched_prefix_was_evicted_is_refused_and_changes_nothi
         tree.insert([1, 2, 3, 4, 5], torch.cat([m.indices, own]), owned_from=4)
     assert tree.total_size() == 0
     kv.free(own)
+    _drain(tree, kv)
+
+
+def test_a_refused_insert_does_not_split_the_node_its_key_ends_inside():
+    kv = TokenKVAllocator(64)
+    tree = RadixTree()
+    tree.insert([1, 2, 9, 9, 9, 9], _alloc(kv, 6))
+    before = tree.evictable_size()
+    mine = _alloc(kv, 5)
+    # The caller claims 5 matched tokens; the tree holds 4 of them, inside one node.
+    with pytest.raises(ValueError, match=r"matched prefix \(5 tokens\) is no longer cached "
+                                         r"\(the tree holds 4 of them\)"):
+        tree.insert([1, 2, 9, 9, 5], mine, owned_from=5)
+    (only,) = tree.root.children.values()
+    assert len(only.key) == 6 and not only.children  # not split at the 4th token
+    assert tree.evictable_size() == before
+    tree.check()
+    kv.free(mine)
     _drain(tree, kv)
 
 

@@ -4,6 +4,8 @@ with zero leaks, the naive baseline shows the seeds' leaks, and bad input is one
 from __future__ import annotations
 
 import json
+import random
+import sys
 from collections import Counter
 
 import msgspec
@@ -11,7 +13,7 @@ import pytest
 
 from terminus.effects.sim.naive import naive_parts
 from terminus.effects.sim.simulate import main, run_simulation
-from terminus.effects.sim.workload import WorkloadConfig, generate
+from terminus.effects.sim.workload import WorkloadConfig, generate, prompt_tokens, reply_tokens
 from terminus.fsm import TransitionRecord
 
 
@@ -81,6 +83,46 @@ def test_the_workload_is_the_same_for_the_same_options():
     cfg = WorkloadConfig(requests=200, seed=7)
     assert generate(cfg) == generate(cfg)
     assert generate(cfg) != generate(WorkloadConfig(requests=200, seed=8))
+
+
+def test_a_run_leaves_the_collector_and_torch_threads_as_it_found_them():
+    import gc
+
+    import torch
+
+    thresholds, threads = gc.get_threshold(), torch.get_num_threads()
+    frozen = gc.get_freeze_count()
+    r = run_simulation(WorkloadConfig(requests=40, seed=3))
+    assert sum(r["terminal_states"].values()) == 40
+    assert gc.get_threshold() == thresholds and gc.get_freeze_count() == frozen
+    assert torch.get_num_threads() == threads
+
+
+def test_token_ids_are_the_seeded_draws_of_their_segments():
+    # The ids are defined as random.Random(key).randbytes(2 * n), read as native-order
+    # 16-bit draws, each mod 32000 plus 1: the reused generator must give exactly those
+    # (a workload's prompts would otherwise change with the implementation).
+    def reference(key: str, n: int) -> list[int]:
+        raw = random.Random(key).randbytes(2 * n)
+        return [int.from_bytes(raw[i:i + 2], sys.byteorder) % 32000 + 1
+                for i in range(0, 2 * n, 2)]
+
+    cfg = WorkloadConfig(requests=300, seed=5)
+    specs = generate(cfg)
+    conv = next(s for s in specs if s.conv >= 0 and len(s.history) > 2)
+    own = next(s for s in specs if s.conv < 0 and s.system >= 0)
+    expected = reference(f"5/system/{own.system}", own.system_len)
+    expected += reference(f"5/{own.rid}", own.prompt_len - own.system_len)
+    assert prompt_tokens(own, 5) == expected
+    assert reply_tokens(own, 7, 5) == reference(f"5/{own.rid}/reply", 7)
+    expected = reference(f"5/system/{conv.system}", conv.system_len) if conv.system >= 0 \
+        else []
+    for j, n in enumerate(conv.history):
+        expected += reference(f"5/conv/{conv.conv}/{j}", n)
+    assert prompt_tokens(conv, 5) == expected and len(expected) == conv.prompt_len
+    # Odd lengths take the high half of the last 32-bit word: still the same draws.
+    assert reply_tokens(conv, 5, 5) == reference(f"5/conv/{conv.conv}/{len(conv.history)}", 5)
+    assert reply_tokens(conv, 0, 5) == []
 
 
 def test_simulate_writes_the_documented_json_and_a_trace(tmp_path, capsys):

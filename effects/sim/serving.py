@@ -819,6 +819,9 @@ class ServingLoop:
         self.steps = 0
         self.seconds = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._create_task: Callable[[Any], asyncio.Task[Any]] = asyncio.ensure_future
+        """The running loop's `create_task` while `run()` runs (`ensure_future` without
+        its checks: `_submit` hands it a coroutine)."""
         self._peak: Counter[str] = Counter()
         self.violations: list[str] = []
         """What the pools' own checks raised at the last audit (`leaks()`)."""
@@ -868,6 +871,7 @@ class ServingLoop:
     async def run(self) -> None:
         """Drive the whole workload to completion."""
         t0 = time.perf_counter()
+        self._create_task = asyncio.get_running_loop().create_task
         for name in self.adapters:
             await self.registry.register(name)
         if self.trace is not None:
@@ -985,7 +989,7 @@ class ServingLoop:
                                                     rid=spec.rid)
         else:
             coro = self.tokenizer.submit(prompt, spec.lora, rid=spec.rid)
-        task = asyncio.ensure_future(coro)
+        task = self._create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

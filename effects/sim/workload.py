@@ -22,8 +22,10 @@ its earlier turns (what a prefix cache can hit), and requests share system promp
 
 from __future__ import annotations
 
+import _random
 import functools
 import random
+from hashlib import sha512 as _sha512
 
 import msgspec
 import numpy
@@ -120,26 +122,48 @@ class WorkloadConfig(msgspec.Struct, frozen=True):
             raise ValueError(f"arrivals_per_step must be >= 1, got {self.arrivals_per_step}")
 
 
+_MT = _random.Random()
+"""One generator, reseeded for every segment (`_segment`)."""
+_seed = _random.Random.seed
+_getrandbits = _random.Random.getrandbits
+_IDS = numpy.arange(1 << 16, dtype=numpy.int64) % 32000 + 1
+"""Token id of each 16-bit draw."""
+
+
 @functools.lru_cache(maxsize=4096)
 def _segment(key: str, n: int) -> tuple[int, ...]:
     """`n` token ids (1..32000) seeded by `key` (the same key always gives the same ids;
     system prompts and conversation turns recur, so recent segments are kept): each
     id is a native-order 16-bit draw mod 32000, plus 1 (array arithmetic, not a loop
-    in Python)."""
-    raw = numpy.frombuffer(random.Random(key).randbytes(2 * n), dtype=numpy.uint16)
-    return tuple((raw % 32000 + 1).tolist())
+    in Python).
+
+    The draws are `random.Random(key).randbytes(2 * n)`'s, made without building a
+    generator per segment: the seed is the integer `Random.seed` makes of a str (its
+    UTF-8 bytes followed by their SHA-512), given to one reused generator's C seed,
+    and `randbytes` is `getrandbits` as little-endian bytes.
+    """
+    if n == 0:
+        return ()
+    b = key.encode()
+    _seed(_MT, int.from_bytes(b + _sha512(b).digest(), "big"))
+    raw = numpy.frombuffer(_getrandbits(_MT, 16 * n).to_bytes(2 * n, "little"),
+                           dtype=numpy.uint16)
+    return tuple(_IDS[raw].tolist())
 
 
 @functools.lru_cache(maxsize=1024)
 def _prompt(spec: RequestSpec, seed: int) -> tuple[int, ...]:
-    out: tuple[int, ...] = ()
-    if spec.system >= 0:
-        out += _segment(f"{seed}/system/{spec.system}", spec.system_len)
+    head = f"{seed}/"
+    out = _segment(f"{head}system/{spec.system}", spec.system_len) if spec.system >= 0 \
+        else ()
     if spec.conv >= 0:
+        conv = f"{head}conv/{spec.conv}/"
         for j, n in enumerate(spec.history):
-            out += _segment(f"{seed}/conv/{spec.conv}/{j}", n)
-    out += _segment(f"{seed}/{spec.rid}", spec.prompt_len - len(out))
-    return out[:spec.prompt_len]
+            out += _segment(f"{conv}{j}", n)
+    rest = spec.prompt_len - len(out)
+    if rest > 0:  # (a conversation's prompt is its system prompt and turns only)
+        out += _segment(head + spec.rid, rest)
+    return out if len(out) == spec.prompt_len else out[:spec.prompt_len]
 
 
 def prompt_tokens(spec: RequestSpec, seed: int = 0) -> list[int]:
