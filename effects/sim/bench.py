@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
+from . import workload as workload_mod
 from .naive import naive_parts
 from .serving import ServingLoop, SimConfig, machine_parts
-from . import workload as workload_mod
 from .workload import WorkloadConfig, generate
 
 _POOL_METHODS = ("alloc", "free", "prefetch", "lock", "unlock")
