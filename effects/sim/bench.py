@@ -11,7 +11,7 @@ the simulator's workload generator, tokenizer fake and scheduler skeleton, so th
 difference is the machines (events, tables, ledger, plans) against dicts and flags.
 Each run starts as `terminus simulate`'s does (and as a serving engine does after its
 warm-up, SGLang's `gc.freeze` included): what exists before it is collected once and
-frozen, so the collector's passes during the run scan only what the run made, for
+frozen, and full collections come at simulate's interval (`collector_for_run`), for
 both loops alike.
 JSON keys: `requests`, `us_per_request` (`machines`, `naive`), `allocator_us_per_request`
 (`machines`, `naive`), `lifecycle_us_per_request` (`machines`, `naive`),
@@ -31,6 +31,7 @@ import torch
 from . import workload as workload_mod
 from .naive import naive_parts
 from .serving import ServingLoop, SimConfig, machine_parts
+from .simulate import collector_for_run
 from .workload import WorkloadConfig, generate
 
 _POOL_METHODS = ("alloc", "free", "prefetch", "lock", "unlock")
@@ -90,11 +91,8 @@ def _run(workload: list[Any], naive: bool) -> tuple[float, float]:
     for pool in _pools_of(loop):
         clock.wrap(pool)
     gc.collect()  # the previous run's garbage is not this one's to collect
-    gc.freeze()
-    try:
+    with collector_for_run():
         asyncio.run(loop.run())
-    finally:
-        gc.unfreeze()
     leaks = loop.leaks()
     if not naive and any(leaks.values()):
         raise AssertionError(f"the machines leaked during the benchmark: {leaks}")

@@ -12,11 +12,12 @@ Bad input is one line on stderr and exit status 2.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -31,7 +32,29 @@ if TYPE_CHECKING:
 __all__ = ["main", "run_simulation"]
 
 _FULL_GC_EVERY = 100
-"""Middle-generation collections per full collection during a run (`run_simulation`)."""
+"""Middle-generation collections per full collection during a run (`collector_for_run`)."""
+
+
+@contextlib.contextmanager
+def collector_for_run() -> Iterator[None]:
+    """The collector's settings for one run of the serving loop (`run_simulation`,
+    `terminus bench e2e`), restored after it.
+
+    What exists before the run (torch, the workload, the loop's pools) is not garbage
+    during it: frozen, the collector's full passes scan only what the run made. Those
+    passes still scan all of that, more at each (the requests' outputs and records stay
+    until the summary), for little garbage (cycles that outlived two younger
+    collections): one per 100 middle-generation collections (about 60k requests)
+    instead of per 10 (young cycles are collected as before).
+    """
+    thresholds = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(thresholds[0], thresholds[1], max(thresholds[2], _FULL_GC_EVERY))
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
 
 
 class _Counting:
@@ -175,21 +198,11 @@ def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu",
             watch_loop(metrics, loop)
         counter = _Counting()
         prev = observe.set_recorder(counter)
-        # What exists before the run (torch, the workload, the loop's pools) is not
-        # garbage during it: frozen, the collector's full passes scan only what the run
-        # made. Those passes still scan all of that, more at each (the requests' outputs
-        # and records stay until the summary), for little garbage (cycles that outlived
-        # two younger collections): one per 100 middle-generation collections (about
-        # 60k requests) instead of per 10 (young cycles are collected as before).
-        thresholds = gc.get_threshold()
-        gc.freeze()
-        gc.set_threshold(thresholds[0], thresholds[1], max(thresholds[2], _FULL_GC_EVERY))
-        try:
-            asyncio.run(loop.run())
-        finally:
-            gc.set_threshold(*thresholds)
-            gc.unfreeze()
-            observe.set_recorder(prev)
+        with collector_for_run():
+            try:
+                asyncio.run(loop.run())
+            finally:
+                observe.set_recorder(prev)
         prefix_cache = loop.prefix_cache()
         leaks = loop.leaks()
     finally:
