@@ -276,17 +276,19 @@ class TokenizerSide:
         if (rid is None or isinstance(rid, RequestKey) or rid in names
                 or rid in self._reserved):
             rid = self._claim(rid, set())
-        # `_new_request` and `_run_request`, inline (one call and one coroutine less per
-        # request); keep the three in step.
+        # `_new_request`, `_run_request` and `_send`, inline (calls and a coroutine less
+        # per request); keep them in step.
         req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora)
         names[rid] = req
         self._live[req.key] = req
         fire = self._fire
         try:
+            # Fired straight at the instance: a request nobody else has seen yet does not
+            # end on Submitted, so there is nothing `_fire` could retire.
             if lora is None:
-                fire(req, _SUBMIT)
+                req.fire(_SUBMIT)
             else:
-                fire(req, _SUBMIT_ACQUIRE)
+                req.fire(_SUBMIT_ACQUIRE)
                 try:
                     lora_id = await self.registry.acquire(lora)
                 except Exception as e:
@@ -307,7 +309,11 @@ class TokenizerSide:
                 fire(req, ValidationFailed(500, f"tokenizer failed: {e!r}"))
                 return req
             fire(req, _VALIDATED)  # absorbed when an abort came first
-            self._send(req)
+            if req._s == self._dispatched:  # `_send`, inline
+                try:
+                    self.scheduler.send(req.key, req.tokens, req.lora_id)
+                except Exception as e:
+                    fire(req, DispatchFailed(f"could not send to the scheduler: {e!r}"))
         except BaseException:
             self._end(req, "submission was interrupted")
             raise
@@ -627,6 +633,12 @@ class TokenizerSide:
         live = self._live
         inst = live.get(rid) if rid.__class__ is RequestKey else None
         if inst is None:
+            # A request of its own that ended (an abort echo): `get` and `_not_created`
+            # without the calls. Its id is its group; no group reserves a key of this role.
+            if (rid.__class__ is RequestKey and rid.role == "request"
+                    and self._names.get(rid.group) is None):
+                self.unknown_events += 1
+                return False
             inst = self.get(rid)
             if inst is None:
                 self._not_created(rid)
@@ -722,8 +734,9 @@ class TokenizerSide:
         members: list[Instance] = [top]
         if isinstance(top, SamplingGroup):
             members += top.warmups + top.children
-            if not all(m.terminal for m in members):
-                return
+            for m in members:
+                if not m._m.terminal[m._s]:  # `m.terminal`, without the property
+                    return
         for m in members:
             name = m.key.rid if isinstance(m.key, RequestKey) else m.key
             if self._names.get(name) is m:
