@@ -610,13 +610,34 @@ class TokenizerSide:
     @sanitized
     def on_output(self, rid: Any) -> bool:
         """The scheduler streamed a non-final output for `rid`."""
-        return self._deliver(rid, _OUTPUT)
+        # `_deliver`'s common case, inline: the key of a live request.
+        inst = self._live.get(rid) if rid.__class__ is RequestKey else None
+        if inst is None or inst.__class__ is not Request:
+            return self._deliver(rid, _OUTPUT)
+        try:
+            inst.fire(_OUTPUT)
+        finally:
+            if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
+                self._retired(inst, _OUTPUT)
+        return True
 
     @sanitized
     def on_finish(self, rid: Any, reason: str = "stop") -> bool:
         """The scheduler finished `rid` (an abort echo arrives as one for a dead rid)."""
-        event = _FINISHED.get(reason) if reason.__class__ is str else None
-        return self._deliver(rid, Finished(reason) if event is None else event)
+        try:
+            event = _FINISHED[reason]
+        except (KeyError, TypeError):
+            event = Finished(reason)
+        # `_deliver`'s common case, inline: the key of a live request.
+        inst = self._live.get(rid) if rid.__class__ is RequestKey else None
+        if inst is None or inst.__class__ is not Request:
+            return self._deliver(rid, event)
+        try:
+            inst.fire(event)
+        finally:
+            if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
+                self._retired(inst, event)
+        return True
 
     @sanitized
     def on_error(self, rid: Any, status: int = 500, message: str = "") -> bool:
