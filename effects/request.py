@@ -127,7 +127,12 @@ def stream_terminal(ctx: Any) -> None:
         return
     key = inst.key
     rid = key.rid if key.__class__ is RequestKey or isinstance(key, RequestKey) else key
-    ctx.resources.sink.put(terminal_output(rid, ctx.target, ctx.event))
+    outcome, event = ctx.target, ctx.event
+    if event.__class__ is Finished and outcome == "finished":  # `terminal_output`, inline
+        out = TerminalOutput(rid, outcome, 200, "", event.reason)
+    else:
+        out = terminal_output(rid, outcome, event)
+    ctx.resources.sink.put(out)
 
 
 @release_effect
