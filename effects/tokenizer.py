@@ -750,7 +750,7 @@ class TokenizerSide:
 
     def _family_check(self, top: Instance) -> None:
         """Forget a family once every member has ended (its ids are free again)."""
-        if not top.terminal:
+        if not top._m.terminal[top._s]:  # `top.terminal`, without the property
             return
         members: list[Instance] = [top]
         if isinstance(top, SamplingGroup):
