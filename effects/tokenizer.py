@@ -754,10 +754,15 @@ class TokenizerSide:
             return
         members: list[Instance] = [top]
         if isinstance(top, SamplingGroup):
-            members += top.warmups + top.children
-            for m in members:
-                if not m._m.terminal[m._s]:  # `m.terminal`, without the property
+            # Every member ended? Children first, the last made first: they end last.
+            # (`m.terminal`, without the property.)
+            for m in reversed(top.children):
+                if not m._m.terminal[m._s]:
                     return
+            for m in top.warmups:
+                if not m._m.terminal[m._s]:
+                    return
+            members += top.warmups + top.children
         for m in members:
             name = m.key.rid if isinstance(m.key, RequestKey) else m.key
             if self._names.get(name) is m:
