@@ -65,10 +65,12 @@ class OutputLog:
 
     def put(self, output: TerminalOutput) -> None:
         """Record `output` (counted even when the send then fails)."""
-        self.counts[output.rid] += 1
+        rid = output.rid
+        counts = self.counts
+        counts[rid] = counts.get(rid, 0) + 1  # `+= 1` without Counter.__missing__'s call
         self.outputs.append(output)
-        if output.rid in self.failing:
-            raise ConnectionError(f"client stream of {output.rid!r} is closed")
+        if rid in self.failing:
+            raise ConnectionError(f"client stream of {rid!r} is closed")
 
     def first(self) -> dict[Any, TerminalOutput]:
         """Each request id's first output (what its client saw)."""

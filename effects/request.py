@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from terminus.fsm import Action, Ledger, Machine, Plan, Release, release_effect
 from terminus.kernels.protocols import LoRARegistry
-from terminus.states.request import REQUEST, client_rid
+from terminus.states.request import REQUEST, Finished, RequestKey
 from terminus.states.sampling import SAMPLING
 
 from .output import OutputSink, TerminalOutput
@@ -105,6 +105,8 @@ _STATUS = {"finished": 200, "aborted": 499, "dispatch_failed": 503}
 
 def terminal_output(rid: Any, outcome: str, event: Any) -> TerminalOutput:
     """The terminal output for a transition into `outcome` caused by `event`."""
+    if event.__class__ is Finished and outcome == "finished":  # the common case, direct
+        return TerminalOutput(rid, outcome, 200, "", event.reason)
     status = getattr(event, "status", None)
     if status is None:
         status = _STATUS.get(outcome, 500)
@@ -123,7 +125,14 @@ def stream_terminal(ctx: Any) -> None:
     inst = ctx.instance
     if not getattr(inst, "stream", True):
         return
-    ctx.resources.sink.put(terminal_output(client_rid(inst.key), ctx.target, ctx.event))
+    key = inst.key
+    rid = key.rid if key.__class__ is RequestKey or isinstance(key, RequestKey) else key
+    outcome, event = ctx.target, ctx.event
+    if event.__class__ is Finished and outcome == "finished":  # `terminal_output`, inline
+        out = TerminalOutput(rid, outcome, 200, "", event.reason)
+    else:
+        out = terminal_output(rid, outcome, event)
+    ctx.resources.sink.put(out)
 
 
 @release_effect

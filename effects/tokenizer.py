@@ -80,6 +80,8 @@ _VALIDATED = Validated()
 _OUTPUT = Output()
 _FAN_OUT = FanOut()
 _WARMUP_FINISHED = WarmupFinished()
+# `Finished(reason)` for the reasons schedulers report most.
+_FINISHED = {r: Finished(r) for r in ("stop", "length", "abort")}
 
 
 class InvalidRequest(Exception):
@@ -170,6 +172,7 @@ class TokenizerSide:
         """REQUEST bound to its plans over `ledger` (its `stats` count plans and ignores)."""
         self.sampling = bind_sampling(ledger)
         """SAMPLING bound to its plans over `ledger`."""
+        self._dispatched = self.requests.states.index("dispatched")
         # Instances not yet terminal, by key.
         self._live: dict[RequestKey, Instance] = {}
         # Every member of a live family (terminal ones too), by the id its client sees.
@@ -178,6 +181,8 @@ class TokenizerSide:
         # no other request may take one, or it would be orphaned when the group does.
         self._reserved: dict[Any, RequestKey] = {}
         self._batches: dict[RequestKey, _Batch] = {}
+        # Each live group's `_derived_keys`, with their ids (made once, at submission).
+        self._derived: dict[RequestKey, list[tuple[Any, RequestKey]]] = {}
         self._ids = itertools.count(1)
         self.unknown_events = 0
         """Events for ids no live family has (dropped: nothing they could reach owns
@@ -266,8 +271,52 @@ class TokenizerSide:
         raises nothing. A cancelled submit aborts the request (releasing its reference)
         and re-raises.
         """
-        req = self._new_request(self._claim(rid, set()), prompt, lora)
-        await self._run_request(req)
+        names = self._names
+        # `_claim`, without the call in the common case: a rid nobody holds or reserved.
+        if (rid is None or isinstance(rid, RequestKey) or rid in names
+                or rid in self._reserved):
+            rid = self._claim(rid, set())
+        # `_new_request`, `_run_request` and `_send`, inline (calls and a coroutine less
+        # per request); keep them in step.
+        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora)
+        names[rid] = req
+        self._live[req.key] = req
+        fire = self._fire
+        try:
+            # Fired straight at the instance: a request nobody else has seen yet does not
+            # end on Submitted, so there is nothing `_fire` could retire.
+            if lora is None:
+                req.fire(_SUBMIT)
+            else:
+                req.fire(_SUBMIT_ACQUIRE)
+                try:
+                    lora_id = await self.registry.acquire(lora)
+                except Exception as e:
+                    fire(req, AcquireFailed(400 if _unknown_adapter(e) else 500, str(e)))
+                    return req
+                # Owned from this instant; released at once if an abort came first (I6).
+                self.ledger.acquire(req, LORA, lora_id)
+                req.lora_id = lora_id
+                fire(req, LoRAAcquired((lora_id,)))
+                if req._m.terminal[req._s]:  # `req.terminal`, without the property
+                    return req
+            try:
+                req.tokens = await self.tokenizer.tokenize(prompt)
+            except InvalidRequest as e:
+                fire(req, ValidationFailed(e.status, str(e)))
+                return req
+            except Exception as e:
+                fire(req, ValidationFailed(500, f"tokenizer failed: {e!r}"))
+                return req
+            fire(req, _VALIDATED)  # absorbed when an abort came first
+            if req._s == self._dispatched:  # `_send`, inline
+                try:
+                    self.scheduler.send(req.key, req.tokens, req.lora_id)
+                except Exception as e:
+                    fire(req, DispatchFailed(f"could not send to the scheduler: {e!r}"))
+        except BaseException:
+            self._end(req, "submission was interrupted")
+            raise
         return req
 
     def _new_request(self, rid: Any, prompt: Any, lora: str | None) -> Request:
@@ -379,23 +428,27 @@ class TokenizerSide:
         else:
             shapes = [(prompts, per_prompt)]
         keys = [RequestKey(r, "group") for r in names]
+        derived: list[list[tuple[Any, RequestKey]]] = []
         for key, (ps, _) in zip(keys, shapes, strict=True):
-            for d in _derived_keys(key, len(ps), n):
-                if d.rid in self._names or d.rid in self._reserved or d.rid in taken:
+            ds = [(d.rid, d) for d in _derived_keys(key, len(ps), n)]
+            for name, _ in ds:
+                if name in self._names or name in self._reserved or name in taken:
                     raise ValueError(
-                        f"sampling group {key.group!r} would name a request {d.rid!r}, "
+                        f"sampling group {key.group!r} would name a request {name!r}, "
                         "which is already in flight or reserved; choose another group rid")
-                taken.add(d.rid)
+                taken.add(name)
+            derived.append(ds)
         # Decided; from here on, create.
         parents = [SamplingGroup(self.sampling, key, prompts=ps, loras=los, n=n)
                    for key, (ps, los) in zip(keys, shapes, strict=True)]
         batch = _Batch(parents)
-        for p in parents:
+        for p, ds in zip(parents, derived, strict=True):
             self._names[p.key.group] = p
             self._live[p.key] = p
             self._batches[p.key] = batch
-            for d in _derived_keys(p.key, len(p.prompts), n):
-                self._reserved[d.rid] = d
+            self._derived[p.key] = ds
+            for name, d in ds:
+                self._reserved[name] = d
         try:
             await asyncio.gather(*(self._prepare_group(p, batch) for p in parents))
         except BaseException:
@@ -489,7 +542,7 @@ class TokenizerSide:
         self._live[inst.key] = inst
 
     def _send(self, req: Request) -> None:
-        if req.state != "dispatched":
+        if req._s != self._dispatched:  # `req.state != "dispatched"`, without the property
             return  # aborted (or failed) before it could be sent
         try:
             self.scheduler.send(req.key, req.tokens, req.lora_id)
@@ -557,12 +610,34 @@ class TokenizerSide:
     @sanitized
     def on_output(self, rid: Any) -> bool:
         """The scheduler streamed a non-final output for `rid`."""
-        return self._deliver(rid, _OUTPUT)
+        # `_deliver`'s common case, inline: the key of a live request.
+        inst = self._live.get(rid) if rid.__class__ is RequestKey else None
+        if inst is None or inst.__class__ is not Request:
+            return self._deliver(rid, _OUTPUT)
+        try:
+            inst.fire(_OUTPUT)
+        finally:
+            if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
+                self._retired(inst, _OUTPUT)
+        return True
 
     @sanitized
     def on_finish(self, rid: Any, reason: str = "stop") -> bool:
         """The scheduler finished `rid` (an abort echo arrives as one for a dead rid)."""
-        return self._deliver(rid, Finished(reason))
+        try:
+            event = _FINISHED[reason]
+        except (KeyError, TypeError):
+            event = Finished(reason)
+        # `_deliver`'s common case, inline: the key of a live request.
+        inst = self._live.get(rid) if rid.__class__ is RequestKey else None
+        if inst is None or inst.__class__ is not Request:
+            return self._deliver(rid, event)
+        try:
+            inst.fire(event)
+        finally:
+            if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
+                self._retired(inst, event)
+        return True
 
     @sanitized
     def on_error(self, rid: Any, status: int = 500, message: str = "") -> bool:
@@ -576,13 +651,27 @@ class TokenizerSide:
 
     def _deliver(self, rid: Any, event: Any) -> bool:
         # `get`, with its common case first: the key of a live instance.
-        inst = self._live.get(rid) if rid.__class__ is RequestKey else None
+        live = self._live
+        inst = live.get(rid) if rid.__class__ is RequestKey else None
         if inst is None:
+            # A request of its own that ended (an abort echo): `get` and `_not_created`
+            # without the calls. Its id is its group; no group reserves a key of this role.
+            if (rid.__class__ is RequestKey and rid.role == "request"
+                    and self._names.get(rid.group) is None):
+                self.unknown_events += 1
+                return False
             inst = self.get(rid)
-        if inst is None:
-            self._not_created(rid)
-            self.unknown_events += 1
-            return False
+            if inst is None:
+                self._not_created(rid)
+                self.unknown_events += 1
+                return False
+        if inst.__class__ is Request:  # `_fire`, inline: this runs for every result
+            try:
+                inst.fire(event)
+            finally:
+                if inst._m.terminal[inst._s] and live.get(inst.key) is inst:
+                    self._retired(inst, event)
+            return True
         if isinstance(inst, SamplingGroup):
             warm, child = (RequestKey(inst.key.group, r, 0).rid for r in ("warmup", "child"))
             raise ValueError(
@@ -630,11 +719,22 @@ class TokenizerSide:
                 f"ending {len(errors)} requests of an interrupted batch raised", errors)
 
     def _retired(self, inst: Instance, event: Any) -> None:
-        del self._live[inst.key]
+        key = inst.key
+        del self._live[key]
+        if inst.__class__ is Request and inst.parent is None:
+            # A request of its own (`_new_request`: its key is `RequestKey(rid)`) is its
+            # whole family, and has no batch.
+            names = self._names
+            if names.get(key.group) is inst:
+                del names[key.group]
+            return
         if isinstance(inst, SamplingGroup):
-            for d in _derived_keys(inst.key, len(inst.prompts), inst.n):
-                if self._reserved.get(d.rid) == d:  # ids it never used are free again
-                    del self._reserved[d.rid]
+            ds = self._derived.pop(key, None)
+            if ds is None:
+                ds = [(d.rid, d) for d in _derived_keys(key, len(inst.prompts), inst.n)]
+            for name, d in ds:
+                if self._reserved.get(name) == d:  # ids it never used are free again
+                    del self._reserved[name]
             self._group_ended(inst, event)
             self._family_check(inst)
         elif isinstance(inst, Request):
@@ -650,13 +750,19 @@ class TokenizerSide:
 
     def _family_check(self, top: Instance) -> None:
         """Forget a family once every member has ended (its ids are free again)."""
-        if not top.terminal:
+        if not top._m.terminal[top._s]:  # `top.terminal`, without the property
             return
         members: list[Instance] = [top]
         if isinstance(top, SamplingGroup):
+            # Every member ended? Children first, the last made first: they end last.
+            # (`m.terminal`, without the property.)
+            for m in reversed(top.children):
+                if not m._m.terminal[m._s]:
+                    return
+            for m in top.warmups:
+                if not m._m.terminal[m._s]:
+                    return
             members += top.warmups + top.children
-            if not all(m.terminal for m in members):
-                return
         for m in members:
             name = m.key.rid if isinstance(m.key, RequestKey) else m.key
             if self._names.get(name) is m:

@@ -39,6 +39,53 @@ def test_normal_completion_releases_the_reference_once_and_streams_finished():
     run(main())
 
 
+def test_results_by_the_key_the_scheduler_was_sent_end_the_request_once():
+    async def main():
+        s = await make_side()
+        await s.side.submit("hello", "a", rid="r1")
+        await s.side.submit("hi there", None, rid="r2")
+        await s.side.submit("bye", "b", rid="r3")
+        k1, k2, k3 = s.scheduler.keys
+        assert (k1, k2, k3) == (RequestKey("r1"), RequestKey("r2"), RequestKey("r3"))
+        assert s.side.on_output(k1) and s.side.on_output(k1)
+        assert s.side.on_finish(k1, "length") and s.side.on_finish(k2, "custom-stop")
+        assert s.sink.outputs["r1"] == TerminalOutput("r1", "finished", 200, "", "length")
+        assert s.sink.outputs["r2"] == TerminalOutput("r2", "finished", 200, "",
+                                                      "custom-stop")
+        assert s.side.abort("r3") and s.scheduler.aborted == ["r3"]
+        released = s.ledger.released
+        # Ended, so forgotten: late results by key (the abort echo, a duplicate finish, an
+        # output) are counted and dropped, and change nothing.
+        assert not s.side.on_finish(k3, "abort")
+        assert not s.side.on_finish(k1, "length")
+        assert not s.side.on_output(k2)
+        assert not s.side.on_error(k3, 500, "late")
+        assert s.side.unknown_events == 4 and s.ledger.released == released == 2
+        assert [s.sink.outcome(r) for r in ("r1", "r2", "r3")] == ["finished", "finished",
+                                                                   "aborted"]
+        assert s.side.live_count == 0 and not s.sink.duplicates
+        await s.finish_clean()
+
+    run(main())
+
+
+def test_a_group_key_is_refused_by_every_result_and_changes_nothing():
+    async def main():
+        s = await make_side()
+        await s.side.submit_batch(["p"], "a", n=2, rid="g")
+        for deliver in (s.side.on_output, s.side.on_finish):
+            with pytest.raises(ValueError, match="'g' is a sampling group"):
+                deliver(RequestKey("g", "group"))
+        assert s.side.get("g").state == "warming_up" and s.side.unknown_events == 0
+        # A request key of the group's name is none of the family's: counted, dropped.
+        assert not s.side.on_finish(RequestKey("g"), "abort")
+        assert s.side.unknown_events == 1 and s.side.get("g").state == "warming_up"
+        assert s.side.abort("g")
+        await s.finish_clean()
+
+    run(main())
+
+
 def test_batch_completion_releases_each_request_once():
     async def main():
         s = await make_side()
