@@ -610,16 +610,7 @@ class TokenizerSide:
     @sanitized
     def on_output(self, rid: Any) -> bool:
         """The scheduler streamed a non-final output for `rid`."""
-        # `_deliver`'s common case, inline: the key of a live request.
-        inst = self._live.get(rid) if rid.__class__ is RequestKey else None
-        if inst is None or inst.__class__ is not Request:
-            return self._deliver(rid, _OUTPUT)
-        try:
-            inst.fire(_OUTPUT)
-        finally:
-            if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
-                self._retired(inst, _OUTPUT)
-        return True
+        return self._deliver(rid, _OUTPUT)
 
     @sanitized
     def on_finish(self, rid: Any, reason: str = "stop") -> bool:
@@ -628,16 +619,7 @@ class TokenizerSide:
             event = _FINISHED[reason]
         except (KeyError, TypeError):
             event = Finished(reason)
-        # `_deliver`'s common case, inline: the key of a live request.
-        inst = self._live.get(rid) if rid.__class__ is RequestKey else None
-        if inst is None or inst.__class__ is not Request:
-            return self._deliver(rid, event)
-        try:
-            inst.fire(event)
-        finally:
-            if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
-                self._retired(inst, event)
-        return True
+        return self._deliver(rid, event)
 
     @sanitized
     def on_error(self, rid: Any, status: int = 500, message: str = "") -> bool:
