@@ -15,14 +15,20 @@ from terminus.effects.sequence import RunningBatch, SchedulerPools
 from terminus.states.sequence import SequenceAbort
 
 
-def grown(seed: int, page_size: int, host: bool, monkeypatch) -> tuple[list, RunningBatch]:
-    monkeypatch.setattr(sequence, "_HOST_ROWS", 64 if host else 0)
-    rng = random.Random(seed)
+def five_rows(page_size: int) -> tuple[SchedulerPools, RunningBatch, torch.Tensor]:
+    """Pools of 6 rows and 64 KV tokens, and a batch with 5 rows admitted (no Mamba)."""
     pools = SchedulerPools(rows=6, max_context_len=64, kv_tokens=64,
                            mamba_slots=2, page_size=page_size)
     rb = RunningBatch(pools)
     rows = rb.admit(5, mamba=False)
     assert rows is not None
+    return pools, rb, rows
+
+
+def grown(seed: int, page_size: int, host: bool, monkeypatch) -> tuple[list, RunningBatch]:
+    monkeypatch.setattr(sequence, "_HOST_ROWS", 64 if host else 0)
+    rng = random.Random(seed)
+    pools, rb, rows = five_rows(page_size)
     seen = []
     for _ in range(6):
         pick = sorted(rng.sample(rows.tolist(), rng.randint(1, 5)))
@@ -48,11 +54,7 @@ def grown_lists(seed: int, page_size: int, as_lists: bool) -> list:
     """`grown`'s appends, decode steps (one token each) among them, given as lists of
     ints or as tensors."""
     rng = random.Random(seed)
-    pools = SchedulerPools(rows=6, max_context_len=64, kv_tokens=64,
-                           mamba_slots=2, page_size=page_size)
-    rb = RunningBatch(pools)
-    rows = rb.admit(5, mamba=False)
-    assert rows is not None
+    pools, rb, rows = five_rows(page_size)
     seen = []
     for _ in range(8):
         pick = sorted(rng.sample(rows.tolist(), rng.randint(1, 5)))
