@@ -811,8 +811,8 @@ def _lazy_table(n: int) -> list[_OnCell | None]:
 
 
 def _compile_general(m: Machine, t: _Terminal) -> _OnCell:
-    """`_compile_terminal` for a plan with actions or a machine without a ledger: the
-    plan runs through `Machine._run_terminal`."""
+    """`_compile_terminal` for a machine without a ledger: the plan runs through
+    `Machine._run_terminal`."""
     target, busy = t.target, _BUSY
 
     def fire_terminal(inst: Instance, event: Any) -> PlanReport | None:

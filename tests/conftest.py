@@ -1,10 +1,15 @@
 """Shared test configuration: one torch thread per process; tests marked ``gpu`` run only
-where CUDA is present; the ``device`` fixture runs a kernel test on CPU and on CUDA."""
+where CUDA is present; the ``device`` fixture runs a kernel test on CPU and on CUDA; ``kv``
+is a strict KV pool checked full at the end."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+
+from terminus.kernels import TokenKVAllocator
 
 # `make test` runs two xdist workers on a two-core machine: with torch's default
 # intra-op pool (one thread per core) in each worker the cores are oversubscribed, and
@@ -22,6 +27,15 @@ def device(request: pytest.FixtureRequest) -> str:
     share across the examples of a Hypothesis ``@given`` test.
     """
     return request.param
+
+
+@pytest.fixture
+def kv() -> Iterator[TokenKVAllocator]:
+    """A strict 64-token KV pool, checked full when the test ends (a module may define
+    its own ``kv``)."""
+    pool = TokenKVAllocator(64, strict=True)
+    yield pool
+    pool.assert_full()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

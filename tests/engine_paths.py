@@ -2,8 +2,8 @@
 
 `engine_path` runs a test unobserved (no recorder: `Instance.fire` calls the compiled
 function of each cell, `fsm.machine._compile_terminal` for an unguarded terminal edge)
-and recorded (a recorder attached, the coverage plugin's when it runs: plain transitions
-are recorded, terminal edges take the general `_step`). Use it on a module with
+and recorded (a recorder attached, the coverage plugin's when it runs: every cell's
+compiled function also records its decision). Use it on a module with
 `pytestmark = pytest.mark.usefixtures("engine_path")`.
 """
 

@@ -21,18 +21,10 @@ from terminus.fsm import (
     go,
     release_effect,
 )
-from terminus.kernels import TokenKVAllocator
 from tests.engine_paths import engine_path  # noqa: F401  (a fixture)
 from tests.lifecycle import EVENTS, GUARDS, LIFECYCLE, TABLE, Abort, Chunk, Finish, Job, Start
 
 pytestmark = pytest.mark.usefixtures("engine_path")
-
-
-@pytest.fixture
-def kv():
-    pool = TokenKVAllocator(64, strict=True)
-    yield pool
-    pool.assert_full()
 
 
 @release_effect

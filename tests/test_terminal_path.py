@@ -17,18 +17,10 @@ from terminus.fsm import (
     release_effect,
 )
 from terminus.fsm.plan import unwrapped
-from terminus.kernels import TokenKVAllocator
 from tests.engine_paths import engine_path  # noqa: F401  (a fixture)
 from tests.lifecycle import LIFECYCLE, Abort, Start
 
 pytestmark = pytest.mark.usefixtures("engine_path")
-
-
-@pytest.fixture
-def kv():
-    pool = TokenKVAllocator(64, strict=True)
-    yield pool
-    pool.assert_full()
 
 
 def make(kv, releaser, **plans):
