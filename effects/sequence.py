@@ -608,10 +608,17 @@ class RunningBatch:
     @sanitized
     def queue(self, rows: list[int], event: type) -> None:
         """Queue `event` for each of `rows`, after the events already queued for it;
-        `flush` delivers them all in one step (nothing is taken or released here)."""
+        `flush` delivers them all in one step (nothing is taken or released here).
+        A row outside the batch is refused here (`IndexError`), with nothing queued:
+        found at `flush`, it would cost the step's other events, admissions included."""
         if not rows:
             return
-        self._enqueue(rows, self.event[event])
+        eid = self.event[event]
+        if min(rows) < 0 or max(rows) >= self.batch.n:
+            bad = [r for r in rows if not 0 <= r < self.batch.n]
+            raise IndexError(f"queue: rows {bad} are outside the batch; rows are "
+                             f"0..{self.batch.n - 1}, as admit() returns")
+        self._enqueue(rows, eid)
 
     def _enqueue(self, rows: list[int], eid: int) -> None:
         self._queued_ids.add(eid)
@@ -654,12 +661,8 @@ class RunningBatch:
         # Built on the host (numpy: ~1 us a round, where two torch.tensor and an
         # index_copy_ cost ~15), then handed to the batch's device.
         host = np.full((len(rounds), self.batch.n), -1, dtype=np.int64)
-        for j, rd in enumerate(rounds):
-            at = list(rd)
-            if min(at) < 0:  # numpy would count from the end; torch refused these
-                raise IndexError(f"flush: rows {[r for r in at if r < 0]} were queued; "
-                                 f"rows are 0..{self.batch.n - 1}, as admit() returns")
-            host[j, at] = list(rd.values())
+        for j, rd in enumerate(rounds):  # rows checked by queue()
+            host[j, list(rd)] = list(rd.values())
         ev = torch.from_numpy(host).to(self.batch.device)
         reset = None
         if admitted:

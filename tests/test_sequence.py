@@ -376,6 +376,23 @@ def test_a_queued_admission_is_delivered_even_when_its_step_is_refused(pools):
     assert rb.retired["aborted"] == 3
 
 
+@pytest.mark.parametrize("bad", [-1, 8])
+def test_a_row_outside_the_batch_is_refused_when_queued_and_queues_nothing(pools, bad):
+    rb = RunningBatch(pools)
+    new = rb.admit(2, mamba=True, queued=True)
+    with pytest.raises(IndexError, match=rf"queue: rows \[{bad}\] are outside the batch; "
+                       r"rows are 0\.\.7"):
+        rb.queue([new.tolist()[0], bad], SequenceAbort)
+    # Nothing of the refused call was queued, and the admission queued before it is
+    # still delivered: the rows own their slots and an abort releases them.
+    rb.flush()
+    rb.check()
+    assert sorted(rb.rows_in("prefill").tolist()) == sorted(new.tolist())
+    assert rb.admitting.numel() == 0
+    rb.fire(new, SequenceAbort)
+    assert rb.retired["aborted"] == 2
+
+
 @pytest.fixture
 def unobserved():
     """No recorder attached (the suite's coverage recorder is): an observed step always
