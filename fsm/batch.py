@@ -243,7 +243,9 @@ class Batch:
         # Deferred refusals (see the module docstring): the sticky flag of the quiet
         # steps not read yet, and each such step's gather indices, to name the refusal.
         self._bad: torch.Tensor | None = None
-        self._log: list[list[torch.Tensor]] = []
+        # Per quiet step not read yet: (its ids out of range? a 0-d flag on the device;
+        # the events as given; the cell indices of each round).
+        self._log: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = []
         self._log_ids = 0
 
     def __repr__(self) -> str:
@@ -366,7 +368,7 @@ class Batch:
         m = self.machine
         observed = m.observed
         if quiet and not observed:
-            return self._step_quiet(rounds)
+            return self._step_quiet(rounds, events)
         base = self._base
         bases, packs = [], []
         last = len(rounds) - 1
@@ -534,9 +536,10 @@ class Batch:
                 "dtype=torch.int64)")
         return rows
 
-    def _step_quiet(self, rounds: list[torch.Tensor]) -> BatchStep:
+    def _step_quiet(self, rounds: list[torch.Tensor], events: torch.Tensor) -> BatchStep:
         """A step no row can leave quiet (see `step`): applied on the device with no read;
-        an error cell sets the sticky flag, and a flagged step changes nothing."""
+        an error cell or an event id out of range (`events`, before the rounds were
+        clamped) sets the sticky flag, and a flagged step changes nothing."""
         if len(self._log) >= _MAX_UNCHECKED_STEPS or self._log_ids >= _MAX_UNCHECKED_IDS:
             self.check()  # bound the evidence kept: one read every so many quiet steps
         base = self._base
@@ -555,12 +558,14 @@ class Batch:
         # An error or guarded cell is negative; an edge into a terminal state (an id
         # outside `known`) has bit 40 or above: either refuses the step.
         lo, hi = cells.aminmax()  # one pass, nothing as large as the step allocated
-        bad = lo.lt(0).logical_or_(hi.ge(1 << _NEWLY_SHIFT))
+        ev_lo, ev_hi = events.aminmax()
+        bad_ids = ev_lo.lt(-1).logical_or_(ev_hi.gt(self._w - 3))
+        bad = lo.lt(0).logical_or_(hi.ge(1 << _NEWLY_SHIFT)).logical_or_(bad_ids)
         if self._bad is not None:
             bad = bad.logical_or_(self._bad)
         self._base = torch.where(bad, self._base, base)
         self._bad = bad
-        self._log.append(idxs)
+        self._log.append((bad_ids, events, idxs))
         self._log_ids += sum(i.numel() for i in idxs)
         return BatchStep(self._empty, self._empty)
 
@@ -584,7 +589,16 @@ class Batch:
         m = self.machine
         log, later = self._log, 0
         self._clear_deferred()
-        for k, idxs in enumerate(log):
+        for k, (bad_ids, events, idxs) in enumerate(log):
+            if _host(bad_ids):
+                later = len(log) - k - 1
+                try:
+                    self._refuse_bad_ids(events.reshape(-1))
+                except IndexError as e:
+                    raise IndexError(
+                        f"{e} (a quiet step, refused on the device and reported at this "
+                        f"read; it and the {later} quiet step(s) after it changed nothing)"
+                    ) from None
             for idx in idxs:
                 packed = self._packed.index_select(0, idx)
                 bad = (packed >> _NEWLY_SHIFT) != 0
@@ -738,8 +752,11 @@ class Batch:
 
         A scheduler reuses the row of a finished request for the next one (the row is
         its request slot); a row whose instance is still live is refused, so a reset
-        can never skip a release.
+        can never skip a release. A quiet step's deferred refusal is raised first
+        (`check()`), with nothing recycled.
         """
+        if self._bad is not None:
+            self.check()
         m = self.machine
         states = torch.div(self._base.index_select(0, rows) - 1, self._w, rounding_mode="floor")
         ok = self._terminal[states] | (states == m.initial)

@@ -165,6 +165,40 @@ def test_a_deferred_refusal_is_raised_by_the_next_step_that_reads_before_it_chan
     assert [LIFECYCLE.states[s] for s in b.states.tolist()] == ["queued", "aborted"]
 
 
+@pytest.mark.parametrize("bad", [99, -7])
+def test_an_event_id_out_of_range_in_a_quiet_step_is_refused_as_a_loud_step_refuses_it(
+        syncs, bad):
+    from tests.lifecycle import LIFECYCLE, Start
+
+    b = LIFECYCLE.batch(3)
+    start = LIFECYCLE.event_id(Start)
+    before = b.states.clone()
+    syncs.clear()
+    b.step(torch.tensor([start, bad, -1]), known={start})  # no read: refused on the device
+    assert syncs == [] and b.unchecked == 1
+    assert torch.equal(b.states, before)  # not clamped into some other event
+    with pytest.raises(IndexError, match=rf"event id {bad} at instance 1 is out of range.*"
+                       r"quiet step.*0 quiet step\(s\) after it"):
+        b.check()
+    with pytest.raises(IndexError, match=rf"event id {bad} at instance 1 is out of range"):
+        b.step(torch.tensor([start, bad, -1]))  # the loud step's own refusal, the same
+    assert torch.equal(b.states, before)
+
+
+def test_recycle_after_a_refused_quiet_step_raises_that_refusal_and_recycles_nothing(syncs):
+    from tests.lifecycle import LIFECYCLE, Abort, Start
+
+    b = LIFECYCLE.batch(2)
+    start, abort = LIFECYCLE.event_id(Start), LIFECYCLE.event_id(Abort)
+    b.step(torch.tensor([abort, abort]))
+    b.step(torch.tensor([start, -1]), known={start})  # row 0 aborted: refused, deferred
+    with pytest.raises(TransitionNotAllowed, match="quiet step"):
+        b.recycle(torch.tensor([0]))
+    assert [LIFECYCLE.states[s] for s in b.states.tolist()] == ["aborted", "aborted"]
+    b.recycle(torch.tensor([0]))  # the refusal reported: usable again
+    assert [LIFECYCLE.states[s] for s in b.states.tolist()] == ["queued", "aborted"]
+
+
 def test_a_step_with_terminal_rows_adds_their_indices_and_one_grouping_read(batch, syncs):
     m, b, released = batch
     loud = ids(m, [Finish, Tick, Finish, None, Finish, Tick])
