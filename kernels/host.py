@@ -109,8 +109,17 @@ class HostPagePool(StackPool):
         return later.numel()
 
     def lock(self, pages: IdsLike) -> None:
-        """Add one lock reference to each page (a page listed twice gets two)."""
+        """Add one lock reference to each page (a page listed twice gets two). A page
+        outside the pool is refused (`IndexError`) with nothing locked: `index_add_`
+        would have counted the ids before it, unseen by `free`."""
         ids = as_ids(pages, self.device, "HostPagePool").long()
+        if not ids.numel():
+            return
+        lo, hi = torch.stack(ids.aminmax()).tolist()  # one read
+        if lo < 0 or hi >= self.lock_refs.numel():
+            bad = [v for v in ids.tolist() if not 0 <= v < self.lock_refs.numel()]
+            raise IndexError(f"HostPagePool: lock of pages {bad} outside the pool "
+                             f"(0..{self.lock_refs.numel() - 1}); lock pages it gave out")
         self.lock_refs.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         self._refs += ids.numel()
 

@@ -54,6 +54,23 @@ def test_locked_pages_cannot_be_freed_until_every_lock_is_dropped(device):
     h.assert_full()
 
 
+@pytest.mark.parametrize("bad", [9, -1])
+def test_a_lock_naming_a_page_outside_the_pool_locks_nothing(device, bad):
+    h = HostPagePool(4, device)
+    a = h.alloc(1)
+    assert a is not None
+    p = int(a)
+    with pytest.raises(IndexError, match=rf"lock of pages \[{bad}\] outside the pool"):
+        h.lock([p, bad])
+    assert h.lock_refs.tolist() == [0, 0, 0, 0] and h.locked_pages() == 0
+    h.lock([p])  # a real lock still keeps its page from being freed
+    with pytest.raises(PageLocked):
+        h.free(a)
+    h.unlock([p])
+    h.free(a)
+    h.assert_full()
+
+
 def test_unlock_below_zero_raises_and_changes_nothing(device):
     h = HostPagePool(4, device)
     a = h.alloc(1)
