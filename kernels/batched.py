@@ -37,7 +37,7 @@ import torch
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import ExceptionGroup
 
-from terminus.kernels._stack import IdsLike, as_ids
+from terminus.kernels._stack import IdsLike, as_ids, not_ids
 from terminus.kernels.protocols import KVAllocator, MambaPool, ReqSlots
 from terminus.kernels.req_table import ReqToTokenTable
 
@@ -97,6 +97,14 @@ def _starts_np(kv_start: torch.Tensor, n: int) -> np.ndarray:
     return starts
 
 
+def _int_starts(kv_start: torch.Tensor | None) -> None:
+    """Refuse a ``kv_start`` that is not integers (``TypeError``): a float would be
+    truncated on the tensor path and compared as it is on the host's."""
+    if kv_start is not None and (kv_start.dtype.is_floating_point or kv_start.is_complex()
+                                 or kv_start.dtype == torch.bool):
+        raise not_ids("release_batch: kv_start", kv_start, kv_start.dtype)
+
+
 def _bad_starts(starts: list[int], n: int) -> ValueError:
     """The error for per-row first columns (``kv_start``) that are not one int >= 0 a row."""
     if len(starts) != n:
@@ -128,6 +136,7 @@ def gather_kv(
     pass, all serial (no OpenMP region however small the batch); a second host sync on a
     device.
     """
+    _int_starts(start)
     if slots.device != table.req_to_token.device:
         slots = slots.to(table.req_to_token.device)
     lengths = table.lengths.index_select(0, slots)
@@ -217,6 +226,7 @@ def release_batch(
     docstring); every pool's free is tried, and the error (an ``ExceptionGroup`` when
     several pools raised) is raised at the end.
     """
+    _int_starts(kv_start)
     dev = table.req_to_token.device
     if (
         type(slots) is torch.Tensor

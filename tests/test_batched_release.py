@@ -371,6 +371,18 @@ def test_bad_kv_starts_are_refused_changing_nothing(device, starts, match):
         pool.assert_full()
 
 
+@pytest.mark.parametrize("starts", [[0.0, 1.5], [True, False]])
+def test_kv_starts_that_are_not_integers_are_refused_changing_nothing(device, starts):
+    kv, table, mamba, slots = setup([3, 2], device)
+    before = (kv.available, table.available, mamba.available, table.lengths.tolist())
+    with pytest.raises(TypeError, match="kv_start: indices must be integers"):
+        release_batch(slots, table, kv, mamba, kv_start=torch.tensor(starts, device=device))
+    assert (kv.available, table.available, mamba.available, table.lengths.tolist()) == before
+    release_batch(slots, table, kv, mamba)
+    for pool in (kv, table, mamba):
+        pool.assert_full()
+
+
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
