@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from terminus.fsm import Action, Ledger, Machine, Plan, Release, release_effect
 from terminus.kernels.protocols import LoRARegistry
-from terminus.states.request import REQUEST, Finished, RequestKey
+from terminus.states.request import REQUEST, Finished, client_rid
 from terminus.states.sampling import SAMPLING
 
 from .output import OutputSink, TerminalOutput
@@ -125,14 +125,7 @@ def stream_terminal(ctx: Any) -> None:
     inst = ctx.instance
     if not getattr(inst, "stream", True):
         return
-    key = inst.key
-    rid = key.rid if key.__class__ is RequestKey or isinstance(key, RequestKey) else key
-    outcome, event = ctx.target, ctx.event
-    if event.__class__ is Finished and outcome == "finished":  # `terminal_output`, inline
-        out = TerminalOutput(rid, outcome, 200, "", event.reason)
-    else:
-        out = terminal_output(rid, outcome, event)
-    ctx.resources.sink.put(out)
+    ctx.resources.sink.put(terminal_output(client_rid(inst.key), ctx.target, ctx.event))
 
 
 @release_effect

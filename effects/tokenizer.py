@@ -55,7 +55,6 @@ from terminus.states.request import (
     Submitted,
     Validated,
     ValidationFailed,
-    client_rid,
 )
 from terminus.states.sampling import BatchFailed, FanOut, SamplingGroup, WarmupFinished
 
@@ -271,52 +270,12 @@ class TokenizerSide:
         raises nothing. A cancelled submit aborts the request (releasing its reference)
         and re-raises.
         """
-        names = self._names
         # `_claim`, without the call in the common case: a rid nobody holds or reserved.
-        if (rid is None or isinstance(rid, RequestKey) or rid in names
+        if (rid is None or isinstance(rid, RequestKey) or rid in self._names
                 or rid in self._reserved):
             rid = self._claim(rid, set())
-        # `_new_request`, `_run_request` and `_send`, inline (calls and a coroutine less
-        # per request); keep them in step.
-        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora)
-        names[rid] = req
-        self._live[req.key] = req
-        fire = self._fire
-        try:
-            # Fired straight at the instance: a request nobody else has seen yet does not
-            # end on Submitted, so there is nothing `_fire` could retire.
-            if lora is None:
-                req.fire(_SUBMIT)
-            else:
-                req.fire(_SUBMIT_ACQUIRE)
-                try:
-                    lora_id = await self.registry.acquire(lora)
-                except Exception as e:
-                    fire(req, AcquireFailed(400 if _unknown_adapter(e) else 500, str(e)))
-                    return req
-                # Owned from this instant; released at once if an abort came first (I6).
-                self.ledger.acquire(req, LORA, lora_id)
-                req.lora_id = lora_id
-                fire(req, LoRAAcquired((lora_id,)))
-                if req._m.terminal[req._s]:  # `req.terminal`, without the property
-                    return req
-            try:
-                req.tokens = await self.tokenizer.tokenize(prompt)
-            except InvalidRequest as e:
-                fire(req, ValidationFailed(e.status, str(e)))
-                return req
-            except Exception as e:
-                fire(req, ValidationFailed(500, f"tokenizer failed: {e!r}"))
-                return req
-            fire(req, _VALIDATED)  # absorbed when an abort came first
-            if req._s == self._dispatched:  # `_send`, inline
-                try:
-                    self.scheduler.send(req.key, req.tokens, req.lora_id)
-                except Exception as e:
-                    fire(req, DispatchFailed(f"could not send to the scheduler: {e!r}"))
-        except BaseException:
-            self._end(req, "submission was interrupted")
-            raise
+        req = self._new_request(rid, prompt, lora)
+        await self._run_request(req)
         return req
 
     def _new_request(self, rid: Any, prompt: Any, lora: str | None) -> Request:
@@ -326,30 +285,35 @@ class TokenizerSide:
         return req
 
     async def _run_request(self, req: Request) -> None:
+        """A new request up to its dispatch (`submit`, and each request of
+        `submit_batch`): its LoRA reference, its tokens, then the scheduler."""
         lora = req.lora
+        fire = self._fire
         try:
-            self._fire(req, _SUBMIT_ACQUIRE if lora is not None else _SUBMIT)
-            if lora is not None:
+            if lora is None:
+                fire(req, _SUBMIT)
+            else:
+                fire(req, _SUBMIT_ACQUIRE)
                 try:
                     lora_id = await self.registry.acquire(lora)
                 except Exception as e:
-                    self._fire(req, AcquireFailed(400 if _unknown_adapter(e) else 500, str(e)))
+                    fire(req, AcquireFailed(400 if _unknown_adapter(e) else 500, str(e)))
                     return
                 # Owned from this instant; released at once if an abort came first (I6).
                 self.ledger.acquire(req, LORA, lora_id)
                 req.lora_id = lora_id
-                self._fire(req, LoRAAcquired((lora_id,)))
-            if req.terminal:
+                fire(req, LoRAAcquired((lora_id,)))
+            if req._m.terminal[req._s]:  # `req.terminal`, without the property
                 return
             try:
                 req.tokens = await self.tokenizer.tokenize(req.prompt)
             except InvalidRequest as e:
-                self._fire(req, ValidationFailed(e.status, str(e)))
+                fire(req, ValidationFailed(e.status, str(e)))
                 return
             except Exception as e:
-                self._fire(req, ValidationFailed(500, f"tokenizer failed: {e!r}"))
+                fire(req, ValidationFailed(500, f"tokenizer failed: {e!r}"))
                 return
-            self._fire(req, _VALIDATED)  # absorbed when an abort came first
+            fire(req, _VALIDATED)  # absorbed when an abort came first
             self._send(req)
         except BaseException:
             self._end(req, "submission was interrupted")
@@ -703,7 +667,7 @@ class TokenizerSide:
     def _retired(self, inst: Instance, event: Any) -> None:
         key = inst.key
         del self._live[key]
-        if inst.__class__ is Request and inst.parent is None:
+        if isinstance(inst, Request) and inst.parent is None:
             # A request of its own (`_new_request`: its key is `RequestKey(rid)`) is its
             # whole family, and has no batch.
             names = self._names
@@ -722,13 +686,7 @@ class TokenizerSide:
         elif isinstance(inst, Request):
             if inst.role == "warmup":
                 self._warmup_ended(inst, event)
-            parent = inst.parent
-            if parent is not None:
-                self._family_check(parent)
-            else:  # a request of its own is its whole family (and has no batch)
-                name = client_rid(inst.key)
-                if self._names.get(name) is inst:
-                    del self._names[name]
+            self._family_check(inst.parent)  # a member of a group (see above)
 
     def _family_check(self, top: Instance) -> None:
         """Forget a family once every member has ended (its ids are free again)."""
