@@ -508,6 +508,7 @@ class DisaggPrefill:
     def __iter__(self) -> Iterator[PrefillRequest]:
         return iter(self.requests.values())
 
+    @sanitized
     def forget(self, rid: str) -> None:
         """Drop a request that ended (it and every chunk terminal), so a long-running
         server does not keep every request it ever served; a later event for `rid` is

@@ -294,6 +294,7 @@ class PrefetchSite:
                              f"(it is {now!r}); nothing was changed")
         return inst
 
+    @sanitized
     def forget(self, rid: Any) -> None:
         """Drop the ended prefetch of ``rid`` (a later call for it then finds none, as
         for one never queued); raises ValueError, changing nothing, unless it is
