@@ -7,11 +7,11 @@
 
 With a prefix cache (`RunningBatch(cache=)`), admission matches each new row's prompt
 and locks what it matched: ``req_to_token[r, :matched[r]]`` are the cache's pages, the
-row owns only the columns after them (``kv_start``). Retirement inserts a finished
-row's KV into the cache (duplicates and the unaligned tail are freed with the row's
-other pages), frees an aborted or failed row's own KV without inserting it, and drops
-every row's lock exactly once, in the same batched plan. Growth that finds the KV pool
-short evicts unlocked cached pages first.
+row owns only the columns after them (from `matched(r)`: its release's ``kv_start``).
+Retirement inserts a finished row's KV into the cache (duplicates and the unaligned
+tail are freed with the row's other pages), frees an aborted or failed row's own KV
+without inserting it, and drops every row's lock exactly once, in the same batched plan.
+Growth that finds the KV pool short evicts unlocked cached pages first.
 
 A row's resources are written into the table in the same call that allocates them, so
 they have an owner from their first instant; they are released only by the batch's
@@ -156,7 +156,6 @@ class RunningBatch:
         self.tokens: list[list[int] | None] = [None] * n
         """Per row: its token ids (the prompt given at admission; the caller appends
         the tokens it generates), the cache's key when it finishes."""
-        self.kv_start = torch.zeros(n, dtype=torch.int64, device=pools.table.device)
         cap = getattr(pools.kv, "capacity", 0)
         self.evict_batch = max(pools.page_size, cap // 32)
         """Tokens evicted at least when growth finds the KV pool short."""
@@ -341,7 +340,7 @@ class RunningBatch:
         resources already, though the batch may still have them vacant."""
         adm = self._admitted + self._unchecked_admits
         if not adm:
-            return self.kv_start.new_empty(0)
+            return torch.empty(0, dtype=torch.int64, device=self.pools.table.device)
         return adm[0] if len(adm) == 1 else torch.cat(adm)
 
     def matched(self, row: int) -> int:
