@@ -736,7 +736,7 @@ class Batch:
             with release_context(m.name, self, None, name, "*", "*", m.ledger,
                                  rows) as ctx:
                 plan.run_actions(ctx, report)
-            m.stats.plans_run[name] += int(rows.numel())
+            m.stats._plans_run[name] += int(rows.numel())  # (the property folds first)
             reports.append(report)
         errors = [er for r in reports for er in r.errors]
         if errors:

@@ -658,7 +658,7 @@ _STEPPING: list[Any] = []
 
 
 class _Terminal:
-    """One terminal edge's plan run, compiled when the machine is bound.
+    """One terminal edge's plan run, made at the first fire of a cell that takes it.
 
     `kinds` is set when the plan has only `Release` steps and the machine a ledger: kind
     -> (index of the first step of that kind, the function it calls unwrapped or None
@@ -950,8 +950,10 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
 
 
 def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
-    """What `Instance.fire` runs for an unguarded terminal edge while nobody observes:
-    the whole step, in one function whose constants are bound here.
+    """What `Instance.fire` runs for a terminal edge (an unguarded cell, or the
+    alternative a compiled guarded cell picked) while nobody observes, or only the
+    recorder (wrapped by `_compile_recorded_terminal`): the whole step, in one function
+    whose constants are bound here.
 
     It moves the instance to the terminal state, marks it busy (events fired at it
     queue, `_BUSY`), runs the plan inside a live context that is dead after it, and

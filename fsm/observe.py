@@ -18,7 +18,7 @@ Machine = Any  # a `fsm.Machine`: this module sits below it and only passes it a
 
 
 class Stats:
-    """Counters a machine keeps off the fast path: ignores, plan runs, effect errors.
+    """Counters a machine keeps: ignores, plan runs, effect errors.
 
     `plans_run` is a Counter of plan name -> runs. The engine counts a scalar plan run
     in a list slot indexed by plan (`_runs`, names in `_names`), which is cheaper than a

@@ -38,8 +38,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 class _Edge:
     """What a release context says about its edge, shared by every plan run over it: the
-    engine makes one per terminal cell when a machine is bound, so opening a context
-    stores three fields, not nine."""
+    engine makes one per terminal edge at its first compiled run, so opening a context
+    stores four fields (edge, live, event, instance), not ten."""
 
     __slots__ = ("ledger", "machine", "plan", "rows", "source", "target")
 
@@ -62,8 +62,9 @@ class ReleaseContext:
     was given, for effects), and `rows` (for a batched plan, the int64 indices of the
     rows that took an edge running it in this step; None for a scalar instance).
 
-    Only the engine makes one, through `release_context()` (or, on its terminal fast
-    path, `_open`); calling the class raises `ReleaseOutsideTerminal`.
+    Only the engine makes one, through `release_context()` (or, on its compiled
+    terminal paths, by setting those four fields itself); calling the class raises
+    `ReleaseOutsideTerminal`.
     """
 
     __slots__ = ("_edge", "_live", "event", "instance")
