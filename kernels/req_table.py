@@ -73,7 +73,14 @@ class ReqToTokenTable(StackPool):
         self.mamba_slots.zero_()
 
     def write(self, slot: int, start: int, tokens: torch.Tensor) -> None:
-        """Store ``tokens`` at ``[slot, start:start+len]`` and set the length to the end."""
+        """Store ``tokens`` (1-D) at ``[slot, start:start+len]`` and set the length to the
+        end. A slot outside the table, a negative start or tokens that are not 1-D are
+        refused (``ValueError``) with nothing written, on every path."""
+        if not 0 <= slot < self.capacity or start < 0 or tokens.dim() != 1:
+            raise ValueError(
+                f"ReqToTokenTable.write: slot {slot} (0..{self.capacity - 1}), start "
+                f"{start} (>= 0), tokens of shape {tuple(tokens.shape)} (1-D): pass a slot "
+                "alloc() returned, a start >= 0 and a 1-D tensor of token slots")
         end = start + tokens.numel()
         if end > self.max_context_len:
             raise ValueError(

@@ -39,6 +39,21 @@ def test_write_past_max_context_len_says_what_to_do(device):
     t.assert_full()
 
 
+@pytest.mark.parametrize(("slot", "start", "shape"), [(0, -1, (2,)), (-1, 0, (2,)),
+                                                      (2, 0, (2,)), (0, 0, (2, 1))])
+def test_a_bad_slot_start_or_shape_is_refused_alike_on_every_path(device, slot, start, shape):
+    t = ReqToTokenTable(2, 8, device)
+    s = t.alloc(2)
+    assert s is not None
+    for dtype in (torch.int32, torch.int64, torch.int16):  # numpy views; torch's setitem
+        tokens = torch.ones(shape, dtype=dtype, device=device)
+        with pytest.raises(ValueError, match=r"ReqToTokenTable.write: slot .* 1-D tensor"):
+            t.write(slot, start, tokens)
+    assert t.lengths.tolist() == [0, 0] and not t.req_to_token.any()  # nothing written
+    t.free(s)
+    t.assert_full()
+
+
 def test_alloc_when_short_returns_none(device):
     t = ReqToTokenTable(2, 4, device)
     assert t.alloc(3) is None
