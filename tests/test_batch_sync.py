@@ -271,7 +271,7 @@ def test_a_scheduler_step_that_ends_no_row_reads_nothing_back_admission_included
         rb.queue(r[:1], Finish)
         rb.flush()
         # min/max; the terminal rows (nonzero); their plan ids; then the release plan's
-        # own read (the rows' lengths' min/max, in release_batch).
+        # own read (release_batch reading the few rows' slots, `ids.tolist()`).
         assert syncs == ["tolist", "nonzero", "tolist", "tolist"]
         assert rb.retired["finished"] == 1
         from terminus.states.sequence import SequenceAbort
