@@ -559,12 +559,8 @@ class Machine:
                 self._observe(inst, s, e, k, alt, alt.plan)
         finally:
             # The instance is terminal now: its plan runs even when a sink raised (I1).
-            report = self._run_plan(inst, alt.plan, event, s, alt.target)
+            report = self._run_terminal(inst, event, self._terminal(s, alt.target, alt.plan))
         return report
-
-    def _run_plan(self, inst: Instance, name: str | None, event: Any, src: int,
-                  dst: int) -> PlanReport:
-        return self._run_terminal(inst, event, self._terminal(src, dst, name))
 
     def _run_terminal(self, inst: Instance, event: Any, t: _Terminal) -> PlanReport:
         """Run the plan of terminal edge `t` for `inst` (already in its target state)."""
