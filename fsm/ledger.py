@@ -491,8 +491,8 @@ class Ledger:
         of `kind` (every one when None) is released in order, marked first; one an
         earlier release effect moved or released is skipped."""
         raw, observers = self._raw, self._observers
-        for h in list(cur) if kind is None else [x for x in cur if x.kind == kind]:
-            if h.released or h.owner is not owner:
+        for h in tuple(cur):  # a snapshot: releases change `cur`
+            if (kind is not None and h.kind != kind) or h.released or h.owner is not owner:
                 continue
             h.released = True  # marked first: never released twice
             now: Any = owner._owns  # `_unlink`, on the owner's slot
@@ -505,15 +505,21 @@ class Ledger:
             if observers:
                 observers.pop(h, None)
             self._released += 1
-            report.released.append(h)
-            name = step or f"release {h.kind}"
+            done = report._released  # `report.released.append(h)`, without the property
+            if done is None:
+                report._released = h
+            elif done.__class__ is list:
+                done.append(h)
+            else:
+                report._released = [done, h]
             try:
                 res = (fn or raw[h.kind])(ctx, h)
             except Exception as e:  # every step runs; the error is reported
-                report.errors.append(EffectError(report.machine, report.plan, name,
-                                                 best_effort, e))
+                report.errors.append(EffectError(report.machine, report.plan,
+                                                 step or f"release {h.kind}", best_effort, e))
                 continue
             if res is not None:
+                name = step or f"release {h.kind}"
                 task = step_result(res, report, name, best_effort)
                 if task is not None:
                     self._keep(task, report, name, best_effort)

@@ -850,18 +850,18 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
     mname, runs = m.name, m.stats._runs
     observers, raw = ledger._observers, ledger._raw
     # Per step: (kind, or None for an Action; the function called unwrapped, None for
-    # the kind's default releaser; the step's name; best_effort).
-    steps: list[tuple[str | None, Any, str, bool]] = []
+    # the kind's default releaser; the step's (name, best_effort), read only when it
+    # raised or returned something).
+    steps: list[tuple[str | None, Any, tuple[str, bool]]] = []
     for st in t.plan.steps:
         if type(st) is Release:
-            steps.append((st.kind, None if st.fn is None else unwrapped(st.fn), st.name,
-                          st.best_effort))
+            steps.append((st.kind, None if st.fn is None else unwrapped(st.fn),
+                          (st.name, st.best_effort)))
         else:
             assert isinstance(st, Action)
-            steps.append((None, unwrapped(st.fn), st.name, st.best_effort))
+            steps.append((None, unwrapped(st.fn), (st.name, st.best_effort)))
     csteps = tuple(steps)
-    new, Context, Report, Hd, busy, Err = (_new, ReleaseContext, PlanReport, Handle, _BUSY,
-                                          EffectError)
+    new, Context, Report, Hd, busy = _new, ReleaseContext, PlanReport, Handle, _BUSY
     spare: ReleaseContext | None = None  # a dead context nobody kept (`_compile_terminal`)
     refs = _refs
 
@@ -880,20 +880,19 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
             ctx.event = event
             report = Report(mname, inst, pname)
             try:
-                for kind, fn, name, best_effort in csteps:
+                for kind, fn, about in csteps:
                     if kind is None:  # an Action
                         try:
                             res = fn(ctx)
                         except Exception as e:  # every step runs; the error is reported
-                            report.errors.append(Err(mname, pname, name, best_effort, e))
+                            _step_failed(report, about, e)
                             continue
                     else:
                         cur = inst._owns
                         if cur is None:
                             continue
                         if cur.__class__ is not Hd:  # several handles
-                            ledger._release_kind(ctx, inst, cur, kind, fn, report, name,
-                                                 best_effort)
+                            ledger._release_kind(ctx, inst, cur, kind, fn, report, *about)
                             continue
                         if cur.released or cur.kind != kind:
                             continue
@@ -909,18 +908,14 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
                         try:
                             res = (fn or raw[kind])(ctx, cur)
                         except Exception as e:
-                            report.errors.append(Err(mname, pname, name, best_effort, e))
+                            _step_failed(report, about, e)
                             continue
                     if res is not None:
-                        task = step_result(res, report, name, best_effort)
-                        if task is not None:
-                            ledger._keep(task, report, name, best_effort)
+                        _step_returned(ledger, res, report, about)
                 cur = inst._owns
-                if cur is not None:  # the handles no step named
-                    if cur.__class__ is not Hd:
-                        ledger._release_kind(ctx, inst, cur, None, None, report, None, False)
-                    else:
-                        ledger._release_owned(ctx, inst, None, None, report, None, False)
+                if cur is not None:  # the handles no step named, by their default releasers
+                    ledger._release_kind(ctx, inst, cur if cur.__class__ is list else (cur,),
+                                         None, None, report, None, False)
             finally:
                 ctx._live = False
                 if refs(ctx) == 2:  # ours and the call's: nobody kept it
@@ -944,6 +939,19 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
 
     return fire_terminal
 
+
+def _step_failed(report: PlanReport, about: tuple[str, bool], e: Exception) -> None:
+    """Report that a step (`about`: its name and best_effort) of a compiled plan raised."""
+    report.errors.append(EffectError(report.machine, report.plan, about[0], about[1], e))
+
+
+def _step_returned(ledger: Ledger, res: Any, report: PlanReport,
+                   about: tuple[str, bool]) -> None:
+    """What a step of a compiled plan returned (not None): an awaitable becomes a task
+    the ledger keeps referenced until it ends (`plan.step_result`)."""
+    task = step_result(res, report, about[0], about[1])
+    if task is not None:
+        ledger._keep(task, report, about[0], about[1])
 
 def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
     """What `Instance.fire` runs for a terminal edge (an unguarded cell, or the
