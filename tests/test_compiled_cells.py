@@ -115,6 +115,24 @@ def test_a_guard_that_raises_changes_nothing(kv):
     ledger.assert_empty()
 
 
+def test_a_guard_that_fires_at_its_instance_then_raises_runs_the_queued_event_first(kv):
+    def chunks_in_flight(inst, ev):
+        inst.fire(Chunk(last=True))  # queued behind the guard; it runs before the error
+        raise RuntimeError("guard broke")
+
+    m, ledger = machine(kv, variant(), {**GUARDS, "chunks_in_flight": chunks_in_flight})
+    job = Job(m, "r")
+    h = ledger.acquire(job, "kv", kv.alloc(4))
+    job.fire(Start())
+    with pytest.raises(RuntimeError, match="guard broke"):
+        job.fire(Abort())  # prefilling: a guard, then an unguarded terminal alternative
+    assert job.state == "decoding" and not job.busy and not h.released
+    assert m.stats.plans_run == {}
+    job.fire(Abort())
+    assert job.state == "aborted" and h.released
+    ledger.assert_empty()
+
+
 def test_a_plan_with_actions_runs_every_step_in_order_inside_a_context_dead_after(kv):
     log: list[Any] = []
     kept = []
