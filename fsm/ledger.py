@@ -197,18 +197,22 @@ class Ledger:
                 cur.append(h)
             else:
                 owner._owns = [cur, h]
-            terminal = m.terminal[owner._s]
-        else:
-            if owner.machine.ledger is not self:
-                self._require_mine(owner, "acquire for")
-            h = Handle(kind, value, owner)
-            self._link(owner, h)
-            terminal = owner.terminal
+            every = self._all
+            every.append(h)
+            if len(every) >= self._compact_at:
+                self._compact()
+            if m.terminal[owner._s] and not self._planning(owner):
+                self._release_late(h)
+            return h
+        if owner.machine.ledger is not self:
+            self._require_mine(owner, "acquire for")
+        h = Handle(kind, value, owner)
+        self._link(owner, h)
         every = self._all
         every.append(h)
         if len(every) >= self._compact_at:
             self._compact()
-        if terminal and not self._planning(owner):
+        if owner.terminal and not self._planning(owner):
             self._release_late(h)
         return h
 
@@ -291,8 +295,8 @@ class Ledger:
             if to._m.ledger is not self:
                 self._require_mine(to, "transfer to")
             cur: Any = owner._owns
-            if cur is not handle and (cur.__class__ is not list
-                                      or not any(x is handle for x in cur)):
+            # `in` and `remove` compare handles by identity (they are eq=False Structs).
+            if cur is not handle and (cur.__class__ is not list or handle not in cur):
                 raise OwnershipError(f"{handle!r} is not in the ledger")
             if owner._m.terminal[owner._s] and not self._planning(owner):
                 raise OwnershipError(
@@ -300,11 +304,10 @@ class Ledger:
                 )
             if cur is handle:
                 owner._owns = None
-            else:
-                rest: Any = owner._owns  # the list holding it
-                rest.remove(handle)
-                if len(rest) == 1:
-                    owner._owns = rest[0]
+            else:  # the list holding it
+                cur.remove(handle)
+                if len(cur) == 1:
+                    owner._owns = cur[0]
             handle.owner = to
             cur = to._owns
             if cur is None:
@@ -356,10 +359,10 @@ class Ledger:
     def owned(self, owner: Any, kind: str | None = None) -> list[Handle]:
         """The unreleased handles `owner` owns now, of `kind` if given, in acquire order."""
         cur: Any = owner._owns if isinstance(owner, Holder) else self._owned.get(owner)
+        if cur.__class__ is Handle:  # one handle, the common case: tested first
+            return [cur] if cur.kind == kind or kind is None else []
         if cur is None:
             return []
-        if cur.__class__ is not list:
-            return [cur] if kind is None or cur.kind == kind else []
         if kind is None:
             return list(cur)
         return [h for h in cur if h.kind == kind]

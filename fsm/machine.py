@@ -996,7 +996,9 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
     instance that owns one handle has it released here: marked first, then its step's
     function (or the kind's default releaser) called unwrapped, since the context is
     the engine's own and live. Several handles go through `Ledger._run_steps`; other
-    plans through `_compile_general`.
+    plans through `_compile_general`. An instance that owns nothing has nothing of
+    such a plan to run: no effect is called, so no context is opened and nothing can
+    be fired at it meanwhile; the plan's run is counted and its (empty) report returned.
     """
     ledger, kinds = t.ledger, t.kinds
     if ledger is None:  # no ledger: the plan's actions through `_run_terminal`
@@ -1028,6 +1030,10 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
     def fire_terminal(inst: Instance, event: Any) -> PlanReport | None:
         nonlocal spare, n
         inst._s = target
+        cur = inst._owns
+        if cur is None:  # a plan of Release steps over nothing: no effect runs, no context
+            runs[pid] += 1
+            return Report(mname, inst, pname)
         inst._q = busy
         try:
             ctx = spare
@@ -1039,12 +1045,10 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
             ctx.instance = inst
             ctx.event = event
             try:
-                cur = inst._owns
-                if cur.__class__ is not Hd:
+                if cur.__class__ is not Hd:  # several handles
                     runs[pid] += 1
                     report = Report(mname, inst, pname)
-                    if cur is not None:  # several handles
-                        ledger._run_steps(ctx, inst, steps, report)
+                    ledger._run_steps(ctx, inst, steps, report)
                 else:
                     kind = cur.kind
                     fn = fn0 if kind == kind0 else kinds.get(kind, sweep)[1]
