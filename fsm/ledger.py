@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -304,10 +304,11 @@ class Ledger:
                 )
             if cur is handle:
                 owner._owns = None
-            else:  # the list holding it
-                cur.remove(handle)
-                if len(cur) == 1:
-                    owner._owns = cur[0]
+            else:
+                rest: Any = cur  # the list holding it
+                rest.remove(handle)
+                if len(rest) == 1:
+                    owner._owns = rest[0]
             handle.owner = to
             cur = to._owns
             if cur is None:
@@ -485,11 +486,12 @@ class Ledger:
                 continue
             self._release(ctx, h, fn, report, step or f"release {h.kind}", best_effort)
 
-    def _release_kind(self, ctx: ReleaseContext, owner: Holder, cur: list[Handle],
+    def _release_kind(self, ctx: ReleaseContext, owner: Holder, cur: Sequence[Handle],
                       kind: str | None, fn: Callable[..., Any] | None, report: PlanReport,
                       step: str | None, best_effort: bool) -> None:
-        """`_release_owned` of an owner whose handles are the list `cur`, for the
-        engine's compiled plans (`machine._compile_plan`), which hold `ctx` live: `fn`
+        """`_release_owned` of an owner whose handles are the list `cur` (or, for the
+        handles no step named, a lone one in a tuple), for the engine's compiled plans
+        (`machine._compile_plan`), which hold `ctx` live: `fn`
         is called unwrapped (None: the kind's default releaser, unwrapped). Each handle
         of `kind` (every one when None) is released in order, marked first; one an
         earlier release effect moved or released is skipped."""
