@@ -995,10 +995,11 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
     drains the queue. With a ledger and a plan of `Release` steps (`t.kinds`), an
     instance that owns one handle has it released here: marked first, then its step's
     function (or the kind's default releaser) called unwrapped, since the context is
-    the engine's own and live. Several handles go through `Ledger._run_steps`; other
-    plans through `_compile_general`. An instance that owns nothing has nothing of
-    such a plan to run: no effect is called, so no context is opened and nothing can
-    be fired at it meanwhile; the plan's run is counted and its (empty) report returned.
+    the engine's own and live. An instance that owns several handles, and other plans,
+    go through `_compile_general` (`Machine._run_terminal`, `Ledger._run_steps`). One
+    that owns nothing has nothing of such a plan to run: no effect is called, so no
+    context is opened and nothing can be fired at it meanwhile; the plan's run is
+    counted and its (empty) report returned.
     """
     ledger, kinds = t.ledger, t.kinds
     if ledger is None:  # no ledger: the plan's actions through `_run_terminal`
@@ -1027,13 +1028,18 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
         runs[pid] += k
         ledger._released += k
 
+    several = _compile_general(m, t)  # an instance that owns several handles
+
     def fire_terminal(inst: Instance, event: Any) -> PlanReport | None:
         nonlocal spare, n
-        inst._s = target
         cur = inst._owns
-        if cur is None:  # a plan of Release steps over nothing: no effect runs, no context
+        if cur.__class__ is not Hd:
+            if cur is not None:
+                return several(inst, event)
+            inst._s = target  # owns nothing: no effect runs, no context is opened
             runs[pid] += 1
             return Report(mname, inst, pname)
+        inst._s = target
         inst._q = busy
         try:
             ctx = spare
@@ -1045,37 +1051,32 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
             ctx.instance = inst
             ctx.event = event
             try:
-                if cur.__class__ is not Hd:  # several handles
-                    runs[pid] += 1
-                    report = Report(mname, inst, pname)
-                    ledger._run_steps(ctx, inst, steps, report)
-                else:
-                    kind = cur.kind
-                    fn = fn0 if kind == kind0 else kinds.get(kind, sweep)[1]
-                    cur.released = True  # marked first: never released twice
-                    inst._owns = None
-                    if observers:
-                        observers.pop(cur, None)
-                    n += 1  # a run of the plan and a handle released
-                    if n > 200:
-                        flush()
-                    report = Report(mname, inst, pname, cur)
-                    try:  # what is given to inst meanwhile is the plan's (PLAN_RUNNING)
-                        res = (fn or raw[kind])(ctx, cur)
-                    except Exception as e:  # every step runs; the error is reported
-                        res = None
-                        _, _, name, best_effort = kinds.get(kind, sweep)
-                        report.errors.append(EffectError(
-                            mname, pname, name or f"release {kind}", best_effort, e))
-                    if res is not None:
-                        _, _, name, best_effort = kinds.get(kind, sweep)
-                        step = name or f"release {kind}"
-                        task = step_result(res, report, step, best_effort)
-                        if task is not None:
-                            ledger._keep(task, report, step, best_effort)
-                    if inst._owns is not None:  # given to it while its releaser ran
-                        i = kinds.get(kind, sweep)[0]
-                        ledger._run_steps(ctx, inst, steps[i + 1:], report)
+                kind = cur.kind
+                fn = fn0 if kind == kind0 else kinds.get(kind, sweep)[1]
+                cur.released = True  # marked first: never released twice
+                inst._owns = None
+                if observers:
+                    observers.pop(cur, None)
+                n += 1  # a run of the plan and a handle released
+                if n > 200:
+                    flush()
+                report = Report(mname, inst, pname, cur)
+                try:  # what is given to inst meanwhile is the plan's (PLAN_RUNNING)
+                    res = (fn or raw[kind])(ctx, cur)
+                except Exception as e:  # every step runs; the error is reported
+                    res = None
+                    _, _, name, best_effort = kinds.get(kind, sweep)
+                    report.errors.append(EffectError(
+                        mname, pname, name or f"release {kind}", best_effort, e))
+                if res is not None:
+                    _, _, name, best_effort = kinds.get(kind, sweep)
+                    step = name or f"release {kind}"
+                    task = step_result(res, report, step, best_effort)
+                    if task is not None:
+                        ledger._keep(task, report, step, best_effort)
+                if inst._owns is not None:  # given to it while its releaser ran
+                    i = kinds.get(kind, sweep)[0]
+                    ledger._run_steps(ctx, inst, steps[i + 1:], report)
             finally:
                 ctx._live = False
                 if refs(ctx) == 2:  # ours and the call's: nobody kept it
