@@ -488,13 +488,15 @@ class Ledger:
 
     def _release_kind(self, ctx: ReleaseContext, owner: Holder, cur: Sequence[Handle],
                       kind: str | None, fn: Callable[..., Any] | None, report: PlanReport,
-                      step: str | None, best_effort: bool) -> None:
+                      about: tuple[str | None, bool]) -> None:
         """`_release_owned` of an owner whose handles are the list `cur` (or, for the
         handles no step named, a lone one in a tuple), for the engine's compiled plans
         (`machine._compile_plan`), which hold `ctx` live: `fn`
         is called unwrapped (None: the kind's default releaser, unwrapped). Each handle
         of `kind` (every one when None) is released in order, marked first; one an
-        earlier release effect moved or released is skipped."""
+        earlier release effect moved or released is skipped. `about` is the step's name
+        (None: "release <kind>") and best_effort, read when a release raised or returned
+        something."""
         raw, observers = self._raw, self._observers
         for h in tuple(cur):  # a snapshot: releases change `cur`
             if (kind is not None and h.kind != kind) or h.released or h.owner is not owner:
@@ -521,13 +523,13 @@ class Ledger:
                 res = (fn or raw[h.kind])(ctx, h)
             except Exception as e:  # every step runs; the error is reported
                 report.errors.append(EffectError(report.machine, report.plan,
-                                                 step or f"release {h.kind}", best_effort, e))
+                                                 about[0] or f"release {h.kind}", about[1], e))
                 continue
             if res is not None:
-                name = step or f"release {h.kind}"
-                task = step_result(res, report, name, best_effort)
+                name = about[0] or f"release {h.kind}"
+                task = step_result(res, report, name, about[1])
                 if task is not None:
-                    self._keep(task, report, name, best_effort)
+                    self._keep(task, report, name, about[1])
 
     def _release_late(self, handle: Handle) -> None:
         owner = handle.owner

@@ -646,6 +646,10 @@ _BUSY = PLAN_RUNNING
 appended to: the first queued event replaces it with a `QueuedInPlan` of its own,
 which the step turns into a plain list before it drains it, its plan done)."""
 
+_SWEPT: tuple[None, bool] = (None, False)
+"""`Ledger._release_kind`'s `about` for the handles no step of a plan named: each is
+"release <kind>", not best-effort."""
+
 _NONE_HELD = -2
 """`Machine._step`'s `chosen` when a compiled guarded cell found that no guard held."""
 
@@ -923,7 +927,7 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
                         if cur is None:
                             continue
                         if cur.__class__ is not Hd:  # several handles
-                            ledger._release_kind(ctx, inst, cur, kind, fn, report, *about)
+                            ledger._release_kind(ctx, inst, cur, kind, fn, report, about)
                             continue
                         if cur.released or cur.kind != kind:
                             continue
@@ -946,7 +950,7 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
                 cur = inst._owns
                 if cur is not None:  # the handles no step named, by their default releasers
                     ledger._release_kind(ctx, inst, cur if cur.__class__ is list else (cur,),
-                                         None, None, report, None, False)
+                                         None, None, report, _SWEPT)
             finally:
                 ctx._live = False
                 if refs(ctx) == 2:  # ours and the call's: nobody kept it
