@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -197,18 +197,22 @@ class Ledger:
                 cur.append(h)
             else:
                 owner._owns = [cur, h]
-            terminal = m.terminal[owner._s]
-        else:
-            if owner.machine.ledger is not self:
-                self._require_mine(owner, "acquire for")
-            h = Handle(kind, value, owner)
-            self._link(owner, h)
-            terminal = owner.terminal
+            every = self._all
+            every.append(h)
+            if len(every) >= self._compact_at:
+                self._compact()
+            if m.terminal[owner._s] and not self._planning(owner):
+                self._release_late(h)
+            return h
+        if owner.machine.ledger is not self:
+            self._require_mine(owner, "acquire for")
+        h = Handle(kind, value, owner)
+        self._link(owner, h)
         every = self._all
         every.append(h)
         if len(every) >= self._compact_at:
             self._compact()
-        if terminal and not self._planning(owner):
+        if owner.terminal and not self._planning(owner):
             self._release_late(h)
         return h
 
@@ -291,8 +295,8 @@ class Ledger:
             if to._m.ledger is not self:
                 self._require_mine(to, "transfer to")
             cur: Any = owner._owns
-            if cur is not handle and (cur.__class__ is not list
-                                      or not any(x is handle for x in cur)):
+            # `in` and `remove` compare handles by identity (they are eq=False Structs).
+            if cur is not handle and (cur.__class__ is not list or handle not in cur):
                 raise OwnershipError(f"{handle!r} is not in the ledger")
             if owner._m.terminal[owner._s] and not self._planning(owner):
                 raise OwnershipError(
@@ -301,7 +305,7 @@ class Ledger:
             if cur is handle:
                 owner._owns = None
             else:
-                rest: Any = owner._owns  # the list holding it
+                rest: Any = cur  # the list holding it
                 rest.remove(handle)
                 if len(rest) == 1:
                     owner._owns = rest[0]
@@ -356,10 +360,10 @@ class Ledger:
     def owned(self, owner: Any, kind: str | None = None) -> list[Handle]:
         """The unreleased handles `owner` owns now, of `kind` if given, in acquire order."""
         cur: Any = owner._owns if isinstance(owner, Holder) else self._owned.get(owner)
+        if cur.__class__ is Handle:  # one handle, the common case: tested first
+            return [cur] if cur.kind == kind or kind is None else []
         if cur is None:
             return []
-        if cur.__class__ is not list:
-            return [cur] if kind is None or cur.kind == kind else []
         if kind is None:
             return list(cur)
         return [h for h in cur if h.kind == kind]
@@ -482,17 +486,20 @@ class Ledger:
                 continue
             self._release(ctx, h, fn, report, step or f"release {h.kind}", best_effort)
 
-    def _release_kind(self, ctx: ReleaseContext, owner: Holder, cur: list[Handle],
+    def _release_kind(self, ctx: ReleaseContext, owner: Holder, cur: Sequence[Handle],
                       kind: str | None, fn: Callable[..., Any] | None, report: PlanReport,
-                      step: str | None, best_effort: bool) -> None:
-        """`_release_owned` of an owner whose handles are the list `cur`, for the
-        engine's compiled plans (`machine._compile_plan`), which hold `ctx` live: `fn`
+                      about: tuple[str | None, bool]) -> None:
+        """`_release_owned` of an owner whose handles are the list `cur` (or, for the
+        handles no step named, a lone one in a tuple), for the engine's compiled plans
+        (`machine._compile_plan`), which hold `ctx` live: `fn`
         is called unwrapped (None: the kind's default releaser, unwrapped). Each handle
         of `kind` (every one when None) is released in order, marked first; one an
-        earlier release effect moved or released is skipped."""
+        earlier release effect moved or released is skipped. `about` is the step's name
+        (None: "release <kind>") and best_effort, read when a release raised or returned
+        something."""
         raw, observers = self._raw, self._observers
-        for h in list(cur) if kind is None else [x for x in cur if x.kind == kind]:
-            if h.released or h.owner is not owner:
+        for h in tuple(cur):  # a snapshot: releases change `cur`
+            if (kind is not None and h.kind != kind) or h.released or h.owner is not owner:
                 continue
             h.released = True  # marked first: never released twice
             now: Any = owner._owns  # `_unlink`, on the owner's slot
@@ -505,18 +512,24 @@ class Ledger:
             if observers:
                 observers.pop(h, None)
             self._released += 1
-            report.released.append(h)
-            name = step or f"release {h.kind}"
+            done = report._released  # `report.released.append(h)`, without the property
+            if done is None:
+                report._released = h
+            elif done.__class__ is list:
+                done.append(h)
+            else:
+                report._released = [done, h]
             try:
                 res = (fn or raw[h.kind])(ctx, h)
             except Exception as e:  # every step runs; the error is reported
-                report.errors.append(EffectError(report.machine, report.plan, name,
-                                                 best_effort, e))
+                report.errors.append(EffectError(report.machine, report.plan,
+                                                 about[0] or f"release {h.kind}", about[1], e))
                 continue
             if res is not None:
-                task = step_result(res, report, name, best_effort)
+                name = about[0] or f"release {h.kind}"
+                task = step_result(res, report, name, about[1])
                 if task is not None:
-                    self._keep(task, report, name, best_effort)
+                    self._keep(task, report, name, about[1])
 
     def _release_late(self, handle: Handle) -> None:
         owner = handle.owner

@@ -646,6 +646,10 @@ _BUSY = PLAN_RUNNING
 appended to: the first queued event replaces it with a `QueuedInPlan` of its own,
 which the step turns into a plain list before it drains it, its plan done)."""
 
+_SWEPT: tuple[None, bool] = (None, False)
+"""`Ledger._release_kind`'s `about` for the handles no step of a plan named: each is
+"release <kind>", not best-effort."""
+
 _NONE_HELD = -2
 """`Machine._step`'s `chosen` when a compiled guarded cell found that no guard held."""
 
@@ -755,6 +759,8 @@ def _compile_guarded(cell: int,
     stepping = _STEPPING
     guards = tuple(a[0] for a in alts)
     outs = tuple(a[1:] for a in alts)
+    if len(alts) == 2 and guards[0] is not None and guards[1] is None:
+        return _compile_guarded_else(cell, guards[0], outs)
 
     def fire_guarded(inst: Instance, event: Any) -> PlanReport | None:
         inst._q = stepping
@@ -787,6 +793,35 @@ def _compile_guarded(cell: int,
 
     return fire_guarded
 
+
+def _compile_guarded_else(cell: int, guard: Guard,
+                          outs: tuple[tuple[int, _OnCell | None], ...]) -> _OnCell:
+    """`_compile_guarded` for the most common guarded cell, one guard and an
+    unguarded alternative after it: the same steps without the loop over guards."""
+    stepping = _STEPPING
+
+    def fire_guarded_else(inst: Instance, event: Any) -> PlanReport | None:
+        inst._q = stepping
+        try:
+            k = 0 if guard(inst, event) else 1
+        except Exception as exc:
+            q = inst._q
+            if q is stepping:
+                inst._q = None
+                raise
+            inst._q = q = list(q)
+            return inst._m._drain(inst, q, [exc])
+        q = inst._q
+        inst._q = None
+        if q is not stepping:  # a guard fired at it: the general path, told which held
+            return inst._m._fire_step(cell, inst, event, k, q)
+        target, run = outs[k]
+        if run is None:
+            inst._s = target
+            return None
+        return run(inst, event)
+
+    return fire_guarded_else
 
 def _first_fire(cell: int, inst: Instance, event: Any) -> PlanReport | None:
     """`cell`'s first fire on this machine: compile it, then run it."""
@@ -850,18 +885,18 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
     mname, runs = m.name, m.stats._runs
     observers, raw = ledger._observers, ledger._raw
     # Per step: (kind, or None for an Action; the function called unwrapped, None for
-    # the kind's default releaser; the step's name; best_effort).
-    steps: list[tuple[str | None, Any, str, bool]] = []
+    # the kind's default releaser; the step's (name, best_effort), read only when it
+    # raised or returned something).
+    steps: list[tuple[str | None, Any, tuple[str, bool]]] = []
     for st in t.plan.steps:
         if type(st) is Release:
-            steps.append((st.kind, None if st.fn is None else unwrapped(st.fn), st.name,
-                          st.best_effort))
+            steps.append((st.kind, None if st.fn is None else unwrapped(st.fn),
+                          (st.name, st.best_effort)))
         else:
             assert isinstance(st, Action)
-            steps.append((None, unwrapped(st.fn), st.name, st.best_effort))
+            steps.append((None, unwrapped(st.fn), (st.name, st.best_effort)))
     csteps = tuple(steps)
-    new, Context, Report, Hd, busy, Err = (_new, ReleaseContext, PlanReport, Handle, _BUSY,
-                                          EffectError)
+    new, Context, Report, Hd, busy = _new, ReleaseContext, PlanReport, Handle, _BUSY
     spare: ReleaseContext | None = None  # a dead context nobody kept (`_compile_terminal`)
     refs = _refs
 
@@ -880,20 +915,19 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
             ctx.event = event
             report = Report(mname, inst, pname)
             try:
-                for kind, fn, name, best_effort in csteps:
+                for kind, fn, about in csteps:
                     if kind is None:  # an Action
                         try:
                             res = fn(ctx)
                         except Exception as e:  # every step runs; the error is reported
-                            report.errors.append(Err(mname, pname, name, best_effort, e))
+                            _step_failed(report, about, e)
                             continue
                     else:
                         cur = inst._owns
                         if cur is None:
                             continue
                         if cur.__class__ is not Hd:  # several handles
-                            ledger._release_kind(ctx, inst, cur, kind, fn, report, name,
-                                                 best_effort)
+                            ledger._release_kind(ctx, inst, cur, kind, fn, report, about)
                             continue
                         if cur.released or cur.kind != kind:
                             continue
@@ -909,18 +943,14 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
                         try:
                             res = (fn or raw[kind])(ctx, cur)
                         except Exception as e:
-                            report.errors.append(Err(mname, pname, name, best_effort, e))
+                            _step_failed(report, about, e)
                             continue
                     if res is not None:
-                        task = step_result(res, report, name, best_effort)
-                        if task is not None:
-                            ledger._keep(task, report, name, best_effort)
+                        _step_returned(ledger, res, report, about)
                 cur = inst._owns
-                if cur is not None:  # the handles no step named
-                    if cur.__class__ is not Hd:
-                        ledger._release_kind(ctx, inst, cur, None, None, report, None, False)
-                    else:
-                        ledger._release_owned(ctx, inst, None, None, report, None, False)
+                if cur is not None:  # the handles no step named, by their default releasers
+                    ledger._release_kind(ctx, inst, cur if cur.__class__ is list else (cur,),
+                                         None, None, report, _SWEPT)
             finally:
                 ctx._live = False
                 if refs(ctx) == 2:  # ours and the call's: nobody kept it
@@ -945,6 +975,19 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
     return fire_terminal
 
 
+def _step_failed(report: PlanReport, about: tuple[str, bool], e: Exception) -> None:
+    """Report that a step (`about`: its name and best_effort) of a compiled plan raised."""
+    report.errors.append(EffectError(report.machine, report.plan, about[0], about[1], e))
+
+
+def _step_returned(ledger: Ledger, res: Any, report: PlanReport,
+                   about: tuple[str, bool]) -> None:
+    """What a step of a compiled plan returned (not None): an awaitable becomes a task
+    the ledger keeps referenced until it ends (`plan.step_result`)."""
+    task = step_result(res, report, about[0], about[1])
+    if task is not None:
+        ledger._keep(task, report, about[0], about[1])
+
 def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
     """What `Instance.fire` runs for a terminal edge (an unguarded cell, or the
     alternative a compiled guarded cell picked) while nobody observes, or only the
@@ -956,8 +999,11 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
     drains the queue. With a ledger and a plan of `Release` steps (`t.kinds`), an
     instance that owns one handle has it released here: marked first, then its step's
     function (or the kind's default releaser) called unwrapped, since the context is
-    the engine's own and live. Several handles go through `Ledger._run_steps`; other
-    plans through `_compile_general`.
+    the engine's own and live. An instance that owns several handles, and other plans,
+    go through `_compile_general` (`Machine._run_terminal`, `Ledger._run_steps`). One
+    that owns nothing has nothing of such a plan to run: no effect is called, so no
+    context is opened and nothing can be fired at it meanwhile; the plan's run is
+    counted and its (empty) report returned.
     """
     ledger, kinds = t.ledger, t.kinds
     if ledger is None:  # no ledger: the plan's actions through `_run_terminal`
@@ -986,8 +1032,17 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
         runs[pid] += k
         ledger._released += k
 
+    several = _compile_general(m, t)  # an instance that owns several handles
+
     def fire_terminal(inst: Instance, event: Any) -> PlanReport | None:
         nonlocal spare, n
+        cur = inst._owns
+        if cur.__class__ is not Hd:
+            if cur is not None:
+                return several(inst, event)
+            inst._s = target  # owns nothing: no effect runs, no context is opened
+            runs[pid] += 1
+            return Report(mname, inst, pname)
         inst._s = target
         inst._q = busy
         try:
@@ -1000,39 +1055,32 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
             ctx.instance = inst
             ctx.event = event
             try:
-                cur = inst._owns
-                if cur.__class__ is not Hd:
-                    runs[pid] += 1
-                    report = Report(mname, inst, pname)
-                    if cur is not None:  # several handles
-                        ledger._run_steps(ctx, inst, steps, report)
-                else:
-                    kind = cur.kind
-                    fn = fn0 if kind == kind0 else kinds.get(kind, sweep)[1]
-                    cur.released = True  # marked first: never released twice
-                    inst._owns = None
-                    if observers:
-                        observers.pop(cur, None)
-                    n += 1  # a run of the plan and a handle released
-                    if n > 200:
-                        flush()
-                    report = Report(mname, inst, pname, cur)
-                    try:  # what is given to inst meanwhile is the plan's (PLAN_RUNNING)
-                        res = (fn or raw[kind])(ctx, cur)
-                    except Exception as e:  # every step runs; the error is reported
-                        res = None
-                        _, _, name, best_effort = kinds.get(kind, sweep)
-                        report.errors.append(EffectError(
-                            mname, pname, name or f"release {kind}", best_effort, e))
-                    if res is not None:
-                        _, _, name, best_effort = kinds.get(kind, sweep)
-                        step = name or f"release {kind}"
-                        task = step_result(res, report, step, best_effort)
-                        if task is not None:
-                            ledger._keep(task, report, step, best_effort)
-                    if inst._owns is not None:  # given to it while its releaser ran
-                        i = kinds.get(kind, sweep)[0]
-                        ledger._run_steps(ctx, inst, steps[i + 1:], report)
+                kind = cur.kind
+                fn = fn0 if kind == kind0 else kinds.get(kind, sweep)[1]
+                cur.released = True  # marked first: never released twice
+                inst._owns = None
+                if observers:
+                    observers.pop(cur, None)
+                n += 1  # a run of the plan and a handle released
+                if n > 200:
+                    flush()
+                report = Report(mname, inst, pname, cur)
+                try:  # what is given to inst meanwhile is the plan's (PLAN_RUNNING)
+                    res = (fn or raw[kind])(ctx, cur)
+                except Exception as e:  # every step runs; the error is reported
+                    res = None
+                    _, _, name, best_effort = kinds.get(kind, sweep)
+                    report.errors.append(EffectError(
+                        mname, pname, name or f"release {kind}", best_effort, e))
+                if res is not None:
+                    _, _, name, best_effort = kinds.get(kind, sweep)
+                    step = name or f"release {kind}"
+                    task = step_result(res, report, step, best_effort)
+                    if task is not None:
+                        ledger._keep(task, report, step, best_effort)
+                if inst._owns is not None:  # given to it while its releaser ran
+                    i = kinds.get(kind, sweep)[0]
+                    ledger._run_steps(ctx, inst, steps[i + 1:], report)
             finally:
                 ctx._live = False
                 if refs(ctx) == 2:  # ours and the call's: nobody kept it

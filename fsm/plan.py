@@ -41,7 +41,7 @@ class _Edge:
     engine makes one per terminal edge at its first compiled run, so opening a context
     stores four fields (edge, live, event, instance), not ten."""
 
-    __slots__ = ("ledger", "machine", "plan", "rows", "source", "target")
+    __slots__ = ("_holds", "ledger", "machine", "plan", "rows", "source", "target")
 
     def __init__(self, machine: str, plan: str, source: str, target: str, ledger: Any,
                  rows: Any = None) -> None:
@@ -51,6 +51,19 @@ class _Edge:
         self.target = target
         self.ledger = ledger
         self.rows = rows
+        # What `ReleaseContext.resources` reads `.resources` of (effects read it in every
+        # step): the ledger, or a stand-in whose resources are None.
+        self._holds = _NO_LEDGER if ledger is None else ledger
+
+
+class _NoLedger:
+    """`_Edge._holds` of an edge without a ledger."""
+
+    __slots__ = ()
+    resources = None
+
+
+_NO_LEDGER = _NoLedger()
 
 
 class ReleaseContext:
@@ -115,8 +128,7 @@ class ReleaseContext:
     @property
     def resources(self) -> Any:
         """The resources object given to the ledger (`Ledger(resources=...)`)."""
-        ledger = self._edge.ledger
-        return None if ledger is None else ledger.resources
+        return self._edge._holds.resources
 
     def __enter__(self) -> ReleaseContext:
         return self

@@ -115,6 +115,24 @@ def test_a_guard_that_raises_changes_nothing(kv):
     ledger.assert_empty()
 
 
+def test_a_guard_that_fires_at_its_instance_then_raises_runs_the_queued_event_first(kv):
+    def chunks_in_flight(inst, ev):
+        inst.fire(Chunk(last=True))  # queued behind the guard; it runs before the error
+        raise RuntimeError("guard broke")
+
+    m, ledger = machine(kv, variant(), {**GUARDS, "chunks_in_flight": chunks_in_flight})
+    job = Job(m, "r")
+    h = ledger.acquire(job, "kv", kv.alloc(4))
+    job.fire(Start())
+    with pytest.raises(RuntimeError, match="guard broke"):
+        job.fire(Abort())  # prefilling: a guard, then an unguarded terminal alternative
+    assert job.state == "decoding" and not job.busy and not h.released
+    assert m.stats.plans_run == {}
+    job.fire(Abort())
+    assert job.state == "aborted" and h.released
+    ledger.assert_empty()
+
+
 def test_a_plan_with_actions_runs_every_step_in_order_inside_a_context_dead_after(kv):
     log: list[Any] = []
     kept = []
@@ -200,6 +218,73 @@ def test_events_an_action_fires_at_its_instance_run_after_the_plan(kv):
         job.fire(Abort())
     assert order == ["action"] and h.released and not job.busy
     assert m.stats.ignored[("aborted", "Finish")] == 1
+    assert m.stats.plans_run == {"release_aborted": 1}
+    ledger.assert_empty()
+
+
+def test_a_step_of_another_kind_skips_the_one_handle_and_its_own_step_reports_its_error(kv):
+    log: list[str] = []
+
+    @release_effect
+    def note(ctx):
+        log.append("note")
+
+    @release_effect
+    def free_then_fail(ctx, handle):
+        ctx.resources.free(handle.value)
+        log.append("kv")
+        raise RuntimeError("free reported a failure")
+
+    plan = Plan(Release("meta"), Action(note), Release("kv", free_then_fail), Action(note))
+    m, ledger = machine(kv, release_aborted=plan)
+    job = Job(m, "r")
+    h = ledger.acquire(job, "kv", kv.alloc(4))
+    with pytest.raises(ReleaseFailed) as info:
+        job.fire(Abort())
+    assert log == ["note", "kv", "note"] and h.released and job.state == "aborted"
+    report = info.value.report
+    assert report.released == [h]
+    assert [(e.step, e.best_effort) for e in report.errors] == [
+        ("release kv via free_then_fail", False)]
+    assert ledger.errors == report.errors and not job.busy
+    ledger.assert_empty()
+
+
+def test_a_cell_of_three_alternatives_takes_the_first_that_holds_and_queues_what_guards_fire(kv):
+    fired: list[Any] = []
+
+    def in_flight(inst, ev):
+        if fired:
+            inst.fire(fired.pop())  # queued behind the guards; runs after the step
+        if inst.in_flight < 0:
+            raise RuntimeError("negative in-flight count")
+        return inst.in_flight > 0
+
+    table = variant(prefilling={Chunk: [go("decoding", when="last_chunk"),
+                                        go("draining", when="in_flight"),
+                                        go("prefilling")]})
+    m, ledger = machine(kv, table, {**GUARDS, "in_flight": in_flight})
+    job = Job(m, "r")
+    h = ledger.acquire(job, "kv", kv.alloc(4))
+    job.fire(Start())
+    assert job.fire(Chunk(last=False)) is None and job.state == "prefilling"  # the fallback
+    job.in_flight = -1
+    fired.append(Start())  # fired by the guard before it raises: still handled, first
+    with pytest.raises(RuntimeError, match="negative in-flight"):
+        job.fire(Chunk(last=False))
+    assert job.state == "prefilling" and not job.busy
+    assert m.stats.ignored[("prefilling", "Start")] == 1
+    with pytest.raises(RuntimeError, match="negative in-flight"):  # nothing queued
+        job.fire(Chunk(last=False))
+    assert job.state == "prefilling" and not job.busy
+    job.in_flight = 1
+    fired.append(Abort())  # fired by the guard: handled once the step is done
+    job.fire(Chunk(last=False))  # in flight: draining, then the queued Abort
+    assert job.state == "draining" and not job.busy and not h.released
+    assert m.stats.ignored[("draining", "Abort")] == 1
+    job.in_flight = 0
+    job.fire(Chunk(last=True))  # the drain ends: aborted, its plan runs
+    assert job.state == "aborted" and h.released
     assert m.stats.plans_run == {"release_aborted": 1}
     ledger.assert_empty()
 

@@ -161,6 +161,29 @@ def test_plan_runs_are_counted_per_plan_and_a_read_sees_every_run_so_far(kv):
     ledger.assert_empty()
 
 
+def test_an_instance_that_owns_nothing_runs_its_plan_as_a_counted_empty_report(kv):
+    calls = []
+
+    @release_effect
+    def free(ctx, handle):
+        calls.append(handle)
+        ctx.resources.free(handle.value)
+
+    m, ledger = make(kv, free)
+    bare, owner = m.create("bare"), m.create("owner")
+    ledger.acquire(owner, "kv", kv.alloc(2))
+    report = bare.fire(Abort())
+    assert report is not None and report.plan == "release_aborted" and report.instance is bare
+    assert report.released == [] and report.ok and report.tasks == []
+    assert bare.state == "aborted" and not bare.busy and calls == []
+    assert m.stats.plans_run == {"release_aborted": 1} and ledger.released == 0
+    assert bare.fire(Abort()) is None  # terminal: ignored, no second run
+    owner.fire(Abort())
+    assert len(calls) == 1 and m.stats.plans_run == {"release_aborted": 2}
+    assert ledger.released == 1
+    ledger.assert_empty()
+
+
 def test_a_recorder_that_raises_on_a_terminal_edge_does_not_skip_its_plan(kv):
     from terminus.fsm import observe
 
