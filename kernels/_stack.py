@@ -62,6 +62,8 @@ _HOST_VALIDATE = 64
 
 # Tensor dtypes accepted as ids. A float or bool tensor is refused, never truncated.
 _INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+# numpy dtypes that push_host writes into a CPU stack itself (others go through push).
+_NP_IDS = (np.dtype(np.int64), np.dtype(np.int32))
 
 
 def not_ids(pool: str, values: object, dtype: object) -> TypeError:
@@ -423,6 +425,29 @@ class FreeStack:
         self._top += n
         if self.strict:
             self._sync()
+
+    def push_host(self, ids: np.ndarray) -> None:
+        """``push`` of a 1-D numpy array of ids (what a CPU release gathers from its table).
+
+        A CPU stack that is not strict, with no free group open, takes them through its
+        numpy view with no torch call: after a scheduler's Python-heavy step each torch
+        call of a release (``from_numpy``, ``.numpy()``, ``.device``) pays microseconds
+        of cold code. Everything else (a strict pool's validation, a free group, ids past
+        the capacity, a device stack) goes through ``push`` exactly as a tensor would;
+        ``ids`` may be a view of a table (a group keeps a copy, never the view).
+        """
+        n = ids.shape[0]
+        if (self._stack_host is None or self.strict or self._group is not None
+                or self._top + n > self._cap or ids.dtype not in _NP_IDS or ids.ndim != 1):
+            self.push(torch.from_numpy(ids.copy() if self._group is not None else ids))
+            return
+        if n == 0:
+            return
+        if self._snap_top >= 0 and self._top < self._saved_lo:
+            self._save_for_snapshot()
+        top = self._top
+        self._stack_host[top : top + n] = ids  # widening int32 as push's write does
+        self._top = top + n
 
     def validate(self, ids: torch.Tensor) -> None:
         """Raise ``ForeignIndex``/``DoubleFree`` if freeing ``ids`` now would be wrong.
