@@ -339,10 +339,11 @@ def release_batch(
         try:
             if req_slots is None:
                 # What table.free does, minus checking ids again.
-                if host is not None and isinstance(at, np.ndarray):
-                    table._free.push_host(at)
-                else:
+                if host is None:
                     table._free.push(ids)
+                else:  # the rows' slots, as numpy (a few rows: from their list)
+                    table._free.push_host(at if isinstance(at, np.ndarray) else
+                                          np.array(at, dtype=np.int64))
             else:
                 req_slots.free(ids)
         except Exception as e:

@@ -77,7 +77,7 @@ class HostPagePool(StackPool):
             locked = self.lock_refs.index_select(0, ids) > 0
             if bool(locked.any()):
                 raise PageLocked("HostPagePool", ids[locked].tolist())
-        self._free.push(ids)
+        self._free.push(ids, checked=True)  # validated above, nothing changed since
 
     def _validate(self, ids: torch.Tensor) -> None:
         self._free.validate(ids)
@@ -96,8 +96,13 @@ class HostPagePool(StackPool):
         if not ids.numel():
             return 0
         self._validate(ids)
+        return self._return(ids)
+
+    def _return(self, ids: torch.Tensor) -> int:
+        """``free_when_unlocked`` of ``ids`` that ``_validate`` passed just now (nothing
+        changed since): the free list does not validate them a second time."""
         if not self._refs:  # nothing is locked: every page goes back now
-            self._free.push(ids)
+            self._free.push(ids, checked=True)
             return 0
         locked = self.lock_refs.index_select(0, ids) > 0
         later = ids[locked]
@@ -105,7 +110,7 @@ class HostPagePool(StackPool):
         self._n_doomed += later.numel()
         now = ids[~locked]
         if now.numel():
-            self._free.push(now)
+            self._free.push(now, checked=True)
         return later.numel()
 
     def lock(self, pages: IdsLike) -> None:
@@ -179,7 +184,7 @@ class HostPagePool(StackPool):
             self._validate(free)
         # Decided: nothing below raises.
         if free is not None and free.numel():
-            self.free_when_unlocked(free)
+            self._return(free)  # int64: a slice of what pop() returned
         if after is not None:
             assert p.anchor is not None
             self._unlock_commit(p.anchor, after)

@@ -452,7 +452,8 @@ def test_a_float_free_inside_a_free_group_is_refused_at_the_free(device):
 
 @pytest.fixture(params=["host", "tensor"])
 def pages_path(request, monkeypatch):
-    """A paged free finds its pages in Python (a few tokens on a CPU) or with tensor ops."""
+    """A paged free finds its pages in Python (a few tokens on a CPU) or with array ops
+    (numpy's on a CPU, torch's on a device)."""
     if request.param == "tensor":
         monkeypatch.setattr(kv_module, "_HOST_PAGES", 0)
     return request.param
