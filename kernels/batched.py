@@ -39,6 +39,7 @@ if sys.version_info < (3, 11):  # pragma: no cover
 
 from terminus.kernels._stack import IdsLike, as_ids, not_ids
 from terminus.kernels.kv import TokenKVAllocator
+from terminus.kernels.mamba import MambaStatePool
 from terminus.kernels.protocols import KVAllocator, MambaPool, ReqSlots
 from terminus.kernels.req_table import ReqToTokenTable
 
@@ -316,17 +317,25 @@ def release_batch(
             host[0][at] = 0
         else:
             table.lengths.index_fill_(0, ids, 0)
-    m = None
+    n_mamba = 0
     if mamba is not None:
         if host is not None:
             held = host[1][at]
-            m = torch.from_numpy(held[held > 0])
+            held = held[held > 0]
+            n_mamba = held.shape[0]
         else:
             m = table.mamba_slots.index_select(0, ids)
             m = m[m > 0]
+            n_mamba = m.numel()
         try:
-            if m.numel():
+            if not n_mamba:
+                pass
+            elif host is None:
                 mamba.free(m)
+            elif type(mamba) is MambaStatePool:
+                mamba._free.push_host(held)  # our own pool: no torch call (see the KV's)
+            else:
+                mamba.free(torch.from_numpy(held))
         except Exception as e:
             errors.append(e)
         else:
@@ -352,4 +361,4 @@ def release_batch(
         if len(errors) == 1:
             raise errors[0]
         raise ExceptionGroup("release_batch: several pools refused their frees", errors)
-    return BatchRelease(ids.shape[0], n_tokens, 0 if m is None else m.numel())
+    return BatchRelease(ids.shape[0], n_tokens, n_mamba)

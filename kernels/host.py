@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from terminus.kernels._stack import FreeStack, IdsLike, StackPool, as_ids
+from terminus.kernels._stack import FreeStack, IdsLike, StackPool, long_ids
 from terminus.kernels.errors import DoubleFree, KernelError, LeakError, PageLocked
 
 __all__ = ["HostPagePool", "Prefetch"]
@@ -69,7 +69,7 @@ class HostPagePool(StackPool):
 
     def free(self, pages: IdsLike) -> None:
         """Return pages; raises ``PageLocked`` (freeing nothing) if any is locked."""
-        ids = as_ids(pages, self.device, "HostPagePool").long()
+        ids = long_ids(pages, self.device, "HostPagePool")
         if not ids.numel():
             return
         self._validate(ids)
@@ -92,7 +92,7 @@ class HostPagePool(StackPool):
         For an owner's release, which must not fail because a reader still holds a page
         (it would have no later chance to free it). Returns how many were deferred.
         """
-        ids = as_ids(pages, self.device, "HostPagePool").long()
+        ids = long_ids(pages, self.device, "HostPagePool")
         if not ids.numel():
             return 0
         self._validate(ids)
@@ -117,7 +117,7 @@ class HostPagePool(StackPool):
         """Add one lock reference to each page (a page listed twice gets two). A page
         outside the pool is refused (`IndexError`) with nothing locked: `index_add_`
         would have counted the ids before it, unseen by `free`."""
-        ids = as_ids(pages, self.device, "HostPagePool").long()
+        ids = long_ids(pages, self.device, "HostPagePool")
         if not ids.numel():
             return
         lo, hi = torch.stack(ids.aminmax()).tolist()  # one read
@@ -130,7 +130,7 @@ class HostPagePool(StackPool):
 
     def unlock(self, pages: IdsLike) -> None:
         """Drop one lock reference per listed page; raises (changing nothing) on underflow."""
-        ids = as_ids(pages, self.device, "HostPagePool").long()
+        ids = long_ids(pages, self.device, "HostPagePool")
         self._unlock_commit(ids, self._unlocked(ids))
 
     def _unlocked(self, ids: torch.Tensor) -> torch.Tensor:
@@ -167,7 +167,7 @@ class HostPagePool(StackPool):
         if pages is None:
             return None
         anchor_ids = (
-            None if anchor is None else as_ids(anchor, self.device, "HostPagePool").long()
+            None if anchor is None else long_ids(anchor, self.device, "HostPagePool")
         )
         if anchor_ids is not None:
             self.lock(anchor_ids)
