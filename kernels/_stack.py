@@ -57,6 +57,9 @@ _HOST_POP = 64
 # update; one scatter_add_ is ~2.6 us, a pop's numpy gather, tolist and set ~2).
 _HOST_FOLD = 32
 _HOST_TAKE = 8
+# Pops of more ids on a CPU are checked with one numpy gather of their counts and a
+# bytes comparison, up to this many (tests lower it to run the torch path on a CPU).
+_HOST_POP_BYTES = 1 << 62
 _LITTLE_ENDIAN = sys.byteorder == "little"
 # Validations of at most this many ids of a CPU pool are checked on the host.
 _HOST_VALIDATE = 64
@@ -364,7 +367,8 @@ class FreeStack:
                     counts_np[seg] = 0
                     self._top = self._synced = old - n
                     return torch.from_numpy(seg.copy())
-            elif _LITTLE_ENDIAN and (seg - self.lo if self.lo else seg).tobytes()[7::8].isascii():
+            elif n <= _HOST_POP_BYTES and _LITTLE_ENDIAN and (
+                    seg - self.lo if self.lo else seg).tobytes()[7::8].isascii():
                 # Many ids, none below lo (no int64's top byte has its sign bit set): one
                 # gather of their counts from a view that ends at hi (an id past it raises)
                 # and a bytes comparison, no numpy reduction (cold after a Python-heavy

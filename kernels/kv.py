@@ -28,8 +28,10 @@ __all__ = ["KVSnapshot", "TokenKVAllocator"]
 
 KVSnapshot = Snapshot
 
-# Paged frees of at most this many tokens on a CPU find their pages in Python.
+# Paged frees of at most this many tokens on a CPU find their pages in Python; more, with
+# numpy (tests turn _NP_PAGES off to run the tensor ops a device takes, on a CPU).
 _HOST_PAGES = 192
+_NP_PAGES = True
 
 
 class TokenKVAllocator(StackPool):
@@ -126,21 +128,22 @@ class TokenKVAllocator(StackPool):
         if ids.numel() == 0:
             return
         if self.page_size > 1:
-            if ids.device.type != "cpu":
-                ids = torch.unique(torch.div(ids, self.page_size, rounding_mode="floor"))
-            elif ids.numel() <= _HOST_PAGES:
+            cpu = ids.device.type == "cpu"
+            if cpu and ids.numel() <= _HOST_PAGES:
                 # A request's tokens on a CPU: its pages, sorted and once each, as
                 # torch.unique gives them (3-9 us here; div and unique cost ~11).
                 ps = self.page_size
                 self._free.push_host(np.array(sorted({v // ps for v in ids.tolist()}),
                                               dtype=np.int64))
                 return
-            else:
+            elif cpu and _NP_PAGES:
                 # Many tokens on a CPU: the same pages (floor division, sorted, once
                 # each) by numpy, whose ops pay less cold code after a scheduler's step
                 # than torch's div and unique.
                 self._free.push_host(np.unique(ids.numpy() // self.page_size))
                 return
+            else:
+                ids = torch.unique(torch.div(ids, self.page_size, rounding_mode="floor"))
         self._free.push(ids)
 
     def free_group_begin(self) -> None:
