@@ -32,6 +32,7 @@ id handed out, or a foreign one) is flagged there, so the evidence survives the 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,12 +57,18 @@ _HOST_POP = 64
 # update; one scatter_add_ is ~2.6 us, a pop's numpy gather, tolist and set ~2).
 _HOST_FOLD = 32
 _HOST_TAKE = 8
+# Pops of more ids on a CPU are checked with one numpy gather of their counts and a
+# bytes comparison, up to this many (tests lower it to run the torch path on a CPU).
+_HOST_POP_BYTES = 1 << 62
+_LITTLE_ENDIAN = sys.byteorder == "little"
 # Validations of at most this many ids of a CPU pool are checked on the host.
 _HOST_VALIDATE = 64
 
 
 # Tensor dtypes accepted as ids. A float or bool tensor is refused, never truncated.
 _INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+# numpy dtypes that push_host writes into a CPU stack itself (others go through push).
+_NP_IDS = (np.dtype(np.int64), np.dtype(np.int32))
 
 
 def not_ids(pool: str, values: object, dtype: object) -> TypeError:
@@ -98,6 +105,13 @@ def as_ids(ids: IdsLike, device: torch.device, pool: str = "indices") -> torch.T
     if t.dtype not in _INT_DTYPES:
         raise not_ids(pool, values, "values")
     return t.to(device=device, dtype=torch.int64).reshape(-1)
+
+
+def long_ids(ids: IdsLike, device: torch.device, pool: str = "indices") -> torch.Tensor:
+    """``as_ids`` widened to int64, with no dispatched op when it is int64 already (a
+    no-op ``.long()`` still costs a torch call)."""
+    t = as_ids(ids, device, pool)
+    return t if t.dtype == torch.int64 else t.long()
 
 
 def host_ints(values: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -320,31 +334,53 @@ class FreeStack:
             )
         if n > self._top:
             return None
-        self._sync()
-        if n <= _HOST_POP and self._stack_np is not None and n:
-            # CPU, a few ids: checked and taken on the host (see __init__). Every id in
-            # range with a count of exactly 1 is the usual case; anything else takes the
-            # general path below, which flags it.
+        if self._synced < self._top:
+            self._sync()
+        stack_np = self._stack_np
+        if stack_np is not None and n:
+            # CPU: checked and taken on the host (see __init__). Every id in range with a
+            # count of exactly 1 is the usual case; anything else takes the general path
+            # below, which flags it.
             old = self._top
-            seg = self._stack_np[old - n : old]
-            vals = seg.tolist()
-            if self.lo <= min(vals) and max(vals) < self.hi:
-                mv, off = self._count_mv, self._off
-                if (n <= _HOST_TAKE and mv is not None
-                        and all(mv[v + off] == 1 for v in vals)):
-                    # The same test and update, id by id (see _HOST_TAKE).
+            seg = stack_np[old - n : old]
+            counts_np = self._by_id_np
+            assert counts_np is not None
+            if n <= _HOST_TAKE:
+                # A few ids: the same test and update, id by id (see _HOST_TAKE).
+                mv, off, lo, hi = self._count_mv, self._off, self.lo, self.hi
+                assert mv is not None
+                vals = seg.tolist()
+                for v in vals:
+                    if not lo <= v < hi or mv[v + off] != 1:
+                        break
+                else:
                     for v in vals:
                         mv[v + off] = 0
                     self._top = self._synced = old - n
-                    return torch.from_numpy(seg.copy())
-                counts_np = self._by_id_np
-                assert counts_np is not None
-                if n > _HOST_TAKE and counts_np[seg].tolist().count(1) == n:
+                    return torch.from_numpy(seg.copy())  # ~1.5 us; torch.tensor(vals): ~6
+            elif n <= _HOST_POP:
+                vals = seg.tolist()
+                if (self.lo <= min(vals) and max(vals) < self.hi
+                        and counts_np[seg].tolist().count(1) == n):
                     # Counts of 1 mean no id is twice in `seg`: setting them to 0 is
                     # exactly the scatter of -1 below.
                     counts_np[seg] = 0
                     self._top = self._synced = old - n
-                    return torch.from_numpy(seg.copy())  # ~1.5 us; torch.tensor(vals): ~6
+                    return torch.from_numpy(seg.copy())
+            elif n <= _HOST_POP_BYTES and _LITTLE_ENDIAN and (
+                    seg - self.lo if self.lo else seg).tobytes()[7::8].isascii():
+                # Many ids, none below lo (no int64's top byte has its sign bit set): one
+                # gather of their counts from a view that ends at hi (an id past it raises)
+                # and a bytes comparison, no numpy reduction (cold after a Python-heavy
+                # step) and no torch op.
+                try:
+                    taken = counts_np[: self.hi].take(seg).tobytes()
+                except IndexError:
+                    taken = b""
+                if taken == b"\x01" * n:
+                    counts_np[seg] = 0
+                    self._top = self._synced = old - n
+                    return torch.from_numpy(seg.copy())
         out = self._stack.narrow(0, self._top - n, n).clone()
         self._top -= n
         self._synced = self._top
@@ -371,11 +407,13 @@ class FreeStack:
             self._count.scatter_add_(0, p, self._minus.expand(n))
         return out
 
-    def push(self, ids: torch.Tensor) -> None:
+    def push(self, ids: torch.Tensor, *, checked: bool = False) -> None:
         """Return ``ids`` (an int tensor; any device, int32 or int64) to the free list.
 
         This is the hot path of per-request frees: one slice write, nothing else. A float
         or bool tensor is refused (``TypeError``), never truncated into ids.
+        ``checked``: the caller ran ``validate(ids)`` (or on a superset of them) just now
+        and nothing changed since, so a strict pool does not validate them again.
         """
         if ids.dtype not in _INT_DTYPES:
             raise not_ids(self.name, ids, ids.dtype)
@@ -390,7 +428,8 @@ class FreeStack:
         if self.strict or self._top + n > self._cap:
             # More frees than ids allocated is a violation for certain; find and name it
             # rather than write past the end of the stack.
-            self.validate(ids)
+            if not checked or self._top + n > self._cap:
+                self.validate(ids)
             if self._top + n > self._cap:
                 # These ids are fine: an earlier lazy free put a double free (or a foreign
                 # id) in the free list. Name that one; nothing is written.
@@ -412,17 +451,39 @@ class FreeStack:
                 self._by_id_np[ids.numpy()] = 1
             self._top = self._synced = self._top + n
             return
-        if n > _HOST_FOLD and self._stack_host is not None and ids.device.type == "cpu":
-            # Many ids to a CPU stack: written through its numpy view (one numpy op,
-            # widening int32 as copy_ does; after a Python-heavy step the torch ops'
-            # cold dispatch costs more than the copy). A few ids take narrow + copy_,
-            # which reads nothing back (tests/test_batch_sync.py counts .numpy() too).
+        if self._stack_host is not None and ids.device.type == "cpu":
+            # A CPU stack: written through its numpy view (one numpy op, widening int32
+            # as copy_ does; after a Python-heavy step the cold dispatch of narrow and
+            # copy_ costs more than the copy: 1.2 us against 2.6 warm for one id).
             self._stack_host[self._top : self._top + n] = ids.numpy()
         else:
             self._stack.narrow(0, self._top, n).copy_(ids)
         self._top += n
         if self.strict:
             self._sync()
+
+    def push_host(self, ids: np.ndarray) -> None:
+        """``push`` of a 1-D numpy array of ids (what a CPU release gathers from its table).
+
+        A CPU stack that is not strict, with no free group open, takes them through its
+        numpy view with no torch call: after a scheduler's Python-heavy step each torch
+        call of a release (``from_numpy``, ``.numpy()``, ``.device``) pays microseconds
+        of cold code. Everything else (a strict pool's validation, a free group, ids past
+        the capacity, a device stack) goes through ``push`` exactly as a tensor would;
+        ``ids`` may be a view of a table (a group keeps a copy, never the view).
+        """
+        n = ids.shape[0]
+        if (self._stack_host is None or self.strict or self._group is not None
+                or self._top + n > self._cap or ids.dtype not in _NP_IDS or ids.ndim != 1):
+            self.push(torch.from_numpy(ids.copy() if self._group is not None else ids))
+            return
+        if n == 0:
+            return
+        if self._snap_top >= 0 and self._top < self._saved_lo:
+            self._save_for_snapshot()
+        top = self._top
+        self._stack_host[top : top + n] = ids  # widening int32 as push's write does
+        self._top = top + n
 
     def validate(self, ids: torch.Tensor) -> None:
         """Raise ``ForeignIndex``/``DoubleFree`` if freeing ``ids`` now would be wrong.

@@ -38,6 +38,8 @@ if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import ExceptionGroup
 
 from terminus.kernels._stack import IdsLike, as_ids, not_ids
+from terminus.kernels.kv import TokenKVAllocator
+from terminus.kernels.mamba import MambaStatePool
 from terminus.kernels.protocols import KVAllocator, MambaPool, ReqSlots
 from terminus.kernels.req_table import ReqToTokenTable
 
@@ -259,13 +261,16 @@ def release_batch(
             ends = lengths_np[at].tolist()
             firsts = [0] * n_rows if kv_start is None else _starts(kv_start, n_rows)
             runs = [r2t[r, a:b] for r, a, b in zip(rows, firsts, ends, strict=True) if b > a]
-            tokens = (torch.from_numpy(np.concatenate(runs)) if len(runs) > 1 else
-                      torch.from_numpy(runs[0].copy()) if runs else _empty(table))
+            # One run is a view of the table: a pool that keeps what it is given gets a
+            # copy (below); the KV pool's own free list copies it into its stack.
+            flat = np.concatenate(runs) if len(runs) > 1 else runs[0] if runs else None
+            aliased = len(runs) == 1
         else:
             # Many rows: one gather of whole rows when every row owns [0, L) with one
             # common L, else one boolean-mask gather of each row's owned columns. No
             # numpy reduction on the uniform path (see _non_negative).
             at = ids.numpy()
+            aliased = False
             if not _non_negative(at):
                 raise _out_of_range(at.tolist(), cap)
             starts = None if kv_start is None else _starts_np(kv_start, n_rows)
@@ -287,12 +292,24 @@ def release_batch(
                     if starts is not None:
                         mask &= cols >= starts[:, None]
                     flat = r2t[at, :hi][mask]
-            tokens = torch.from_numpy(flat) if flat is not None and flat.size else _empty(table)
+        if flat is not None and not flat.size:
+            flat = None
+        n_tokens = 0 if flat is None else flat.shape[0]
     else:
         tokens = gather_kv(table, ids, kv_start)
+        n_tokens = tokens.numel()
     errors: list[Exception] = []
     try:
-        kv.free(tokens)
+        if host is None:
+            kv.free(tokens)
+        elif type(kv) is TokenKVAllocator and kv.page_size == 1:
+            # Our own token pool: the gathered ids go into its stack through numpy, with
+            # no torch call on the way (see FreeStack.push_host).
+            if flat is not None:
+                kv._free.push_host(flat)
+        else:
+            kv.free(_empty(table) if flat is None else
+                    torch.from_numpy(flat.copy() if aliased else flat))
     except Exception as e:
         errors.append(e)
     else:
@@ -300,17 +317,25 @@ def release_batch(
             host[0][at] = 0
         else:
             table.lengths.index_fill_(0, ids, 0)
-    m = None
+    n_mamba = 0
     if mamba is not None:
         if host is not None:
             held = host[1][at]
-            m = torch.from_numpy(held[held > 0])
+            held = held[held > 0]
+            n_mamba = held.shape[0]
         else:
             m = table.mamba_slots.index_select(0, ids)
             m = m[m > 0]
+            n_mamba = m.numel()
         try:
-            if m.numel():
+            if not n_mamba:
+                pass
+            elif host is None:
                 mamba.free(m)
+            elif type(mamba) is MambaStatePool:
+                mamba._free.push_host(held)  # our own pool: no torch call (see the KV's)
+            else:
+                mamba.free(torch.from_numpy(held))
         except Exception as e:
             errors.append(e)
         else:
@@ -322,7 +347,12 @@ def release_batch(
         # Only now: a slot that went back with a refused unit in its row would lose it.
         try:
             if req_slots is None:
-                table._free.push(ids)  # what table.free does, minus checking ids again
+                # What table.free does, minus checking ids again.
+                if host is None:
+                    table._free.push(ids)
+                else:  # the rows' slots, as numpy (a few rows: from their list)
+                    table._free.push_host(at if isinstance(at, np.ndarray) else
+                                          np.array(at, dtype=np.int64))
             else:
                 req_slots.free(ids)
         except Exception as e:
@@ -331,4 +361,4 @@ def release_batch(
         if len(errors) == 1:
             raise errors[0]
         raise ExceptionGroup("release_batch: several pools refused their frees", errors)
-    return BatchRelease(ids.numel(), tokens.numel(), 0 if m is None else m.numel())
+    return BatchRelease(ids.shape[0], n_tokens, n_mamba)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from terminus.kernels._stack import FreeStack, IdsLike, StackPool, as_ids
+from terminus.kernels._stack import FreeStack, IdsLike, StackPool, long_ids
 from terminus.kernels.errors import DoubleFree, KernelError, LeakError, PageLocked
 
 __all__ = ["HostPagePool", "Prefetch"]
@@ -69,7 +69,7 @@ class HostPagePool(StackPool):
 
     def free(self, pages: IdsLike) -> None:
         """Return pages; raises ``PageLocked`` (freeing nothing) if any is locked."""
-        ids = as_ids(pages, self.device, "HostPagePool").long()
+        ids = long_ids(pages, self.device, "HostPagePool")
         if not ids.numel():
             return
         self._validate(ids)
@@ -77,7 +77,7 @@ class HostPagePool(StackPool):
             locked = self.lock_refs.index_select(0, ids) > 0
             if bool(locked.any()):
                 raise PageLocked("HostPagePool", ids[locked].tolist())
-        self._free.push(ids)
+        self._free.push(ids, checked=True)  # validated above, nothing changed since
 
     def _validate(self, ids: torch.Tensor) -> None:
         self._free.validate(ids)
@@ -92,12 +92,17 @@ class HostPagePool(StackPool):
         For an owner's release, which must not fail because a reader still holds a page
         (it would have no later chance to free it). Returns how many were deferred.
         """
-        ids = as_ids(pages, self.device, "HostPagePool").long()
+        ids = long_ids(pages, self.device, "HostPagePool")
         if not ids.numel():
             return 0
         self._validate(ids)
+        return self._return(ids)
+
+    def _return(self, ids: torch.Tensor) -> int:
+        """``free_when_unlocked`` of ``ids`` that ``_validate`` passed just now (nothing
+        changed since): the free list does not validate them a second time."""
         if not self._refs:  # nothing is locked: every page goes back now
-            self._free.push(ids)
+            self._free.push(ids, checked=True)
             return 0
         locked = self.lock_refs.index_select(0, ids) > 0
         later = ids[locked]
@@ -105,14 +110,14 @@ class HostPagePool(StackPool):
         self._n_doomed += later.numel()
         now = ids[~locked]
         if now.numel():
-            self._free.push(now)
+            self._free.push(now, checked=True)
         return later.numel()
 
     def lock(self, pages: IdsLike) -> None:
         """Add one lock reference to each page (a page listed twice gets two). A page
         outside the pool is refused (`IndexError`) with nothing locked: `index_add_`
         would have counted the ids before it, unseen by `free`."""
-        ids = as_ids(pages, self.device, "HostPagePool").long()
+        ids = long_ids(pages, self.device, "HostPagePool")
         if not ids.numel():
             return
         lo, hi = torch.stack(ids.aminmax()).tolist()  # one read
@@ -125,7 +130,7 @@ class HostPagePool(StackPool):
 
     def unlock(self, pages: IdsLike) -> None:
         """Drop one lock reference per listed page; raises (changing nothing) on underflow."""
-        ids = as_ids(pages, self.device, "HostPagePool").long()
+        ids = long_ids(pages, self.device, "HostPagePool")
         self._unlock_commit(ids, self._unlocked(ids))
 
     def _unlocked(self, ids: torch.Tensor) -> torch.Tensor:
@@ -162,7 +167,7 @@ class HostPagePool(StackPool):
         if pages is None:
             return None
         anchor_ids = (
-            None if anchor is None else as_ids(anchor, self.device, "HostPagePool").long()
+            None if anchor is None else long_ids(anchor, self.device, "HostPagePool")
         )
         if anchor_ids is not None:
             self.lock(anchor_ids)
@@ -179,7 +184,7 @@ class HostPagePool(StackPool):
             self._validate(free)
         # Decided: nothing below raises.
         if free is not None and free.numel():
-            self.free_when_unlocked(free)
+            self._return(free)  # int64: a slice of what pop() returned
         if after is not None:
             assert p.anchor is not None
             self._unlock_commit(p.anchor, after)

@@ -19,16 +19,19 @@ mid-page.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from terminus.kernels._stack import FreeStack, IdsLike, Snapshot, StackPool, as_ids, host_ints
+from terminus.kernels._stack import FreeStack, IdsLike, Snapshot, StackPool, as_ids
 
 __all__ = ["KVSnapshot", "TokenKVAllocator"]
 
 KVSnapshot = Snapshot
 
-# Paged frees of at most this many tokens on a CPU find their pages in Python.
+# Paged frees of at most this many tokens on a CPU find their pages in Python; more, with
+# numpy (tests turn _NP_PAGES off to run the tensor ops a device takes, on a CPU).
 _HOST_PAGES = 192
+_NP_PAGES = True
 
 
 class TokenKVAllocator(StackPool):
@@ -105,8 +108,9 @@ class TokenKVAllocator(StackPool):
         pages = self._free.pop(-(-n // self.page_size))
         if pages is None:
             return None
-        if self._offsets_np is not None and pages.numel() <= 64:
-            # A few pages on a CPU: the tokens built by numpy (~4 us; four torch ops ~9).
+        if self._offsets_np is not None:
+            # A CPU pool: the tokens built by numpy (~4 us for a few pages; four torch ops
+            # ~9, and each pays cold code after a scheduler's Python-heavy step).
             got = (pages.numpy()[:, None] * self.page_size + self._offsets_np).reshape(-1)
             return torch.from_numpy(got[:n])
         tokens = pages.unsqueeze(1) * self.page_size + self._offsets
@@ -124,11 +128,20 @@ class TokenKVAllocator(StackPool):
         if ids.numel() == 0:
             return
         if self.page_size > 1:
-            if ids.device.type == "cpu" and ids.numel() <= _HOST_PAGES:
+            cpu = ids.device.type == "cpu"
+            if cpu and ids.numel() <= _HOST_PAGES:
                 # A request's tokens on a CPU: its pages, sorted and once each, as
                 # torch.unique gives them (3-9 us here; div and unique cost ~11).
                 ps = self.page_size
-                ids = host_ints(sorted({v // ps for v in ids.tolist()}))
+                self._free.push_host(np.array(sorted({v // ps for v in ids.tolist()}),
+                                              dtype=np.int64))
+                return
+            elif cpu and _NP_PAGES:
+                # Many tokens on a CPU: the same pages (floor division, sorted, once
+                # each) by numpy, whose ops pay less cold code after a scheduler's step
+                # than torch's div and unique.
+                self._free.push_host(np.unique(ids.numpy() // self.page_size))
+                return
             else:
                 ids = torch.unique(torch.div(ids, self.page_size, rounding_mode="floor"))
         self._free.push(ids)

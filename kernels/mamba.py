@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from terminus.kernels._stack import FreeStack, IdsLike, StackPool, as_ids
+from terminus.kernels._stack import FreeStack, IdsLike, StackPool, long_ids
 
 __all__ = ["MambaStatePool"]
 
@@ -112,9 +112,9 @@ class MambaStatePool(StackPool):
 
     def free(self, slots: IdsLike) -> None:
         """Return slots; their states are zeroed when next allocated, not now."""
-        ids = as_ids(slots, self.device, "MambaStatePool")
+        ids = long_ids(slots, self.device, "MambaStatePool")
         if ids.numel():
-            self._free.push(ids.long())
+            self._free.push(ids)
 
     def clear(self) -> None:
         """Every slot free again, recorded violations wiped (states are zeroed on alloc)."""
@@ -122,8 +122,8 @@ class MambaStatePool(StackPool):
 
     def copy_from(self, src: IdsLike, dst: IdsLike) -> None:
         """Copy every state of slots ``src`` into slots ``dst`` (pairwise)."""
-        s = as_ids(src, self.device, "MambaStatePool").long()
-        d = as_ids(dst, self.device, "MambaStatePool").long()
+        s = long_ids(src, self.device, "MambaStatePool")
+        d = long_ids(dst, self.device, "MambaStatePool")
         if s.numel() != d.numel():
             raise ValueError(
                 f"MambaStatePool.copy_from: {s.numel()} sources for {d.numel()} destinations; "
@@ -134,7 +134,7 @@ class MambaStatePool(StackPool):
 
     def fork(self, src: IdsLike) -> torch.Tensor | None:
         """New slots holding copies of ``src``'s states, or None when short."""
-        s = as_ids(src, self.device, "MambaStatePool").long()
+        s = long_ids(src, self.device, "MambaStatePool")
         dst = self._free.pop(s.numel())
         if dst is not None and s.numel():
             self.copy_from(s, dst)

@@ -172,6 +172,36 @@ def test_releasing_a_request_twice_lazily_is_named_by_both_checks(device):
     table.assert_full()
 
 
+def test_a_release_inside_a_kv_free_group_keeps_its_tokens_not_the_table_row(device):
+    kv, table, mamba, slots = setup([3], device, strict=False)
+    tokens = table.tokens(int(slots[0])).tolist()
+    kv.free_group_begin()
+    release_batch(slots, table, kv, mamba)
+    assert kv.available == kv.capacity - 3  # held by the open group
+    again = table.alloc(1)  # the slot is reused and its row overwritten before group end
+    assert again is not None and int(again[0]) == int(slots[0])
+    table.write(int(again[0]), 0, torch.tensor([7, 8, 9], device=device))
+    kv.free_group_end()
+    assert sorted(kv._free._stack[kv.available - 3 : kv.available].tolist()) == sorted(tokens)
+    table.free(again)
+    for pool in (kv, table, mamba):
+        pool.assert_full()
+
+
+def test_a_lazy_release_after_a_backup_is_undone_by_restore(device):
+    kv, table, mamba, slots = setup([4, 2], device, strict=False)
+    held = sorted(table.tokens(int(slots[0])).tolist() + table.tokens(int(slots[1])).tolist())
+    snap = kv.backup_state()
+    release_batch(slots, table, kv, mamba)
+    kv.assert_full()
+    kv.restore_state(snap)  # the released tokens are allocated again, as at the backup
+    assert kv.available == kv.capacity - 6
+    assert sorted(kv.held(limit=16)) == held
+    kv.free(torch.tensor(held, device=device))
+    for pool in (kv, table, mamba):
+        pool.assert_full()
+
+
 def test_empty_batch_releases_nothing(device):
     kv, table, mamba, slots = setup([2], device)
     out = release_batch(torch.empty(0, dtype=torch.int64, device=device), table, kv, mamba)

@@ -9,13 +9,19 @@ import torch
 from terminus.kernels import DoubleFree, ForeignIndex, ReqToTokenTable, TokenKVAllocator, _stack
 
 
-@pytest.fixture(autouse=True, params=["loop", "scatter"])
+@pytest.fixture(autouse=True, params=["loop", "scatter", "bytes"])
 def fold_path(request, monkeypatch):
     """Each test runs with a CPU's few-id folds and pop checks done id by id through a
-    memoryview (``loop``), and with the scatter and numpy ops that larger ones take."""
-    if request.param == "scatter":
+    memoryview (``loop``), with the scatter and numpy ops that larger ones take
+    (``scatter``), and with every pop checked as many ids are (``bytes``: one gather of
+    their counts and a bytes comparison)."""
+    if request.param in ("scatter", "bytes"):
         monkeypatch.setattr(_stack, "_HOST_FOLD", 0)
         monkeypatch.setattr(_stack, "_HOST_TAKE", 0)
+    if request.param == "scatter":  # pops of more than _HOST_POP ids: torch ops
+        monkeypatch.setattr(_stack, "_HOST_POP_BYTES", 0)
+    if request.param == "bytes":
+        monkeypatch.setattr(_stack, "_HOST_POP", 0)
     return request.param
 
 @pytest.mark.parametrize("foreign", [[100], [9], [0], [100, 101]])

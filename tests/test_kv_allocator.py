@@ -450,11 +450,14 @@ def test_a_float_free_inside_a_free_group_is_refused_at_the_free(device):
     kv.assert_full()
 
 
-@pytest.fixture(params=["host", "tensor"])
+@pytest.fixture(params=["host", "numpy", "tensor"])
 def pages_path(request, monkeypatch):
-    """A paged free finds its pages in Python (a few tokens on a CPU) or with tensor ops."""
-    if request.param == "tensor":
+    """A paged free finds its pages in Python (a few tokens on a CPU), with numpy (many
+    tokens on a CPU) or with tensor ops (a device's way, run here on the CPU too)."""
+    if request.param != "host":
         monkeypatch.setattr(kv_module, "_HOST_PAGES", 0)
+    if request.param == "tensor":
+        monkeypatch.setattr(kv_module, "_NP_PAGES", False)
     return request.param
 
 
