@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from terminus.fsm import Action, Ledger, Machine, Plan, Release, release_effect
 from terminus.kernels.protocols import LoRARegistry
-from terminus.states.request import REQUEST, Finished, client_rid
+from terminus.states.request import REQUEST, Finished, RequestKey, client_rid
 from terminus.states.sampling import SAMPLING
 
 from .output import OutputSink, TerminalOutput
@@ -125,7 +125,15 @@ def stream_terminal(ctx: Any) -> None:
     inst = ctx.instance
     if not getattr(inst, "stream", True):
         return
-    ctx.resources.sink.put(terminal_output(client_rid(inst.key), ctx.target, ctx.event))
+    key = inst.key
+    rid = key.rid if key.__class__ is RequestKey else client_rid(key)
+    event = ctx.event
+    outcome = ctx.target
+    if event.__class__ is Finished and outcome == "finished":  # `terminal_output`'s
+        out = TerminalOutput(rid, outcome, 200, "", event.reason)  # common case, inline
+    else:
+        out = terminal_output(rid, outcome, event)
+    ctx.resources.sink.put(out)
 
 
 @release_effect

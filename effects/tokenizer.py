@@ -271,10 +271,12 @@ class TokenizerSide:
         and re-raises.
         """
         # `_claim`, without the call in the common case: a rid nobody holds or reserved.
-        if (rid is None or isinstance(rid, RequestKey) or rid in self._names
-                or rid in self._reserved):
+        if (rid in self._names or rid in self._reserved
+                or rid.__class__ is not str and (rid is None or isinstance(rid, RequestKey))):
             rid = self._claim(rid, set())
-        req = self._new_request(rid, prompt, lora)
+        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora)
+        self._names[rid] = req  # `_new_request`, inline
+        self._live[req.key] = req
         await self._run_request(req)
         return req
 
@@ -287,37 +289,44 @@ class TokenizerSide:
     async def _run_request(self, req: Request) -> None:
         """A new request up to its dispatch (`submit`, and each request of
         `submit_batch`): its LoRA reference, its tokens, then the scheduler."""
+        # Submitted, LoRAAcquired and Validated never end a request (each leads to a
+        # live state, or is absorbed by a terminal one), so they are fired without
+        # `_fire`'s retire check; the failures go through `_fire`. The `finally`
+        # retires a request an observer ended from inside one of those fires.
         lora = req.lora
-        fire = self._fire
         try:
             if lora is None:
-                fire(req, _SUBMIT)
+                req.fire(_SUBMIT)
             else:
-                fire(req, _SUBMIT_ACQUIRE)
+                req.fire(_SUBMIT_ACQUIRE)
                 try:
                     lora_id = await self.registry.acquire(lora)
                 except Exception as e:
-                    fire(req, AcquireFailed(400 if _unknown_adapter(e) else 500, str(e)))
+                    self._fire(req, AcquireFailed(400 if _unknown_adapter(e) else 500,
+                                                  str(e)))
                     return
                 # Owned from this instant; released at once if an abort came first (I6).
                 self.ledger.acquire(req, LORA, lora_id)
                 req.lora_id = lora_id
-                fire(req, LoRAAcquired((lora_id,)))
+                req.fire(LoRAAcquired((lora_id,)))
             if req._m.terminal[req._s]:  # `req.terminal`, without the property
                 return
             try:
                 req.tokens = await self.tokenizer.tokenize(req.prompt)
             except InvalidRequest as e:
-                fire(req, ValidationFailed(e.status, str(e)))
+                self._fire(req, ValidationFailed(e.status, str(e)))
                 return
             except Exception as e:
-                fire(req, ValidationFailed(500, f"tokenizer failed: {e!r}"))
+                self._fire(req, ValidationFailed(500, f"tokenizer failed: {e!r}"))
                 return
-            fire(req, _VALIDATED)  # absorbed when an abort came first
+            req.fire(_VALIDATED)  # absorbed when an abort came first
             self._send(req)
         except BaseException:
             self._end(req, "submission was interrupted")
             raise
+        finally:
+            if req._m.terminal[req._s] and self._live.get(req.key) is req:
+                self._retired(req, None)  # a request of its own: no group to tell
 
     @sanitized
     async def submit_batch(
@@ -574,7 +583,15 @@ class TokenizerSide:
     @sanitized
     def on_output(self, rid: Any) -> bool:
         """The scheduler streamed a non-final output for `rid`."""
-        return self._deliver(rid, _OUTPUT)
+        inst: Any = self._live.get(rid)
+        if inst.__class__ is not Request:  # ended, a group, not created, or unknown
+            return self._deliver(rid, _OUTPUT)
+        try:  # `_deliver`'s common case, inline: this runs for every streamed request
+            inst.fire(_OUTPUT)
+        finally:
+            if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
+                self._retired(inst, _OUTPUT)  # an observer ended it
+        return True
 
     @sanitized
     def on_finish(self, rid: Any, reason: str = "stop") -> bool:
@@ -583,7 +600,15 @@ class TokenizerSide:
             event = _FINISHED[reason]
         except (KeyError, TypeError):
             event = Finished(reason)
-        return self._deliver(rid, event)
+        inst: Any = self._live.get(rid)
+        if inst.__class__ is not Request:  # ended, a group, not created, or unknown
+            return self._deliver(rid, event)
+        try:  # `_deliver`'s common case, inline: this runs for every request
+            inst.fire(event)
+        finally:
+            if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
+                self._retired(inst, event)
+        return True
 
     @sanitized
     def on_error(self, rid: Any, status: int = 500, message: str = "") -> bool:
@@ -598,7 +623,7 @@ class TokenizerSide:
     def _deliver(self, rid: Any, event: Any) -> bool:
         # `get`, with its common case first: the key of a live instance.
         live = self._live
-        inst = live.get(rid) if rid.__class__ is RequestKey else None
+        inst = live.get(rid)  # a client id is no key: never found here
         if inst is None:
             # A request of its own that ended (an abort echo): `get` and `_not_created`
             # without the calls. Its id is its group; no group reserves a key of this role.
@@ -667,14 +692,19 @@ class TokenizerSide:
     def _retired(self, inst: Instance, event: Any) -> None:
         key = inst.key
         del self._live[key]
-        if isinstance(inst, Request) and inst.parent is None:
-            # A request of its own (`_new_request`: its key is `RequestKey(rid)`) is its
-            # whole family, and has no batch.
-            names = self._names
-            if names.get(key.group) is inst:
-                del names[key.group]
-            return
-        if isinstance(inst, SamplingGroup):
+        if inst.__class__ is Request or isinstance(inst, Request):
+            parent = inst.parent
+            if parent is None:
+                # A request of its own (`_new_request`: its key is `RequestKey(rid)`)
+                # is its whole family, and has no batch.
+                names = self._names
+                if names.get(key.group) is inst:
+                    del names[key.group]
+                return
+            if inst.role == "warmup":
+                self._warmup_ended(inst, event)
+            self._family_check(parent)  # a member of a group (see below)
+        elif isinstance(inst, SamplingGroup):
             ds = self._derived.pop(key, None)
             if ds is None:
                 ds = [(d.rid, d) for d in _derived_keys(key, len(inst.prompts), inst.n)]
@@ -683,10 +713,6 @@ class TokenizerSide:
                     del self._reserved[name]
             self._group_ended(inst, event)
             self._family_check(inst)
-        elif isinstance(inst, Request):
-            if inst.role == "warmup":
-                self._warmup_ended(inst, event)
-            self._family_check(inst.parent)  # a member of a group (see above)
 
     def _family_check(self, top: Instance) -> None:
         """Forget a family once every member has ended (its ids are free again)."""

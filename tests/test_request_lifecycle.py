@@ -538,3 +538,11 @@ def test_request_keys_name_each_role_and_refuse_what_no_request_is():
         RequestKey("g", "request", 2)
     with pytest.raises(ValueError, match="index -1 is not valid"):
         RequestKey("g", "child", -1)
+    with pytest.raises(ValueError, match="index -2 is not valid for role 'group'"):
+        RequestKey("g", "group", -2)
+    with pytest.raises(ValueError, match="role must be one of"):
+        RequestKey("g", "parent", 3)  # the role is named first, whatever the index
+    with pytest.raises(TypeError, match=r"index must be an int .* got None"):
+        RequestKey("g", "child", None)
+    with pytest.raises(TypeError, match=r"index must be an int .* got '1'"):
+        RequestKey("g", "request", "1")
