@@ -83,6 +83,14 @@ _WARMUP_FINISHED = WarmupFinished()
 _FINISHED = {r: Finished(r) for r in ("stop", "length", "abort")}
 
 
+# `_GATHERED`: one coroutine is awaited directly rather than through `asyncio.gather`,
+# which wraps it in a task, runs it at the loop's next iteration, and wakes the caller
+# two iterations after it ends (its done callback, then the caller's wake-up). The direct
+# await yields to the loop at those same points (`asyncio.sleep(0)`; on the way out only
+# when it returns), so concurrent requests interleave as they did through the gather (a
+# simulation's figures do not move), without a task, a future and two callbacks.
+
+
 class InvalidRequest(Exception):
     """Raised by a `Tokenizer` for input the client got wrong (status 4xx by default)."""
 
@@ -271,8 +279,8 @@ class TokenizerSide:
         and re-raises.
         """
         # `_claim`, without the call in the common case: a rid nobody holds or reserved.
-        if (rid in self._names or rid in self._reserved
-                or rid.__class__ is not str and (rid is None or isinstance(rid, RequestKey))):
+        if (rid in self._names or rid in self._reserved or (
+                rid.__class__ is not str and (rid is None or isinstance(rid, RequestKey)))):
             rid = self._claim(rid, set())
         req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora)
         self._names[rid] = req  # `_new_request`, inline
@@ -423,7 +431,13 @@ class TokenizerSide:
             for name, d in ds:
                 self._reserved[name] = d
         try:
-            await asyncio.gather(*(self._prepare_group(p, batch) for p in parents))
+            if len(parents) == 1:  # one group: no task to gather (see `_GATHERED`)
+                await asyncio.sleep(0)  # where the gathered task would have started
+                await self._prepare_group(parents[0], batch)
+                await asyncio.sleep(0)  # the gather's done callback,
+                await asyncio.sleep(0)  # then this task's wake-up
+            else:
+                await asyncio.gather(*(self._prepare_group(p, batch) for p in parents))
         except BaseException:
             batch.interrupted = True
             self._end_all(parents, "its batch was interrupted")
@@ -467,8 +481,15 @@ class TokenizerSide:
             if group.terminal:
                 return
             try:
-                group.tokens = list(await asyncio.gather(
-                    *(self.tokenizer.tokenize(p) for p in group.prompts)))
+                prompts = group.prompts
+                if len(prompts) == 1:  # one prompt: no task to gather (see `_GATHERED`)
+                    await asyncio.sleep(0)  # where the gathered task would have started
+                    group.tokens = [await self.tokenizer.tokenize(prompts[0])]
+                    await asyncio.sleep(0)  # the gather's done callback,
+                    await asyncio.sleep(0)  # then this task's wake-up
+                else:
+                    group.tokens = list(await asyncio.gather(
+                        *(self.tokenizer.tokenize(p) for p in prompts)))
             except InvalidRequest as e:
                 self._fire(group, ValidationFailed(e.status, str(e)))
                 return
