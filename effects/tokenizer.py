@@ -87,8 +87,9 @@ _FINISHED = {r: Finished(r) for r in ("stop", "length", "abort")}
 # which wraps it in a task, runs it at the loop's next iteration, and wakes the caller
 # two iterations after it ends (its done callback, then the caller's wake-up). The direct
 # await yields to the loop at those same points (`asyncio.sleep(0)`; on the way out only
-# when it returns), so concurrent requests interleave as they did through the gather (a
-# simulation's figures do not move), without a task, a future and two callbacks.
+# where the caller still has lifecycle work to do, and only when it returned), so
+# concurrent requests interleave as they did through the gather (a simulation's figures
+# do not move), without a task, a future and two callbacks.
 
 
 class InvalidRequest(Exception):
@@ -433,9 +434,7 @@ class TokenizerSide:
         try:
             if len(parents) == 1:  # one group: no task to gather (see `_GATHERED`)
                 await asyncio.sleep(0)  # where the gathered task would have started
-                await self._prepare_group(parents[0], batch)
-                await asyncio.sleep(0)  # the gather's done callback,
-                await asyncio.sleep(0)  # then this task's wake-up
+                await self._prepare_group(parents[0], batch)  # (nothing follows it)
             else:
                 await asyncio.gather(*(self._prepare_group(p, batch) for p in parents))
         except BaseException:
