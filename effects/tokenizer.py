@@ -337,6 +337,12 @@ class TokenizerSide:
             if req._m.terminal[req._s] and self._live.get(req.key) is req:
                 self._retired(req, None)  # a request of its own: no group to tell
 
+    async def _run_batched(self, req: Request) -> None:
+        """`_run_request` for a request of `submit_batch`, whose gathered task starts
+        later: an abort may have ended it first (it never acquired anything then)."""
+        if not req._m.terminal[req._s]:  # `req.terminal`, without the property
+            await self._run_request(req)
+
     @sanitized
     async def submit_batch(
         self,
@@ -400,7 +406,7 @@ class TokenizerSide:
             reqs = [self._new_request(r, p, lo)
                     for r, p, lo in zip(names, prompts, per_prompt, strict=True)]
             try:
-                await asyncio.gather(*(self._run_request(r) for r in reqs))
+                await asyncio.gather(*(self._run_batched(r) for r in reqs))
             except BaseException:
                 self._end_all(reqs, "its batch was interrupted")
                 raise
