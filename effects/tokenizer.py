@@ -505,11 +505,12 @@ class TokenizerSide:
             if group.state != "warming_up":
                 return
             handles = self.ledger.owned(group, LORA)
+            derived = self._derived[group.key]  # warm-ups first (the group is live)
             k = 0
             warmups = []
             for i, (prompt, lora) in enumerate(zip(group.prompts, group.loras, strict=True)):
-                w = Request(self.requests, RequestKey(group.key.group, "warmup", i),
-                            prompt=prompt, lora=lora, stream=False, parent=group)
+                w = Request(self.requests, derived[i][1], prompt=prompt, lora=lora,
+                            stream=False, parent=group)
                 w.tokens = group.tokens[i]
                 if lora is not None:
                     # The warm-up uses the prompt's references but owns none of them.
@@ -520,8 +521,8 @@ class TokenizerSide:
                 warmups.append(w)
             group.warmups = warmups
             group.pending_warmups = len(warmups)
-            for w in warmups:
-                self._created(w)
+            for w, (name, _) in zip(warmups, derived, strict=False):
+                self._created(w, name)
             for w in warmups:
                 if group.terminal:
                     break
@@ -533,9 +534,9 @@ class TokenizerSide:
             self._end(group, "submission was interrupted")
             raise
 
-    def _created(self, inst: Request) -> None:
-        """A reserved warm-up or child now exists: its id finds it."""
-        name = inst.key.rid
+    def _created(self, inst: Request, name: Any) -> None:
+        """A reserved warm-up or child now exists: its id (`name`, its key's `rid`) finds
+        it."""
         del self._reserved[name]
         self._names[name] = inst
         self._live[inst.key] = inst
@@ -568,17 +569,19 @@ class TokenizerSide:
                 return
         batch.fanned = True
         for group in ready:
+            # The children's ids and keys, made at submission, after the warm-ups'.
+            derived = self._derived[group.key][len(group.prompts):]
             children = []
             for i, (prompt, lora) in enumerate(zip(group.prompts, group.loras, strict=True)):
-                for j in range(group.n):
-                    c = Request(self.requests,
-                                RequestKey(group.key.group, "child", i * group.n + j),
-                                prompt=prompt, lora=lora, parent=group)
-                    c.tokens = group.tokens[i]
+                tokens = group.tokens[i]
+                for j in range(i * group.n, (i + 1) * group.n):
+                    c = Request(self.requests, derived[j][1], prompt=prompt, lora=lora,
+                                parent=group)
+                    c.tokens = tokens
                     children.append(c)
             group.children = children
-            for c in children:
-                self._created(c)
+            for c, (name, _) in zip(children, derived, strict=True):
+                self._created(c, name)
             self._fire(group, _FAN_OUT)  # transfers one reference to each child
             for c in children:
                 self._fire(c, _SUBMIT)
