@@ -526,9 +526,7 @@ class TokenizerSide:
             for w in warmups:
                 if group.terminal:
                     break
-                self._fire(w, _SUBMIT)
-                self._fire(w, _VALIDATED)
-                self._send(w)
+                self._start(w)
         except BaseException:
             batch.interrupted = True  # no sibling may fan out any more
             self._end(group, "submission was interrupted")
@@ -540,6 +538,16 @@ class TokenizerSide:
         del self._reserved[name]
         self._names[name] = inst
         self._live[inst.key] = inst
+
+    def _start(self, req: Request) -> None:
+        """A tokenized warm-up or child, from its creation to its dispatch. Submitted and
+        Validated never end a request (see `_run_request`): they are fired without
+        `_fire`'s retire check, made once after `_send` for an observer that ended it."""
+        req.fire(_SUBMIT)
+        req.fire(_VALIDATED)
+        self._send(req)
+        if req._m.terminal[req._s] and self._live.get(req.key) is req:
+            self._retired(req, None)
 
     def _send(self, req: Request) -> None:
         if req._s != self._dispatched:  # `req.state != "dispatched"`, without the property
@@ -584,9 +592,7 @@ class TokenizerSide:
                 self._created(c, name)
             self._fire(group, _FAN_OUT)  # transfers one reference to each child
             for c in children:
-                self._fire(c, _SUBMIT)
-                self._fire(c, _VALIDATED)
-                self._send(c)
+                self._start(c)
 
     # -- events from the client and the scheduler ----------------------------------------
 
@@ -748,7 +754,7 @@ class TokenizerSide:
         if not top._m.terminal[top._s]:  # `top.terminal`, without the property
             return
         members: list[Instance] = [top]
-        if isinstance(top, SamplingGroup):
+        if top.__class__ is SamplingGroup or isinstance(top, SamplingGroup):
             # Every member ended? Children first, the last made first: they end last.
             # (`m.terminal`, without the property.)
             for m in reversed(top.children):
@@ -758,10 +764,13 @@ class TokenizerSide:
                 if not m._m.terminal[m._s]:
                     return
             members += top.warmups + top.children
+        names = self._names
         for m in members:
-            name = m.key.rid if isinstance(m.key, RequestKey) else m.key
-            if self._names.get(name) is m:
-                del self._names[name]
+            key = m.key
+            name = key.rid if key.__class__ is RequestKey or isinstance(key, RequestKey) \
+                else key
+            if names.get(name) is m:
+                del names[name]
         self._batches.pop(top.key, None)
 
     def _group_ended(self, group: SamplingGroup, event: Any) -> None:
