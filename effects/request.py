@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from terminus.fsm import Action, Ledger, Machine, Plan, Release, release_effect
 from terminus.kernels.protocols import LoRARegistry
-from terminus.states.request import REQUEST, Finished, client_rid
+from terminus.states.request import REQUEST, Finished, Request, RequestKey, client_rid
 from terminus.states.sampling import SAMPLING
 
 from .output import OutputSink, TerminalOutput
@@ -123,9 +123,22 @@ def terminal_output(rid: Any, outcome: str, event: Any) -> TerminalOutput:
 def stream_terminal(ctx: Any) -> None:
     """Stream the instance's terminal output; internal requests (warm-ups) stream none."""
     inst = ctx.instance
-    if not getattr(inst, "stream", True):
+    if inst.__class__ is Request:  # its `stream` without getattr
+        if not inst.stream:
+            return
+    elif not getattr(inst, "stream", True):
         return
-    ctx.resources.sink.put(terminal_output(client_rid(inst.key), ctx.target, ctx.event))
+    key = inst.key
+    # `key.rid`; a request of its own's without the property
+    rid = (key.group if key.__class__ is RequestKey and key.role == "request"
+           else client_rid(key))
+    event = ctx.event
+    outcome = ctx.target
+    if event.__class__ is Finished and outcome == "finished":  # `terminal_output`'s
+        out = TerminalOutput(rid, outcome, 200, "", event.reason)  # common case, inline
+    else:
+        out = terminal_output(rid, outcome, event)
+    ctx.resources.sink.put(out)
 
 
 @release_effect

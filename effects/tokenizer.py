@@ -83,6 +83,15 @@ _WARMUP_FINISHED = WarmupFinished()
 _FINISHED = {r: Finished(r) for r in ("stop", "length", "abort")}
 
 
+# `_GATHERED`: one coroutine is awaited directly rather than through `asyncio.gather`,
+# which wraps it in a task, runs it at the loop's next iteration, and wakes the caller
+# two iterations after it ends (its done callback, then the caller's wake-up). The direct
+# await yields to the loop at those same points (`asyncio.sleep(0)`; on the way out only
+# where the caller still has lifecycle work to do, and only when it returned), so
+# concurrent requests interleave as they did through the gather (a simulation's figures
+# do not move), without a task, a future and two callbacks.
+
+
 class InvalidRequest(Exception):
     """Raised by a `Tokenizer` for input the client got wrong (status 4xx by default)."""
 
@@ -271,10 +280,12 @@ class TokenizerSide:
         and re-raises.
         """
         # `_claim`, without the call in the common case: a rid nobody holds or reserved.
-        if (rid is None or isinstance(rid, RequestKey) or rid in self._names
-                or rid in self._reserved):
+        if (rid in self._names or rid in self._reserved or (
+                rid.__class__ is not str and (rid is None or isinstance(rid, RequestKey)))):
             rid = self._claim(rid, set())
-        req = self._new_request(rid, prompt, lora)
+        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora)
+        self._names[rid] = req  # `_new_request`, inline
+        self._live[req.key] = req
         await self._run_request(req)
         return req
 
@@ -287,37 +298,50 @@ class TokenizerSide:
     async def _run_request(self, req: Request) -> None:
         """A new request up to its dispatch (`submit`, and each request of
         `submit_batch`): its LoRA reference, its tokens, then the scheduler."""
+        # Submitted, LoRAAcquired and Validated never end a request (each leads to a
+        # live state, or is absorbed by a terminal one), so they are fired without
+        # `_fire`'s retire check; the failures go through `_fire`. The `finally`
+        # retires a request an observer ended from inside one of those fires.
         lora = req.lora
-        fire = self._fire
         try:
             if lora is None:
-                fire(req, _SUBMIT)
+                req.fire(_SUBMIT)
             else:
-                fire(req, _SUBMIT_ACQUIRE)
+                req.fire(_SUBMIT_ACQUIRE)
                 try:
                     lora_id = await self.registry.acquire(lora)
                 except Exception as e:
-                    fire(req, AcquireFailed(400 if _unknown_adapter(e) else 500, str(e)))
+                    self._fire(req, AcquireFailed(400 if _unknown_adapter(e) else 500,
+                                                  str(e)))
                     return
                 # Owned from this instant; released at once if an abort came first (I6).
                 self.ledger.acquire(req, LORA, lora_id)
                 req.lora_id = lora_id
-                fire(req, LoRAAcquired((lora_id,)))
+                req.fire(LoRAAcquired((lora_id,)))
             if req._m.terminal[req._s]:  # `req.terminal`, without the property
                 return
             try:
                 req.tokens = await self.tokenizer.tokenize(req.prompt)
             except InvalidRequest as e:
-                fire(req, ValidationFailed(e.status, str(e)))
+                self._fire(req, ValidationFailed(e.status, str(e)))
                 return
             except Exception as e:
-                fire(req, ValidationFailed(500, f"tokenizer failed: {e!r}"))
+                self._fire(req, ValidationFailed(500, f"tokenizer failed: {e!r}"))
                 return
-            fire(req, _VALIDATED)  # absorbed when an abort came first
+            req.fire(_VALIDATED)  # absorbed when an abort came first
             self._send(req)
         except BaseException:
             self._end(req, "submission was interrupted")
             raise
+        finally:
+            if req._m.terminal[req._s] and self._live.get(req.key) is req:
+                self._retired(req, None)  # a request of its own: no group to tell
+
+    async def _run_batched(self, req: Request) -> None:
+        """`_run_request` for a request of `submit_batch`, whose gathered task starts
+        later: an abort may have ended it first (it never acquired anything then)."""
+        if not req._m.terminal[req._s]:  # `req.terminal`, without the property
+            await self._run_request(req)
 
     @sanitized
     async def submit_batch(
@@ -382,7 +406,7 @@ class TokenizerSide:
             reqs = [self._new_request(r, p, lo)
                     for r, p, lo in zip(names, prompts, per_prompt, strict=True)]
             try:
-                await asyncio.gather(*(self._run_request(r) for r in reqs))
+                await asyncio.gather(*(self._run_batched(r) for r in reqs))
             except BaseException:
                 self._end_all(reqs, "its batch was interrupted")
                 raise
@@ -414,7 +438,11 @@ class TokenizerSide:
             for name, d in ds:
                 self._reserved[name] = d
         try:
-            await asyncio.gather(*(self._prepare_group(p, batch) for p in parents))
+            if len(parents) == 1:  # one group: no task to gather (see `_GATHERED`)
+                await asyncio.sleep(0)  # where the gathered task would have started
+                await self._prepare_group(parents[0], batch)  # (nothing follows it)
+            else:
+                await asyncio.gather(*(self._prepare_group(p, batch) for p in parents))
         except BaseException:
             batch.interrupted = True
             self._end_all(parents, "its batch was interrupted")
@@ -458,8 +486,15 @@ class TokenizerSide:
             if group.terminal:
                 return
             try:
-                group.tokens = list(await asyncio.gather(
-                    *(self.tokenizer.tokenize(p) for p in group.prompts)))
+                prompts = group.prompts
+                if len(prompts) == 1:  # one prompt: no task to gather (see `_GATHERED`)
+                    await asyncio.sleep(0)  # where the gathered task would have started
+                    group.tokens = [await self.tokenizer.tokenize(prompts[0])]
+                    await asyncio.sleep(0)  # the gather's done callback,
+                    await asyncio.sleep(0)  # then this task's wake-up
+                else:
+                    group.tokens = list(await asyncio.gather(
+                        *(self.tokenizer.tokenize(p) for p in prompts)))
             except InvalidRequest as e:
                 self._fire(group, ValidationFailed(e.status, str(e)))
                 return
@@ -470,11 +505,12 @@ class TokenizerSide:
             if group.state != "warming_up":
                 return
             handles = self.ledger.owned(group, LORA)
+            derived = self._derived[group.key]  # warm-ups first (the group is live)
             k = 0
             warmups = []
             for i, (prompt, lora) in enumerate(zip(group.prompts, group.loras, strict=True)):
-                w = Request(self.requests, RequestKey(group.key.group, "warmup", i),
-                            prompt=prompt, lora=lora, stream=False, parent=group)
+                w = Request(self.requests, derived[i][1], prompt=prompt, lora=lora,
+                            stream=False, parent=group)
                 w.tokens = group.tokens[i]
                 if lora is not None:
                     # The warm-up uses the prompt's references but owns none of them.
@@ -485,25 +521,33 @@ class TokenizerSide:
                 warmups.append(w)
             group.warmups = warmups
             group.pending_warmups = len(warmups)
-            for w in warmups:
-                self._created(w)
+            for w, (name, _) in zip(warmups, derived, strict=False):
+                self._created(w, name)
             for w in warmups:
                 if group.terminal:
                     break
-                self._fire(w, _SUBMIT)
-                self._fire(w, _VALIDATED)
-                self._send(w)
+                self._start(w)
         except BaseException:
             batch.interrupted = True  # no sibling may fan out any more
             self._end(group, "submission was interrupted")
             raise
 
-    def _created(self, inst: Request) -> None:
-        """A reserved warm-up or child now exists: its id finds it."""
-        name = inst.key.rid
+    def _created(self, inst: Request, name: Any) -> None:
+        """A reserved warm-up or child now exists: its id (`name`, its key's `rid`) finds
+        it."""
         del self._reserved[name]
         self._names[name] = inst
         self._live[inst.key] = inst
+
+    def _start(self, req: Request) -> None:
+        """A tokenized warm-up or child, from its creation to its dispatch. Submitted and
+        Validated never end a request (see `_run_request`): they are fired without
+        `_fire`'s retire check, made once after `_send` for an observer that ended it."""
+        req.fire(_SUBMIT)
+        req.fire(_VALIDATED)
+        self._send(req)
+        if req._m.terminal[req._s] and self._live.get(req.key) is req:
+            self._retired(req, None)
 
     def _send(self, req: Request) -> None:
         if req._s != self._dispatched:  # `req.state != "dispatched"`, without the property
@@ -533,22 +577,22 @@ class TokenizerSide:
                 return
         batch.fanned = True
         for group in ready:
+            # The children's ids and keys, made at submission, after the warm-ups'.
+            derived = self._derived[group.key][len(group.prompts):]
             children = []
             for i, (prompt, lora) in enumerate(zip(group.prompts, group.loras, strict=True)):
-                for j in range(group.n):
-                    c = Request(self.requests,
-                                RequestKey(group.key.group, "child", i * group.n + j),
-                                prompt=prompt, lora=lora, parent=group)
-                    c.tokens = group.tokens[i]
+                tokens = group.tokens[i]
+                for j in range(i * group.n, (i + 1) * group.n):
+                    c = Request(self.requests, derived[j][1], prompt=prompt, lora=lora,
+                                parent=group)
+                    c.tokens = tokens
                     children.append(c)
             group.children = children
-            for c in children:
-                self._created(c)
+            for c, (name, _) in zip(children, derived, strict=True):
+                self._created(c, name)
             self._fire(group, _FAN_OUT)  # transfers one reference to each child
             for c in children:
-                self._fire(c, _SUBMIT)
-                self._fire(c, _VALIDATED)
-                self._send(c)
+                self._start(c)
 
     # -- events from the client and the scheduler ----------------------------------------
 
@@ -574,7 +618,15 @@ class TokenizerSide:
     @sanitized
     def on_output(self, rid: Any) -> bool:
         """The scheduler streamed a non-final output for `rid`."""
-        return self._deliver(rid, _OUTPUT)
+        inst: Any = self._live.get(rid)
+        if inst.__class__ is not Request:  # ended, a group, not created, or unknown
+            return self._deliver(rid, _OUTPUT)
+        try:  # `_deliver`'s common case, inline: this runs for every streamed request
+            inst.fire(_OUTPUT)
+        finally:
+            if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
+                self._retired(inst, _OUTPUT)  # an observer ended it
+        return True
 
     @sanitized
     def on_finish(self, rid: Any, reason: str = "stop") -> bool:
@@ -583,7 +635,15 @@ class TokenizerSide:
             event = _FINISHED[reason]
         except (KeyError, TypeError):
             event = Finished(reason)
-        return self._deliver(rid, event)
+        inst: Any = self._live.get(rid)
+        if inst.__class__ is not Request:  # ended, a group, not created, or unknown
+            return self._deliver(rid, event)
+        try:  # `_deliver`'s common case, inline: this runs for every request
+            inst.fire(event)
+        finally:
+            if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
+                self._retired(inst, event)
+        return True
 
     @sanitized
     def on_error(self, rid: Any, status: int = 500, message: str = "") -> bool:
@@ -598,7 +658,7 @@ class TokenizerSide:
     def _deliver(self, rid: Any, event: Any) -> bool:
         # `get`, with its common case first: the key of a live instance.
         live = self._live
-        inst = live.get(rid) if rid.__class__ is RequestKey else None
+        inst = live.get(rid)  # a client id is no key: never found here
         if inst is None:
             # A request of its own that ended (an abort echo): `get` and `_not_created`
             # without the calls. Its id is its group; no group reserves a key of this role.
@@ -667,14 +727,19 @@ class TokenizerSide:
     def _retired(self, inst: Instance, event: Any) -> None:
         key = inst.key
         del self._live[key]
-        if isinstance(inst, Request) and inst.parent is None:
-            # A request of its own (`_new_request`: its key is `RequestKey(rid)`) is its
-            # whole family, and has no batch.
-            names = self._names
-            if names.get(key.group) is inst:
-                del names[key.group]
-            return
-        if isinstance(inst, SamplingGroup):
+        if inst.__class__ is Request or isinstance(inst, Request):
+            parent = inst.parent
+            if parent is None:
+                # A request of its own (`_new_request`: its key is `RequestKey(rid)`)
+                # is its whole family, and has no batch.
+                names = self._names
+                if names.get(key.group) is inst:
+                    del names[key.group]
+                return
+            if inst.role == "warmup":
+                self._warmup_ended(inst, event)
+            self._family_check(parent)  # a member of a group (see below)
+        elif isinstance(inst, SamplingGroup):
             ds = self._derived.pop(key, None)
             if ds is None:
                 ds = [(d.rid, d) for d in _derived_keys(key, len(inst.prompts), inst.n)]
@@ -683,17 +748,13 @@ class TokenizerSide:
                     del self._reserved[name]
             self._group_ended(inst, event)
             self._family_check(inst)
-        elif isinstance(inst, Request):
-            if inst.role == "warmup":
-                self._warmup_ended(inst, event)
-            self._family_check(inst.parent)  # a member of a group (see above)
 
     def _family_check(self, top: Instance) -> None:
         """Forget a family once every member has ended (its ids are free again)."""
         if not top._m.terminal[top._s]:  # `top.terminal`, without the property
             return
         members: list[Instance] = [top]
-        if isinstance(top, SamplingGroup):
+        if top.__class__ is SamplingGroup or isinstance(top, SamplingGroup):
             # Every member ended? Children first, the last made first: they end last.
             # (`m.terminal`, without the property.)
             for m in reversed(top.children):
@@ -703,10 +764,13 @@ class TokenizerSide:
                 if not m._m.terminal[m._s]:
                     return
             members += top.warmups + top.children
+        names = self._names
         for m in members:
-            name = m.key.rid if isinstance(m.key, RequestKey) else m.key
-            if self._names.get(name) is m:
-                del self._names[name]
+            key = m.key
+            name = key.rid if key.__class__ is RequestKey or isinstance(key, RequestKey) \
+                else key
+            if names.get(name) is m:
+                del names[name]
         self._batches.pop(top.key, None)
 
     def _group_ended(self, group: SamplingGroup, event: Any) -> None:

@@ -138,12 +138,23 @@ class RequestKey(msgspec.Struct, frozen=True):
     index: int = 0
 
     def __post_init__(self) -> None:
+        # The valid keys in as few steps as the common ones allow (every key a driver
+        # makes passes here): index 0 with any role, a positive index for a warm-up or
+        # child. Anything else is refused with what was wrong.
+        try:
+            if self.index == 0:
+                if self.role in ROLES:
+                    return
+            elif self.index > 0 and self.role in ("child", "warmup"):
+                return
+        except TypeError:  # an index that does not compare with 0
+            raise TypeError(f"RequestKey index must be an int (0, or >= 0 for a warm-up "
+                            f"or child), got {self.index!r}") from None
         if self.role not in ROLES:
             raise ValueError(f"RequestKey role must be one of {ROLES}, got {self.role!r}")
-        if self.index < 0 or (self.role in ("request", "group") and self.index):
-            raise ValueError(f"RequestKey index {self.index} is not valid for role "
-                             f"{self.role!r} (a warm-up or child index is >= 0; a request "
-                             "or group has index 0)")
+        raise ValueError(f"RequestKey index {self.index} is not valid for role "
+                         f"{self.role!r} (a warm-up or child index is >= 0; a request "
+                         "or group has index 0)")
 
     @property
     def rid(self) -> Any:

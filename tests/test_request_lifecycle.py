@@ -485,6 +485,26 @@ def test_machine_level_terminal_states_absorb_late_events_and_refuse_resubmissio
     run(main())
 
 
+def test_an_abort_before_a_batched_request_starts_ends_only_that_request():
+    async def main():
+        s = await make_side()
+        a = s.adapters["a"]
+        batch = asyncio.ensure_future(
+            s.side.submit_batch(["p one", "p two"], "a", rids=["x", "y"]))
+        await asyncio.sleep(0)  # both created; their gathered tasks have not started
+        assert s.side.get("y").state == "created"
+        assert s.side.abort("y")  # nothing acquired yet: nothing to release
+        reqs = await batch  # the batch goes on without it (no error)
+        assert [r.state for r in reqs] == ["dispatched", "aborted"]
+        assert s.sink.outcome("y") == "aborted" and "y" not in s.scheduler.sent
+        assert s.registry.count(a) == 1  # x's reference only
+        s.side.on_finish("x")
+        assert s.sink.outcome("x") == "finished" and s.registry.count(a) == 0
+        await s.finish_clean()
+
+    run(main())
+
+
 def test_submit_batch_with_n_1_uses_the_rid_it_is_given():
     async def main():
         s = await make_side()
@@ -538,3 +558,11 @@ def test_request_keys_name_each_role_and_refuse_what_no_request_is():
         RequestKey("g", "request", 2)
     with pytest.raises(ValueError, match="index -1 is not valid"):
         RequestKey("g", "child", -1)
+    with pytest.raises(ValueError, match="index -2 is not valid for role 'group'"):
+        RequestKey("g", "group", -2)
+    with pytest.raises(ValueError, match="role must be one of"):
+        RequestKey("g", "parent", 3)  # the role is named first, whatever the index
+    with pytest.raises(TypeError, match=r"index must be an int .* got None"):
+        RequestKey("g", "child", None)
+    with pytest.raises(TypeError, match=r"index must be an int .* got '1'"):
+        RequestKey("g", "request", "1")
