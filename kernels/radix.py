@@ -208,7 +208,7 @@ class RadixTree:
         if page != 1:
             n -= n % page
         if tokens.__class__ is tuple:
-            return tokens if n == whole else tokens[:n]  # type: ignore[return-value]
+            return tokens if n == whole else tokens[:n]
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.tolist()
         return tuple(tokens if n == whole else tokens[:n])
