@@ -279,16 +279,10 @@ def insert_kv_into_cache(ctx: ReleaseContext) -> None:
     assert ledger is not None
     res: DisaggResources = ledger.resources
     inst = ctx.instance
-    handles = []
-    parts = []
-    lock = None
-    for h in ledger.owned(inst):  # one walk, in acquire order
-        kind = h.kind
-        if kind == "kv":
-            handles.append(h)
-            parts.append(h.value)
-        elif kind == PREFIX_LOCK and lock is None:
-            lock = h.value
+    handles = ledger.owned(inst, "kv")
+    parts = [h.value for h in handles]
+    locks = ledger.owned(inst, PREFIX_LOCK)
+    lock = locks[0].value if locks else None
     if not parts:
         return
     owned_from = lock.length if lock is not None else 0

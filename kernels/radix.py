@@ -201,16 +201,14 @@ class RadixTree:
                  limit: int | None = None) -> tuple[int, ...]:
         """`tokens[:limit]` as a tuple cut to whole pages (no copy of a tuple kept whole;
         else one slice and one tuple of what is kept)."""
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.tolist()
         whole = n = len(tokens)
         if limit is not None and limit < n:
             n = max(0, limit)
-        page = self.page_size
-        if page != 1:
-            n -= n % page
+        n -= n % self.page_size
         if tokens.__class__ is tuple:
             return tokens if n == whole else tokens[:n]
-        if isinstance(tokens, torch.Tensor):
-            tokens = tokens.tolist()
         return tuple(tokens if n == whole else tokens[:n])
 
     def _tick(self) -> int:
