@@ -253,17 +253,24 @@ class _Proxy:
         # again (and raises in a strict plan).
         known = key in plan._known
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            # The common case in a few dict operations: a known site, not armed (what
-            # `FaultPlan.call` does for it); anything else takes `FaultPlan.call`.
-            if key in armed or not known or calls is not plan.calls:
+        if known and inner is None:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                # The common case in a few dict operations: a known site, not armed
+                # (what `FaultPlan.call` does for it); else `FaultPlan.call`.
+                if key in armed or calls is not plan.calls:
+                    plan.call(resource, name, args, value)
+                else:
+                    calls[key] += 1
+                return value(*args, **kwargs)
+        else:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                # An unknown site (`FaultPlan.call` looks again, and raises in a strict
+                # plan), or a method whose result is proxied too.
                 plan.call(resource, name, args, value)
-            else:
-                calls[key] += 1
-            out = value(*args, **kwargs)
-            if inner is not None and out is not None:
-                return _Proxy(out, inner, plan, {})
-            return out
+                out = value(*args, **kwargs)
+                if inner is not None and out is not None:
+                    return _Proxy(out, inner, plan, {})
+                return out
 
         self.__dict__[name] = call
         return call
