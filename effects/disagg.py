@@ -550,8 +550,11 @@ class DisaggPrefill:
         except KeyError:
             req = self.req(rid)  # raises, naming the known ids
         done = self._chunk_terminal  # (`c.terminal`, without the property)
-        live = [] if all(done[c._s] for c in req.chunks) else [
-            i for i, c in enumerate(req.chunks) if not c.terminal]
+        live: list[int] = []
+        for c in req.chunks:
+            if not done[c._s]:
+                live = [i for i, c in enumerate(req.chunks) if not c.terminal]
+                break
         if not self._req_terminal[req._s] or live:
             raise ValueError(
                 f"request {rid!r} cannot be forgotten: it is {req.state}"
