@@ -99,9 +99,6 @@ class SimulatedRanks:
             progressed = False
             for gi, (name, parts) in enumerate(self.groups):
                 for members in parts:
-                    first = waiting.get(members[0])
-                    if first is None or first.group != gi:
-                        continue  # (the common miss, without the list below)
                     ops = [waiting.get(m) for m in members]
                     if not all(o is not None and o.group == gi for o in ops):
                         continue
