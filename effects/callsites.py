@@ -216,7 +216,10 @@ class FaultPlan:
             return
         left = self._armed.get(key, 0)
         if left > 0:
-            self._armed[key] = left - 1
+            if left == 1:  # used up: a proxy's fast path finds no entry for it
+                del self._armed[key]
+            else:
+                self._armed[key] = left - 1
             self.fired.append(site)
             if fn is not None:
                 self.fired_calls.append((fn, args))
@@ -245,18 +248,29 @@ class _Proxy:
         inner = self._wrap.get(name)
         key = (resource, name)
         calls, armed = plan.calls, plan._armed
+        # Registered sites are never dropped (`call_sites` only adds), so one known
+        # now stays known; an unknown one always takes `FaultPlan.call`, which looks
+        # again (and raises in a strict plan).
+        known = key in plan._known
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            # The common case in a few dict operations: a known site, not armed (what
-            # `FaultPlan.call` does for it); anything else takes `FaultPlan.call`.
-            if armed.get(key) or key not in plan._known or calls is not plan.calls:
+        if known and inner is None:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                # The common case in a few dict operations: a known site, not armed
+                # (what `FaultPlan.call` does for it); else `FaultPlan.call`.
+                if key in armed or calls is not plan.calls:
+                    plan.call(resource, name, args, value)
+                else:
+                    calls[key] += 1
+                return value(*args, **kwargs)
+        else:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                # An unknown site (`FaultPlan.call` looks again, and raises in a strict
+                # plan), or a method whose result is proxied too.
                 plan.call(resource, name, args, value)
-            else:
-                calls[key] += 1
-            out = value(*args, **kwargs)
-            if inner is not None and out is not None:
-                return _Proxy(out, inner, plan, {})
-            return out
+                out = value(*args, **kwargs)
+                if inner is not None and out is not None:
+                    return _Proxy(out, inner, plan, {})
+                return out
 
         self.__dict__[name] = call
         return call

@@ -41,6 +41,7 @@ import torch
 
 from terminus.fsm import (
     Action,
+    Handle,
     Ledger,
     Machine,
     Plan,
@@ -220,8 +221,7 @@ class DisaggResources:
 
 
 def _res(ctx: ReleaseContext) -> DisaggResources:
-    res = ctx.resources
-    assert isinstance(res, DisaggResources)
+    res: DisaggResources = ctx.resources  # the ledger's (`make_ledger`)
     return res
 
 
@@ -234,13 +234,13 @@ def free_kv(ctx: ReleaseContext, handle: Any) -> None:
 @release_effect
 def free_mamba(ctx: ReleaseContext, handle: Any) -> None:
     """Return Mamba state slots."""
-    _res(ctx).pools.mamba.free(handle.value)
+    ctx.resources.pools.mamba.free(handle.value)
 
 
 @release_effect
 def free_req_slot(ctx: ReleaseContext, handle: Any) -> None:
     """Return the request-to-token row (its KV is released through the kv handles)."""
-    _res(ctx).pools.table.free(handle.value)
+    ctx.resources.pools.table.free(handle.value)
 
 
 @release_effect
@@ -275,28 +275,35 @@ def insert_kv_into_cache(ctx: ReleaseContext) -> None:
     handles are released: the tree takes what is new; `free_kv_not_cached` then frees
     the rest (duplicates, the unaligned tail) through the KV releaser. When the insert
     raises, the cache took nothing and every page is freed there."""
-    res = _res(ctx)
+    ledger = ctx.ledger
+    assert ledger is not None
+    res: DisaggResources = ledger.resources
     inst = ctx.instance
-    assert ctx.ledger is not None
-    handles = ctx.ledger.owned(inst, "kv")
+    handles = ledger.owned(inst, "kv")
     parts = [h.value for h in handles]
-    locks = [h.value for h in ctx.ledger.owned(inst, PREFIX_LOCK)]
+    locks = ledger.owned(inst, PREFIX_LOCK)
+    lock = locks[0].value if locks else None
     if not parts:
         return
-    matched = locks[0].indices if locks else None
-    owned_from = locks[0].length if locks else 0
-    n = _insertable(parts, res.pools.page_size)
-    if matched is not None:
-        parts = [matched, *parts]
+    owned_from = lock.length if lock is not None else 0
+    ps = res.pools.page_size
+    n = _insertable(parts, ps) if ps != 1 else -1  # (one page a token: every part)
+    if lock is not None:
+        parts = [lock.indices, *parts]
     kv = torch.cat(parts) if len(parts) > 1 else parts[0]
     tokens = inst.tokens if isinstance(inst, PrefillRequest) else ()
     size = int(kv.numel())
-    keep = min(owned_from + n, size, len(tokens))
+    keep = min(size, len(tokens)) if n < 0 else min(owned_from + n, size, len(tokens))
     if keep < size:
         kv = kv[:keep]
     result = res.cache.insert(inst.key, tokens if len(tokens) == keep else tokens[:keep],
                               kv, owned_from=min(owned_from, keep))
-    res.staged[inst] = _not_taken(handles, owned_from, result)
+    t0 = result.prefix_len
+    if t0 <= owned_from and t0 + result.taken_count >= size:
+        # The tree took every index of the handles (they lie at owned_from..size).
+        res.staged[inst] = dict.fromkeys(map(id, handles))
+    else:
+        res.staged[inst] = _not_taken(handles, owned_from, result)
 
 
 def _not_taken(handles: list[Any], start: int,
@@ -307,7 +314,7 @@ def _not_taken(handles: list[Any], start: int,
     `result.taken`, from `result.prefix_len`: slices, not a search of every index
     among those taken."""
     t0 = result.prefix_len
-    t1 = t0 + int(result.taken.numel())
+    t1 = t0 + result.taken_count
     out: dict[int, torch.Tensor | None] = {}
     if t1 <= t0:
         return out
@@ -328,7 +335,7 @@ def _not_taken(handles: list[Any], start: int,
 def free_kv_not_cached(ctx: ReleaseContext, handle: Any) -> None:
     """Free the pages of a KV handle that the prefix cache did not take (all of them
     when nothing was inserted)."""
-    res = _res(ctx)
+    res: DisaggResources = ctx.resources
     kept = res.staged.get(ctx.instance)
     idx = handle.value
     if kept:
@@ -342,7 +349,7 @@ def free_kv_not_cached(ctx: ReleaseContext, handle: Any) -> None:
 @release_effect
 def forget_insert(ctx: ReleaseContext) -> None:
     """Drop the record of what the cache took (every KV handle was released)."""
-    _res(ctx).staged.pop(ctx.instance, None)
+    ctx.resources.staged.pop(ctx.instance, None)
 
 
 @release_effect
@@ -372,7 +379,8 @@ def stream_terminal(ctx: ReleaseContext) -> None:
     terminal event carries."""
     inst = ctx.instance
     reason = getattr(inst, "reason", "") or getattr(ctx.event, "reason", "")
-    _res(ctx).sink.put(TerminalOutput(str(inst.key), ctx.target, message=reason))
+    res: DisaggResources = ctx.resources
+    res.sink.put(TerminalOutput(str(inst.key), ctx.target, message=reason))
 
 
 _LOCAL = (Release("metadata"), Release("hicache"), Release("kv"), Release(PREFIX_LOCK),
@@ -425,7 +433,7 @@ def make_ledger(resources: DisaggResources) -> Ledger:
 class PrefillRequest(DisaggReq):
     """A request instance plus what the loop needs to cut it into chunks."""
 
-    __slots__ = ("cached", "chunk_size", "n_chunks", "prompt_len", "row",
+    __slots__ = ("cached", "chunk_size", "matched", "n_chunks", "prompt_len", "row",
                  "sender_deadline", "tokens")
 
     def __init__(self, machine: Machine, key: str, prompt_len: int, chunk_size: int,
@@ -437,6 +445,9 @@ class PrefillRequest(DisaggReq):
         self.chunk_size = chunk_size
         self.cached = 0
         """Prompt tokens matched in the prefix cache (not prefilled again)."""
+        self.matched: torch.Tensor | None = None
+        """The KV indices of those tokens (the cache's pages; the request's `PREFIX_LOCK`
+        handle keeps them from eviction until its terminal plan)."""
         self.n_chunks = -(-prompt_len // chunk_size)
         self.sender_deadline: float | None = None  # set when it starts awaiting_sender
         self.row = -1
@@ -451,6 +462,15 @@ class PrefillRequest(DisaggReq):
     def chunk_len(self, k: int) -> int:
         """Tokens in chunk `k` (chunks start after the cached prefix)."""
         return min(self.chunk_size, self.prompt_len - self.cached - k * self.chunk_size)
+
+
+class PrefillChunk(Chunk):
+    """A chunk the loop scheduled, and the ledger handle of the KV pages it writes
+    (`handle`: acquired with it; the ledger still says who owns it)."""
+
+    __slots__ = ("handle",)
+
+    handle: Handle
 
 
 class DisaggPrefill:
@@ -493,6 +513,17 @@ class DisaggPrefill:
         self.requests_machine = DISAGG_PREFILL.bind(REQUEST_PLANS, self.ledger)
         self.chunks_machine = CHUNK.bind(CHUNK_PLANS, self.ledger)
         self.requests: dict[str, PrefillRequest] = {}
+        # State ids the hot paths compare (`inst._s`) instead of reading the `state`
+        # and `terminal` properties (as effects.tokenizer does).
+        ids = {name: i for i, name in enumerate(self.requests_machine.states)}
+        self._bootstrapping = ids["bootstrapping"]
+        self._prefilling = ids["prefilling"]
+        self._transferring = ids["transferring"]
+        self._schedulable = frozenset((ids["waiting"], ids["prefilling"]))
+        self._polled = frozenset((ids["transferring"], ids["awaiting_sender"]))
+        self._req_terminal = self.requests_machine.terminal
+        self._running = self.chunks_machine.states.index("running")
+        self._chunk_terminal = self.chunks_machine.terminal
 
     # -- lookups --------------------------------------------------------------------------
 
@@ -514,9 +545,17 @@ class DisaggPrefill:
         server does not keep every request it ever served; a later event for `rid` is
         then an unknown id (KeyError), as for one never added. Raises ValueError, and
         changes nothing, for a request that may still own or receive anything."""
-        req = self.req(rid)
-        live = [i for i, c in enumerate(req.chunks) if not c.terminal]
-        if not req.terminal or live:
+        try:
+            req = self.requests[rid]
+        except KeyError:
+            req = self.req(rid)  # raises, naming the known ids
+        done = self._chunk_terminal  # (`c.terminal`, without the property)
+        live: list[int] = []
+        for c in req.chunks:
+            if not done[c._s]:
+                live = [i for i, c in enumerate(req.chunks) if not c.terminal]
+                break
+        if not self._req_terminal[req._s] or live:
             raise ValueError(
                 f"request {rid!r} cannot be forgotten: it is {req.state}"
                 + (f" with chunk(s) {live} not settled" if live else "")
@@ -562,6 +601,7 @@ class DisaggPrefill:
         if match is not None and match.length:
             self.ledger.acquire(req, PREFIX_LOCK, self.cache.lock(match))
             req.set_cached(match.length)
+            req.matched = match.indices
         if host_pages > 0:
             pf = self.pools.host.prefetch(host_pages)
             if pf is not None:  # no room: the request just runs without host pages
@@ -581,8 +621,11 @@ class DisaggPrefill:
 
         Stays in `bootstrapping` when no metadata slot is free (poll again later).
         """
-        req = self.req(rid)
-        if req.state != "bootstrapping":
+        try:
+            req = self.requests[rid]
+        except KeyError:
+            req = self.req(rid)  # raises, naming the known ids
+        if req._s != self._bootstrapping:  # (`req.state`, without the property)
             # A poll after the handshake: ignored by a terminal request, and nothing to
             # do for a live one (firing it there would be a declared error).
             return req.fire(_BOOTSTRAPPED) if req.terminal else None
@@ -655,24 +698,32 @@ class DisaggPrefill:
         bootstrapping), every chunk is already scheduled, or a pool is short (nothing
         is taken then).
         """
-        req = self.req(rid)
-        k = len(req.chunks)
-        if k >= req.n_chunks or req.state not in ("waiting", "prefilling"):
+        try:
+            req = self.requests[rid]
+        except KeyError:
+            req = self.req(rid)  # raises, naming the known ids
+        chunks = req.chunks
+        k = len(chunks)
+        # (`req.state in ("waiting", "prefilling")`, without the property)
+        if k >= req.n_chunks or req._s not in self._schedulable:
             return None
         pools = self.pools
         ps = pools.page_size
-        n = req.chunk_len(k)
+        start = req.cached + k * req.chunk_size
+        n = min(req.chunk_size, req.prompt_len - start)  # req.chunk_len(k)
+        units = -(-n // ps) * ps
         # All or nothing, decided before taking anything: every unit taken below has
         # an owner in the ledger at once, so nothing is ever given back by hand. A
         # chunk's KV starts on a page of its own (an abandoned chunk frees only its own).
-        if pools.kv.available_size() < -(-n // ps) * ps or (k == 0 and (
+        if pools.kv.available_size() < units or (k == 0 and (
                 pools.table.available < 1
                 or pools.mamba.available_size() < self.mamba_per_request)):
             return None
         ledger = self.ledger
-        owns: set[str] = set()
         if k == 0:
-            owns = {h.kind for h in ledger.owned(req)}  # one walk for the three kinds
+            # A first try owns neither kind yet (its row is set once its slot is
+            # owned); a retry after a pool raised asks the ledger what it holds.
+            owns = {h.kind for h in ledger.owned(req)} if req.row >= 0 else ()
             if "req_slot" not in owns:
                 # Each unit is recorded the moment it is taken: a pool that raises on
                 # the next alloc leaves this one owned by the request (its release
@@ -680,31 +731,31 @@ class DisaggPrefill:
                 slot = pools.table.alloc(1)
                 assert slot is not None  # checked just above
                 ledger.acquire(req, "req_slot", slot)
-            else:
-                slot = ledger.owned(req, "req_slot")[0].value
-            req.row = int(slot.tolist()[0])
+                req.row = int(slot.tolist()[0])
             if "mamba" not in owns:
                 mamba = pools.mamba.alloc(self.mamba_per_request)
                 assert mamba is not None  # checked just above
                 ledger.acquire(req, "mamba", mamba)
-        kv = pools.kv_alloc(n)
+        kv = pools.kv.alloc(units)  # (`pools.kv_alloc(n)`)
         assert kv is not None  # checked just above
-        chunk = Chunk(self.chunks_machine, (rid, k), parent=req, index=k,
-                      last=k == req.n_chunks - 1)
-        ledger.acquire(chunk, "kv", kv)
+        if units != n:
+            kv = kv[:n]
+        chunk = PrefillChunk(self.chunks_machine, (rid, k), parent=req, index=k,
+                             last=k == req.n_chunks - 1)
+        chunk.handle = ledger.acquire(chunk, "kv", kv)  # (set at once: read in result)
         row = req.row
         try:
-            if PREFIX_LOCK in owns:  # (k == 0)
-                for h in ledger.owned(req, PREFIX_LOCK):
-                    pools.table.write(row, 0, h.value.indices)
-            pools.table.write(row, req.cached + k * req.chunk_size, kv)
+            if k == 0 and req.matched is not None:
+                pools.table.write(row, 0, req.matched)
+            pools.table.write(row, start, kv)
         except BaseException:
             chunk.fire(_ABANDON)  # never launched: its pages go to the request
             raise
-        for prev in req.chunks:
-            if prev.state == "running":
-                prev.fire(_NEXTLAUNCHED)
-        req.chunks.append(chunk)
+        # Only the newest chunk can be running: scheduling one moves the one before
+        # it to overlapped, and a result moves it on.
+        if k and chunks[-1]._s == self._running:
+            chunks[-1].fire(_NEXTLAUNCHED)
+        chunks.append(chunk)
         req.fire(ChunkScheduled(k))
         chunk.fire(_LAUNCH)
         return chunk
@@ -720,34 +771,46 @@ class DisaggPrefill:
         `release_aborted`. A result for a chunk that already settled, or for a request
         whose cleanup ran, is ignored.
         """
-        req = self.req(rid)
-        if not 0 <= k < len(req.chunks):
+        try:
+            req = self.requests[rid]
+        except KeyError:
+            req = self.req(rid)  # raises, naming the known ids
+        chunks = req.chunks
+        if not 0 <= k < len(chunks):
             if req.terminal:
                 return req.fire(ChunkSettled(k))  # a stale result: ignored
             raise ValueError(f"request {rid!r} has no chunk {k} in flight "
-                             f"({len(req.chunks)} scheduled)")
-        chunk = req.chunks[k]
+                             f"({len(chunks)} scheduled)")
+        chunk = chunks[k]
         assert isinstance(chunk, Chunk)
-        if chunk.terminal:
+        terminal = self._chunk_terminal  # (`c.terminal`, without the property)
+        if terminal[chunk._s]:
             chunk.fire(_RESULT)  # a duplicate: ignored by the chunk
             return None
-        early = [i for i, c in enumerate(req.chunks[:k]) if not c.terminal]
-        if early:
-            # A chunk computes on its predecessors' KV, so its result cannot precede
-            # theirs; settling it first would start the transfer with their KV missing.
-            raise ValueError(
-                f"result of chunk {k} of request {rid!r} arrived before that of chunk(s) "
-                f"{early}; deliver chunk results in launch order")
+        for i in range(k):
+            if not terminal[chunks[i]._s]:
+                early = [j for j, c in enumerate(chunks[:k]) if not c.terminal]
+                # A chunk computes on its predecessors' KV, so its result cannot precede
+                # theirs; settling it first would start the transfer with their KV
+                # missing.
+                raise ValueError(
+                    f"result of chunk {k} of request {rid!r} arrived before that of "
+                    f"chunk(s) {early}; deliver chunk results in launch order")
         chunk.fire(_RESULT)
-        if req.state == "prefilling":
-            for h in self.ledger.owned(chunk, "kv"):
-                self.ledger.transfer(h, req)
+        if req._s == self._prefilling:
+            ledger = self.ledger
+            h = getattr(chunk, "handle", None)
+            if h is not None and h.owner is chunk and not h.released:
+                ledger.transfer(h, req)  # the one KV handle it was scheduled with
+            else:
+                for h in ledger.owned(chunk, "kv"):
+                    ledger.transfer(h, req)
             chunk.fire(_COMMIT)
         else:
             chunk.fire(_ABANDON)
         report = req.fire(ChunkSettled(k, chunk.last))
-        if req.state == "transferring":
-            kv = [h.value.indices for h in self.ledger.owned(req, PREFIX_LOCK)]
+        if req._s == self._transferring:
+            kv = [req.matched] if req.matched is not None else []
             kv += [h.value for h in self.ledger.owned(req, "kv")]
             try:
                 self.transport.send(rid, torch.cat(kv) if len(kv) > 1 else kv[0])
@@ -762,8 +825,11 @@ class DisaggPrefill:
         A request aborted during its transfer ends (as `aborted`) once the sender says
         it stopped (success, failure or ABORTED) or its deadline passed.
         """
-        req = self.req(rid)
-        if req.state not in ("transferring", "awaiting_sender"):
+        try:
+            req = self.requests[rid]
+        except KeyError:
+            req = self.req(rid)  # raises, naming the known ids
+        if req._s not in self._polled:  # (`req.state`, without the property)
             return None
         p = self.transport.poll(rid)
         if p is Poll.SUCCESS:

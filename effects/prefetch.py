@@ -343,10 +343,11 @@ class PrefetchSite:
     @sanitized
     def transfer(self, rid: Any, pages: int) -> int:
         """The I/O wrote ``pages`` more pages of ``rid``; returns the completed count."""
-        p = self.prefetch_of(rid)
-        if p is None:
+        inst = self.requests.get(rid)  # (`prefetch_of`, inline: a call a step)
+        held = self.ledger.owned(inst, "host_pages") if inst is not None else None
+        if not held:
             raise ValueError(f"rank {self.rank}: request {rid!r} has no running transfer")
-        return p.advance(pages)
+        return held[0].value.advance(pages)
 
     @sanitized
     def complete(self, rid: Any) -> PlanReport | None:

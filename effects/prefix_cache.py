@@ -115,8 +115,8 @@ class PrefixCache:
         anything can evict (`lock`). Counts the lookup."""
         m = self.tree.match_prefix(tokens, limit=limit)  # (cuts without copying twice)
         self.lookups += 1
-        self.lookup_tokens += len(tokens) if limit is None else max(0, min(limit,
-                                                                           len(tokens)))
+        n = len(tokens)
+        self.lookup_tokens += n if limit is None or limit >= n else max(0, limit)
         if m.length:
             self.hits += 1
             self.hit_tokens += m.length
@@ -140,11 +140,14 @@ class PrefixCache:
         free them through the KV releaser). `owned_from`: the request's matched, locked
         prefix length (those indices are the tree's already). Raises (nothing changed)
         when the tree refuses; the caller's pages are then all still its own."""
-        res = self.tree.insert(tokens, kv_indices, owned_from=owned_from)
+        tree = self.tree
+        res = tree.insert(tokens, kv_indices, owned_from=owned_from)
         self.inserts[rid] += 1
-        self.inserted_tokens += int(res.taken.numel())
+        self.inserted_tokens += res.taken_count
         self.duplicate_tokens += res.duplicate_count
-        self.peak_cached_tokens = max(self.peak_cached_tokens, self.held_tokens)
+        held = tree.total_size()
+        if held > self.peak_cached_tokens:
+            self.peak_cached_tokens = held
         return res
 
     def evict(self, num_tokens: int) -> int:

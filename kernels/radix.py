@@ -86,9 +86,10 @@ class RadixMatch:
 
     __slots__ = ("indices", "length", "node")
 
-    def __init__(self, indices: torch.Tensor, node: RadixNode) -> None:
+    def __init__(self, indices: torch.Tensor, node: RadixNode,
+                 length: int | None = None) -> None:
         self.indices = indices
-        self.length = int(indices.numel())
+        self.length = int(indices.numel()) if length is None else length
         self.node = node
 
 
@@ -103,15 +104,17 @@ class RadixInsert:
     ``duplicate_count`` says how many duplicates there are without cutting.
     """
 
-    __slots__ = ("_dup", "_values", "node", "prefix_len", "taken")
+    __slots__ = ("_dup", "_values", "node", "prefix_len", "taken", "taken_count")
 
     def __init__(self, prefix_len: int, node: RadixNode, taken: torch.Tensor,
                  values: torch.Tensor, owned_from: int, dup_end: int, cached_end: int) -> None:
         self.prefix_len = prefix_len
         self.node = node
         self.taken = taken
+        self.taken_count = cached_end - prefix_len if cached_end > prefix_len else 0
+        """``taken.numel()``, without asking the tensor."""
         self._values = values
-        self._dup = (owned_from, dup_end, max(cached_end, owned_from))
+        self._dup = (owned_from, dup_end, cached_end if cached_end > owned_from else owned_from)
 
     @property
     def duplicates(self) -> torch.Tensor:
@@ -200,13 +203,13 @@ class RadixTree:
         else one slice and one tuple of what is kept)."""
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.tolist()
-        n = whole = len(tokens)
+        whole = n = len(tokens)
         if limit is not None and limit < n:
             n = max(0, limit)
-        cut = n - n % self.page_size
-        if type(tokens) is tuple:
-            return tokens if cut == whole else tokens[:cut]
-        return tuple(tokens if cut == whole else tokens[:cut])
+        n -= n % self.page_size
+        if tokens.__class__ is tuple:
+            return tokens if n == whole else tokens[:n]
+        return tuple(tokens if n == whole else tokens[:n])
 
     def _tick(self) -> int:
         self._clock += 1
@@ -250,20 +253,25 @@ class RadixTree:
             child = node.children.get(key[done:done + page])
             if child is None:
                 break
-            n = _common(child.key, key, page, done)
+            ck = child.key
+            m = len(ck)
+            if key[done:done + m] == ck:  # the whole node matches (one compare, in C)
+                path.append(child)
+                done += m
+                node = child
+                continue
+            # The match ends inside `child` (its first page matched, so n >= page).
+            n = _common(ck, key, page, done)
             if n == 0:
                 break
             path.append(child)
-            done += n
-            if n < len(child.key):
-                return path, done, n
-            node = child
+            return path, done + n, n
         return path, done, 0
 
     def _touch(self, path: list[RadixNode], cut: int) -> RadixNode:
         """Mark `path` (from `_descend`) accessed now, splitting its last node `cut`
         tokens in when the match ends inside it; returns the node the match ends at."""
-        now = self._tick()
+        self._clock = now = self._clock + 1
         self.root.last_access = now
         if not path:
             return self.root
@@ -283,11 +291,12 @@ class RadixTree:
         The match may split a node at the page where it ends (the cached data is
         unchanged). Lock the returned node before anything can evict it.
         """
-        path, _, cut = self._descend(self._aligned(tokens, limit))
+        path, done, cut = self._descend(self._aligned(tokens, limit))
         node = self._touch(path, cut)
-        indices = torch.cat([n.value for n in path]) if len(path) > 1 else \
-            path[0].value if path else self._empty
-        return RadixMatch(indices, node)
+        if not path:
+            return RadixMatch(self._empty, node, 0)
+        indices = torch.cat([n.value for n in path]) if len(path) > 1 else path[0].value
+        return RadixMatch(indices, node, done)
 
     # -- insert ---------------------------------------------------------------------------
 
@@ -314,9 +323,10 @@ class RadixTree:
             raise ValueError(f"RadixTree.insert: owned_from={owned_from} is outside "
                              f"0..{len(tokens)} (the length of the sequence)")
         key = self._aligned(tokens)
+        end = len(key)
         # Read-only pass first: decide, then mutate.
         path, prefix_len, cut = self._descend(key)
-        if prefix_len < min(owned_from, len(key)):
+        if prefix_len < owned_from and prefix_len < end:
             raise ValueError(
                 f"RadixTree.insert: the caller's matched prefix ({owned_from} tokens) is "
                 f"no longer cached (the tree holds {prefix_len} of them); lock the matched "
@@ -324,29 +334,42 @@ class RadixTree:
         node = self._touch(path, cut)
         values = kv_indices if dtype is torch.int64 else kv_indices.to(torch.int64)
         taken = self._empty
-        if prefix_len < len(key):
-            taken = values.narrow(0, prefix_len, len(key) - prefix_len).clone()
+        if prefix_len < end:
+            taken = values.narrow(0, prefix_len, end - prefix_len).clone()
             new = RadixNode(key[prefix_len:], taken, node)
-            new.last_access = self._tick()
-            node.children[self._child_key(new.key)] = new
-            self._evictable += len(new.key)
+            self._clock = new.last_access = self._clock + 1
+            node.children[key[prefix_len:prefix_len + self.page_size]] = new
+            self._evictable += end - prefix_len
             self._leaves.pop(node, None)  # a leaf no more
             self._leaf(new)
             node = new
-        dup_end = max(prefix_len, owned_from)
-        return RadixInsert(prefix_len, node, taken, values, owned_from, dup_end, len(key))
+        return RadixInsert(prefix_len, node, taken, values, owned_from,
+                           prefix_len if prefix_len > owned_from else owned_from, end)
 
     # -- locks ----------------------------------------------------------------------------
 
     def _path(self, node: RadixNode) -> list[RadixNode]:
-        """`node` and its ancestors up to (not including) the root; raises if detached."""
-        path = []
-        cur: RadixNode | None = node
-        while cur is not self.root:
-            if cur is None or cur.parent is None or \
-                    cur.parent.children.get(self._child_key(cur.key)) is not cur:
+        """`node` and its ancestors up to (not including) the root; raises if detached.
+
+        The tree keeps its parent links exact (a split relinks, an eviction sets the
+        dropped leaf's parent to None, and only leaves are dropped), so a node is in
+        this tree when its parent holds it under its first page and its parents lead
+        to this root: a node evicted, or one of an evicted subtree or of another tree,
+        meets a None parent (another tree's root has none) before this root."""
+        root = self.root
+        if node is root:
+            return []
+        parent = node.parent
+        if parent is None or parent.children.get(node.key[:self.page_size]) is not node:
+            raise StaleNode(f"{node!r} is not in this tree (evicted, or from another "
+                            "tree); lock the node match_prefix returned before evicting")
+        path = [node]
+        cur: RadixNode | None = parent
+        while cur is not root:
+            if cur is None:
                 raise StaleNode(f"{node!r} is not in this tree (evicted, or from another "
-                                "tree); lock the node match_prefix returned before evicting")
+                                "tree); lock the node match_prefix returned before "
+                                "evicting")
             path.append(cur)
             cur = cur.parent
         return path
@@ -355,12 +378,13 @@ class RadixTree:
         """Lock the path from `node` to the root; returns the tokens that became protected."""
         delta = 0
         for n in self._path(node):
-            if n.lock_ref == 0:
+            if not n.lock_ref:
                 delta += len(n.key)
                 self._leaves.pop(n, None)
             n.lock_ref += 1
-        self._evictable -= delta
-        self._protected += delta
+        if delta:
+            self._evictable -= delta
+            self._protected += delta
         return delta
 
     def dec_lock_ref(self, node: RadixNode) -> int:
@@ -369,19 +393,21 @@ class RadixTree:
         Raises `LockUnderflow` (nothing changed) when a node on the path is not locked.
         """
         path = self._path(node)
-        bad = next((n for n in path if n.lock_ref <= 0), None)
-        if bad is not None:
-            raise LockUnderflow(f"dec_lock_ref({node!r}): {bad!r} is not locked; every "
-                                "dec_lock_ref must follow an inc_lock_ref of the same node")
+        for n in path:
+            if n.lock_ref <= 0:
+                raise LockUnderflow(f"dec_lock_ref({node!r}): {n!r} is not locked; every "
+                                    "dec_lock_ref must follow an inc_lock_ref of the same "
+                                    "node")
         delta = 0
         for n in path:
             n.lock_ref -= 1
-            if n.lock_ref == 0:
+            if not n.lock_ref:
                 delta += len(n.key)
                 if not n.children:
                     self._leaf(n)
-        self._evictable += delta
-        self._protected -= delta
+        if delta:
+            self._evictable += delta
+            self._protected -= delta
         return delta
 
     # -- eviction -------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from terminus.kernels._stack import FreeStack, IdsLike, StackPool, as_ids
 
 __all__ = ["ReqToTokenTable"]
 
+_NP_DTYPES = (torch.int64, torch.int32)  # token slots `write` stores through numpy
+
 
 class ReqToTokenTable(StackPool):
     """``[size, max_context_len]`` int32 table plus a free list of request slots."""
@@ -34,6 +36,7 @@ class ReqToTokenTable(StackPool):
         self._free = FreeStack("ReqToTokenTable", 0, size, device, strict=strict, unit="slots")
         dev = self._free.device
         self.max_context_len = max_context_len
+        self._rows = size
         self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int32, device=dev)
         self.lengths = torch.zeros(size, dtype=torch.int32, device=dev)
         self.mamba_slots = torch.zeros(size, dtype=torch.int64, device=dev)
@@ -76,9 +79,9 @@ class ReqToTokenTable(StackPool):
         """Store ``tokens`` (1-D) at ``[slot, start:start+len]`` and set the length to the
         end. A slot outside the table, a negative start or tokens that are not 1-D are
         refused (``ValueError``) with nothing written, on every path."""
-        if not 0 <= slot < self.capacity or start < 0 or tokens.dim() != 1:
+        if not 0 <= slot < self._rows or start < 0 or tokens.dim() != 1:
             raise ValueError(
-                f"ReqToTokenTable.write: slot {slot} (0..{self.capacity - 1}), start "
+                f"ReqToTokenTable.write: slot {slot} (0..{self._rows - 1}), start "
                 f"{start} (>= 0), tokens of shape {tuple(tokens.shape)} (1-D): pass a slot "
                 "alloc() returned, a start >= 0 and a 1-D tensor of token slots")
         end = start + tokens.numel()
@@ -87,11 +90,11 @@ class ReqToTokenTable(StackPool):
                 f"ReqToTokenTable: {end} tokens do not fit max_context_len "
                 f"{self.max_context_len}; raise max_context_len or cut the request"
             )
-        if self._np is not None and tokens.device.type == "cpu" and tokens.dtype in (
-                torch.int64, torch.int32):
+        views = self._np
+        if views is not None and tokens.is_cpu and tokens.dtype in _NP_DTYPES:
             # A CPU table: through its numpy views (~2 us; two torch setitems ~15).
-            self._np[2][slot, start:end] = tokens.numpy()
-            self._np[0][slot] = end
+            views[2][slot, start:end] = tokens.numpy()
+            views[0][slot] = end
             return
         self.req_to_token[slot, start:end] = tokens
         self.lengths[slot] = end

@@ -71,10 +71,10 @@ class FakeTransport:
 
     def _call(self, step: str, rid: str) -> None:
         self.calls.append((step, rid))
-        every = self._any.get(step)
         by_rid = self._by_rid.get(step)
         mine = by_rid.get(rid) if by_rid else None
-        if not every and not mine:
+        every = self._any.get(step)
+        if not mine and not every:
             return
         faults = (every or []) + (mine or [])
         if every and mine:
