@@ -678,8 +678,6 @@ class RunningBatch:
         track of admissions a deferred refusal may undo."""
         refused = False
         try:
-            if isinstance(ev, list):
-                return self.batch.step_runs(ev, reset.tolist() if reset is not None else ())
             return self.batch.step(ev, known=known, reset=reset)
         except TransitionNotAllowed:
             refused = True

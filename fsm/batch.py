@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -324,14 +324,16 @@ class Batch:
         applied); `check()` reads them."""
         return len(self._log)
 
-    def step(self, events: torch.Tensor | Sequence[Mapping[int, int]],
+    def step(self, events: torch.Tensor | Sequence[Mapping[int, int]]
+             | Sequence[tuple[Sequence[int], int]],
              known: Collection[int] | None = None,
              reset: torch.Tensor | None = None) -> BatchStep:
         """Deliver `events[i]` (an event id, -1 for none) to instance i, all at once.
 
         `events` may also be a list of rounds, each a dict of {row: event id} (rows
         absent take none), on a CPU batch: the same step decided on the host, see
-        `step_rows`.
+        `step_rows`; or a list of runs, each a (rows, event id) tuple, a row taking its
+        events in the order of the runs that name it: see `step_runs`.
 
         `events` may also be a (rounds, n) tensor: `events[j, i]` is the j-th event
         instance i takes in this step (-1 for none), so one call delivers a scheduler
@@ -363,7 +365,11 @@ class Batch:
         if isinstance(events, (list, tuple)) and events and all(
                 isinstance(rd, Mapping) for rd in events):  # rounds by row: `step_rows`
             rows = self._check_rows(reset, "reset").tolist() if reset is not None else ()
-            return self.step_rows(events, rows)
+            return self.step_rows(cast("Sequence[Mapping[int, int]]", events), rows)
+        if isinstance(events, list) and events and all(
+                isinstance(run, tuple) and len(run) == 2 for run in events):  # `step_runs`
+            rows = self._check_rows(reset, "reset").tolist() if reset is not None else ()
+            return self.step_runs(cast("list[tuple[Sequence[int], int]]", events), rows)
         self._check_events(events)
         assert isinstance(events, torch.Tensor)  # _check_events refused anything else
         if not self.n:
