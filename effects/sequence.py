@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from terminus.fsm import BatchStep, ReleaseContext, TransitionNotAllowed, release_effect
+from terminus.fsm.batch import rounds_of
 from terminus.kernels import (
     MambaStatePool,
     ReqToTokenTable,
@@ -166,11 +167,10 @@ class RunningBatch:
         self.batch = SEQUENCE.batch(pools.table.capacity, pools.table.device,
                                     plans=dict.fromkeys(_TERMINAL_OF_PLAN, effect))
         self.event = {cls: SEQUENCE.event_id(cls) for cls in SEQUENCE.events}
-        # Queued for `flush`: round j's event per row, and how many a row has queued
-        # (ints in dicts: no list per row, a scheduler queues every row every step).
-        self._rounds: list[dict[int, int]] = []
-        self._pending: dict[int, int] = {}  # row -> events queued for it
-        self._queued_ids: set[int] = set()  # the ids in `_pending`: flush's known=
+        # Queued for `flush`: (rows, event id) per `queue` call, in order (a row takes
+        # its events in the order of the runs that name it), and the ids among them.
+        self._runs: list[tuple[list[int], int]] = []
+        self._queued_ids: set[int] = set()  # the ids in `_runs`: flush's known=
         self._admitted: list[torch.Tensor] = []  # rows admit(queued=True) gave out
         # Rows admitted by quiet steps the batch has not read back yet: if one of those
         # steps turns out refused, they are admitted again (never left vacant).
@@ -589,7 +589,7 @@ class RunningBatch:
     def fire(self, rows: torch.Tensor, event: type) -> BatchStep:
         """Deliver one event class to `rows` (no event to the others) in one step, read
         back at once (a refusal raises here). Queued events are flushed first."""
-        if self._pending:
+        if self._runs:
             self.flush()
         ev = torch.full((self.batch.n,), -1, dtype=torch.int64, device=self.batch.device)
         ev.index_fill_(0, rows, self.event[event])
@@ -600,7 +600,7 @@ class RunningBatch:
         """Deliver `events[r]` (an event id or -1) to every row at once; a (rounds, n)
         tensor gives rows several events in order (see `Batch.step`). Queued events are
         flushed first."""
-        if self._pending:
+        if self._runs:
             self.flush()
         return self._deliver(events, None, None)
 
@@ -621,14 +621,7 @@ class RunningBatch:
 
     def _enqueue(self, rows: list[int], eid: int) -> None:
         self._queued_ids.add(eid)
-        pending, rounds = self._pending, self._rounds
-        get = pending.get
-        for r in rows:
-            j = get(r, 0)
-            pending[r] = j + 1
-            if j == len(rounds):
-                rounds.append({})
-            rounds[j][r] = eid
+        self._runs.append((list(rows), eid))  # a copy: the caller may reuse its list
 
     @sanitized
     def flush(self) -> BatchStep | None:
@@ -642,23 +635,23 @@ class RunningBatch:
         of whose events can end a row (admissions, launches, tokens) reads nothing back
         from the device; an error in it is raised by the next step that reads (or
         `check()`), see `fsm.batch`."""
-        rounds, self._rounds = self._rounds, []
-        self._pending = {}
+        runs, self._runs = self._runs, []
         known, self._queued_ids = self._queued_ids, set()
         admitted, self._admitted = self._admitted, []
-        if not rounds:
+        if not runs:
             return None
         if self.batch.device.type == "cpu" and self.batch.machine.observed:
             # An observed step reads its decisions back whatever it holds (no quiet
-            # step), so a CPU batch's is decided row by row on the host
-            # (`Batch.step_rows`): the same step, without a dense tensor of every row's
-            # events and a few dozen small torch calls.
+            # step), so a CPU batch's is decided on the host, a few list operations
+            # per queued run (`Batch.step_runs`): the same step, without a dense tensor
+            # of every row's events and a few dozen small torch calls.
             reset = None
             if admitted:
                 reset = admitted[0] if len(admitted) == 1 else torch.cat(admitted)
-            return self._deliver(rounds, None, reset)
+            return self._deliver(runs, None, reset)
         # Built on the host (numpy: ~1 us a round, where two torch.tensor and an
         # index_copy_ cost ~15), then handed to the batch's device.
+        rounds = rounds_of(runs)
         host = np.full((len(rounds), self.batch.n), -1, dtype=np.int64)
         for j, rd in enumerate(rounds):  # rows checked by queue()
             host[j, list(rd)] = list(rd.values())
@@ -679,9 +672,9 @@ class RunningBatch:
             raise
         self._unchecked_admits.clear()
 
-    def _deliver(self, ev: torch.Tensor | Sequence[dict[int, int]], known: set[int] | None,
-                 reset: torch.Tensor | None) -> BatchStep:
-        """`Batch.step` (of a tensor, or of rounds by row: `Batch.step_rows`), keeping
+    def _deliver(self, ev: torch.Tensor | list[tuple[list[int], int]],
+                 known: set[int] | None, reset: torch.Tensor | None) -> BatchStep:
+        """`Batch.step` (of a tensor, or of runs of rows: `Batch.step_runs`), keeping
         track of admissions a deferred refusal may undo."""
         refused = False
         try:

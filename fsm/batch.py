@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -86,6 +86,25 @@ class Batchable(Protocol):
     def observed(self) -> bool: ...
     def event_id(self, event: type | str) -> int: ...
     def state_id(self, name: str) -> int: ...
+
+
+_INT = {int}
+_RESET = object()  # `step_runs`' own run of the reset rows
+
+
+def rounds_of(runs: Sequence[tuple[Sequence[int], int]]) -> list[dict[int, int]]:
+    """`Batch.step_runs`' runs as `Batch.step_rows`' rounds: a row's j-th event in round j
+    (its events in the order of the runs that name it)."""
+    rounds: list[dict[int, int]] = []
+    depth: dict[int, int] = {}
+    for rows, e in runs:
+        for r in rows:
+            j = depth.get(r, 0)
+            depth[r] = j + 1
+            if j == len(rounds):
+                rounds.append({})
+            rounds[j][r] = e
+    return rounds
 
 
 def _host(t: torch.Tensor) -> Any:
@@ -305,14 +324,16 @@ class Batch:
         applied); `check()` reads them."""
         return len(self._log)
 
-    def step(self, events: torch.Tensor | Sequence[Mapping[int, int]],
+    def step(self, events: torch.Tensor | Sequence[Mapping[int, int]]
+             | Sequence[tuple[Sequence[int], int]],
              known: Collection[int] | None = None,
              reset: torch.Tensor | None = None) -> BatchStep:
         """Deliver `events[i]` (an event id, -1 for none) to instance i, all at once.
 
         `events` may also be a list of rounds, each a dict of {row: event id} (rows
         absent take none), on a CPU batch: the same step decided on the host, see
-        `step_rows`.
+        `step_rows`; or a list of runs, each a (rows, event id) tuple, a row taking its
+        events in the order of the runs that name it: see `step_runs`.
 
         `events` may also be a (rounds, n) tensor: `events[j, i]` is the j-th event
         instance i takes in this step (-1 for none), so one call delivers a scheduler
@@ -344,7 +365,11 @@ class Batch:
         if isinstance(events, (list, tuple)) and events and all(
                 isinstance(rd, Mapping) for rd in events):  # rounds by row: `step_rows`
             rows = self._check_rows(reset, "reset").tolist() if reset is not None else ()
-            return self.step_rows(events, rows)
+            return self.step_rows(cast("Sequence[Mapping[int, int]]", events), rows)
+        if isinstance(events, list) and events and all(
+                isinstance(run, tuple) and len(run) == 2 for run in events):  # `step_runs`
+            rows = self._check_rows(reset, "reset").tolist() if reset is not None else ()
+            return self.step_runs(cast("list[tuple[Sequence[int], int]]", events), rows)
         self._check_events(events)
         assert isinstance(events, torch.Tensor)  # _check_events refused anything else
         if not self.n:
@@ -497,6 +522,86 @@ class Batch:
         newly.sort()
         rows = np.array([r for r, _ in newly], dtype=np.int64)
         pids = np.array([q for _, q in newly], dtype=np.int64)
+        return self._retire_rows(newly, rows, pids)
+
+    def step_runs(self, runs: Sequence[tuple[Sequence[int], int]],
+                  reset: Sequence[int] = ()) -> BatchStep:
+        """`step_rows` with the events given as runs: `runs[k] = (rows, e)` delivers the
+        event id `e` to each of `rows` (Python ints; -1: none), and a row takes its
+        events in the order of the runs that name it (its j-th event in round j of
+        `step_rows`), after the rows in `reset` start anew. A scheduler queues one event
+        class for many rows at a time: a run is checked as a whole (C builtins over its
+        list), then its rows' cells are looked up by two list comprehensions, with no
+        per-row bookkeeping of rounds (about a fifth less time than queueing rounds and
+        `step_rows` on the simulator's steps).
+
+        The same step as `step_rows` of those rounds: states, terminal rows and plan
+        ids, plans run, recorder and ignored counts. A step that is refused, or that
+        names a row out of range, an id out of range or one row twice in a run, or
+        whose machine has sinks (records in round order), is `step_rows` of those rounds
+        itself: the same error naming the same instance, the same records, nothing
+        changed.
+        """
+        m = self.machine
+        if self.device.type != "cpu":
+            raise ValueError(f"machine {m.name!r}: step_runs steps a CPU batch; this one is "
+                             f"on {self.device}; build the events tensor and call step()")
+        if m.sinks:
+            return self.step_rows(rounds_of(runs), reset)
+        if self._bad is not None:
+            self.check()
+        n, e_max = self.n, self._w - 3
+        table = self._packed_list
+        base_np = self._base.numpy()
+        work: list[int] = base_np.tolist()  # every row's base, as the runs move them
+        cells: list[int] = []  # every cell made (counted when observed)
+        newly: list[tuple[int, int]] = []
+        todo: Iterable[tuple[Sequence[int], Any]] = runs
+        if reset:
+            todo = [(reset, _RESET), *runs]
+        for rows, e in todo:
+            k = len(rows)
+            if not k:
+                continue
+            # Anything unusual (a row or id out of range, a row twice, not plain ints)
+            # is step_rows' to refuse or decide, changing nothing, as it does.
+            if e.__class__ is not int or not -1 <= e <= e_max:
+                if e is not _RESET:
+                    return self.step_rows(rounds_of(runs), reset)
+                e = self._reset_id
+            if set(map(type, rows)) != _INT or min(rows) < 0 or max(rows) >= n or len(
+                    set(rows)) != k:
+                return self.step_rows(rounds_of(runs), reset)
+            if e < 0:
+                continue
+            made = [work[r] + e for r in rows]
+            packs = [table[c] for c in made]
+            lo, hi = min(packs), max(packs)
+            if lo < 0:  # refused: step_rows names it and records the errors
+                return self.step_rows(rounds_of(runs), reset)
+            for r, p in zip(rows, packs, strict=True):
+                work[r] = p & _BASE_MASK
+            cells += made
+            if hi >> _NEWLY_SHIFT:
+                newly += [(r, (p >> _PLAN_SHIFT) - 1) for r, p in zip(rows, packs, strict=True)
+                          if p >> _NEWLY_SHIFT & 1]
+        if m.observed and cells:
+            self._record(Counter(cells).items())
+        if cells:
+            base_np[:] = work
+        if not newly:
+            return BatchStep(self._empty, self._empty)
+        # A row turns terminal once in a step at most (a terminal state has no way out).
+        newly.sort()
+        rows_new = np.array([r for r, _ in newly], dtype=np.int64)
+        pids = np.array([q for _, q in newly], dtype=np.int64)
+        return self._retire_rows(newly, rows_new, pids)
+
+    def _retire_rows(self, newly: list[tuple[int, int]], rows: Any, pids: Any) -> BatchStep:
+        """The outcome of a host-decided step whose rows `newly` (row, plan id), in row
+        order, turned terminal (`rows`, `pids`: the same as int64 arrays): each plan run
+        once for its rows."""
+        m = self.machine
         result = BatchStep(torch.from_numpy(rows), torch.from_numpy(pids))
         if self._plans:
             # The rows by plan (each group in row order), as `BatchStep.by_plan` makes.

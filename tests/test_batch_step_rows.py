@@ -177,3 +177,98 @@ def test_step_rows_of_many_sequence_rows_is_the_dense_step(seed):
     assert [(r.instance, r.source, r.event, r.target, r.decision, r.plan)
             for r in heard_dense] == [(r.instance, r.source, r.event, r.target,
                                        r.decision, r.plan) for r in heard_rows]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_step_runs_is_step_rows_of_its_rounds(seed):
+    # Runs (rows, event id) as a scheduler queues them: the same step as step_rows of
+    # the rounds they make (a row's j-th event in round j), on the scheduler's machine,
+    # with resets, several plans, and now and then a refused cell, an id or a row out of
+    # range, a row twice in one run, or a sink watching: states, terminal rows and plan
+    # ids, plans run, recorder and ignored counts, sink records and errors all agree.
+    from terminus.states.sequence import SEQUENCE
+
+    n = 48
+    rng = random.Random(seed)
+
+    def made(log):
+        def plan_for(name):
+            @release_effect
+            def release(ctx):
+                log.append((name, ctx.rows.tolist()))
+            return Plan(Action(release))
+        return SEQUENCE.batch(n, plans={p: plan_for(p) for p in SEQUENCE.plan_names})
+
+    rows_log, runs_log = [], []
+    by_rows, by_runs = made(rows_log), made(runs_log)
+    w, e_count = by_rows._w, len(SEQUENCE.events)
+    table = by_rows._packed_list
+    refused = 0
+    for _ in range(40):
+        base = by_rows._base.tolist()
+        terminal = by_rows._terminal.tolist()
+        reset = sorted(r for r in range(n) if ((base[r] - 1) // w == SEQUENCE.initial
+                                               or terminal[(base[r] - 1) // w])
+                       and rng.random() < 0.5)
+        cur = [SEQUENCE.initial * w + 1 if r in reset else base[r] for r in range(n)]
+        runs = []
+        for _ in range(rng.randint(1, 6)):
+            e = rng.randrange(e_count)
+            rows = [r for r in range(n) if rng.random() < 0.25
+                    and (table[cur[r] + e] >= 0 or rng.random() < 0.004)]
+            rng.shuffle(rows)
+            for r in rows:
+                if table[cur[r] + e] >= 0:
+                    cur[r] = table[cur[r] + e] & batch_mod._BASE_MASK
+            runs.append((rows, e))
+        odd = rng.random()
+        if odd < 0.05 and runs[0][0]:
+            runs.append(([runs[0][0][0], n], runs[0][1]))  # a row out of range
+        elif odd < 0.1:
+            runs.append(([0], e_count))  # an id out of range
+        elif odd < 0.15 and runs[-1][0]:
+            runs.append(([runs[-1][0][0]] * 2, runs[-1][1]))  # a row twice in a run
+        elif odd < 0.2:
+            runs.append(([1, 2], -1))  # no event
+        watched = rng.random() < 0.2
+        results = []
+        for b, rec in ((by_rows, Counts()), (by_runs, Counts())):
+            heard = []
+            prev = observe.set_recorder(rec)
+            if watched:
+                SEQUENCE.add_sink(heard.append)
+            try:
+                if b is by_rows:
+                    res = outcome(lambda b=b, runs=runs, reset=reset: b.step_rows(
+                        batch_mod.rounds_of(runs), reset))
+                else:
+                    res = outcome(lambda b=b, runs=runs, reset=reset: b.step_runs(runs, reset))
+            finally:
+                if watched:
+                    SEQUENCE.remove_sink(heard.append)
+                observe.set_recorder(prev)
+            results.append((res, rec.counts, b.states.tolist(),
+                            [(r.instance, r.source, r.event, r.target, r.decision, r.plan)
+                             for r in heard]))
+        assert results[0] == results[1]
+        assert rows_log == runs_log
+        refused += isinstance(results[0][0][0], str)
+    assert refused and len({name for name, _ in rows_log}) >= 2
+    assert by_rows.machine.stats.ignored == by_runs.machine.stats.ignored
+
+
+def test_step_runs_of_an_unobserved_batch_counts_nothing_and_refuses_exactly():
+    m, b = built([])
+    resume, finish = m.event_id(Resume), m.event_id(Finish)
+    step = b.step_runs([([0, 3], resume), ([3], finish)])
+    assert step.terminal.tolist() == [3]
+    before = b.states.tolist()
+    with pytest.raises(TransitionNotAllowed, match="<recycle>") as err:
+        b.step_runs([([2], resume)], reset=[0])  # row 0 is live: its reset is refused
+    assert err.value.instance == 0 and b.states.tolist() == before
+    with pytest.raises(IndexError, match=r"row 6 is out of range 0\.\.5"):
+        b.step_runs([([1], resume), ([6], resume)])
+    assert b.states.tolist() == before
+    with pytest.raises(ValueError, match="step_runs steps a CPU batch"):
+        type(b).step_runs(type("Fake", (), {"device": torch.device("meta"),
+                                            "machine": m})(), [])

@@ -85,6 +85,28 @@ def test_the_workload_is_the_same_for_the_same_options():
     assert generate(cfg) != generate(WorkloadConfig(requests=200, seed=8))
 
 
+def test_the_generators_int_draws_are_random_randranges():
+    # `generate` draws its ints with `_below` (no randint / choice frames): the same
+    # values and the same generator state as Random.randrange / randint / choice, so
+    # the workloads of a seed stay what they were.
+    from terminus.effects.sim.workload import _below
+
+    for seed in range(4):
+        ours, theirs = random.Random(seed), random.Random(seed)
+        for n in (1, 2, 3, 7, 8, 13, 41, 305, 1 << 20, (1 << 40) + 3):
+            for _ in range(40):
+                assert _below(ours.getrandbits, n) == theirs.randrange(n)
+                assert 16 + _below(ours.getrandbits, 305) == theirs.randint(16, 320)
+                seq = ("a", "b", "c")
+                assert seq[_below(ours.getrandbits, 3)] == theirs.choice(seq)
+                assert ours.random() == theirs.random()
+        assert ours.getstate() == theirs.getstate()
+    with pytest.raises(ValueError, match="empty range"):
+        _below(random.Random(0).getrandbits, 0)
+    with pytest.raises(ValueError, match="empty range"):
+        generate(WorkloadConfig(requests=3, max_new_tokens=0))
+
+
 def test_a_run_leaves_the_collector_and_torch_threads_as_it_found_them():
     import gc
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import _random
 import functools
 import random
+from collections.abc import Callable
 from hashlib import sha512 as _sha512
 
 import msgspec
@@ -180,19 +181,41 @@ def reply_tokens(spec: RequestSpec, n: int, seed: int = 0) -> list[int]:
     return list(_segment(f"{seed}/{spec.rid}/reply", n))
 
 
+def _below(bits: Callable[[int], int], n: int) -> int:
+    """A uniform int in [0, n), n > 0, from `bits` (a `random.Random`'s `getrandbits`),
+    drawn as `Random.randrange(n)` draws it (`_randbelow_with_getrandbits`: the same
+    calls of `getrandbits`, so the same value and the same generator state after).
+    `generate` draws its ints with it: `randint(a, b)` is `a + _below(bits, b - a + 1)`
+    and `choice(seq)` is `seq[_below(bits, len(seq))]`, without the three Python frames
+    and argument checks of each such call (a third of `generate`'s time)."""
+    if n <= 0:
+        raise ValueError(f"empty range to draw from (0..{n - 1}); check the workload's "
+                         "ranges (max_prompt >= min_prompt, max_new_tokens >= 1, adapters)")
+    k = n.bit_length()
+    r = bits(k)
+    while r >= n:
+        r = bits(k)
+    return r
+
+
 def _shape(cfg: WorkloadConfig, rng: random.Random, convs: dict[int, list[int]],
            next_conv: list[int], prompt: int, max_new: int,
            ) -> tuple[int, int, tuple[int, ...], int]:
     """(system, conv, history, prompt_len) of the next request, drawn from `rng` (apart
     from the main generator, so the rest of the workload is unchanged)."""
-    system = rng.randrange(cfg.system_prompts) if (
+    bits = rng.getrandbits
+    system = _below(bits, cfg.system_prompts) if (
         cfg.system_prompts and rng.random() < cfg.system_fraction) else -1
     base = cfg.system_prompt_len if system >= 0 else 0
     if rng.random() < cfg.conversation_fraction:
         system = max(system, 0) if cfg.system_prompts else -1
         base = cfg.system_prompt_len if system >= 0 else 0
-        cid = rng.choice(sorted(convs)) if convs and rng.random() < 0.8 else -1
-        user = rng.randint(8, 48)
+        if convs and rng.random() < 0.8:
+            ids = sorted(convs)
+            cid = ids[_below(bits, len(ids))]
+        else:
+            cid = -1
+        user = 8 + _below(bits, 41)
         if cid >= 0:
             hist = convs[cid]
             total = base + sum(hist) + user
@@ -217,24 +240,31 @@ def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
     convs: dict[int, list[int]] = {}
     next_conv = [0]
     out = []
+    # The draws of rng.randint / rng.choice, made by `_below` (the same values).
+    bits, rand = rng.getrandbits, rng.random
+    prompts = cfg.max_prompt - cfg.min_prompt + 1
+    adapters, n_adapters = cfg.adapters, len(cfg.adapters)
     for i in range(cfg.requests):
-        r = rng.random()
+        r = rand()
         kind = ("disagg" if r < cfg.disagg_fraction else
                 "prefetch" if r < cfg.disagg_fraction + cfg.prefetch_fraction else
                 "colocated")
-        prompt = rng.randint(cfg.min_prompt, cfg.max_prompt)
-        lora = (rng.choice(cfg.adapters)
-                if kind != "disagg" and rng.random() < cfg.lora_fraction else None)
+        prompt = cfg.min_prompt + _below(bits, prompts)
+        lora = (adapters[_below(bits, n_adapters)]
+                if kind != "disagg" and rand() < cfg.lora_fraction else None)
         n = 1
-        if kind == "colocated" and cfg.n > 1 and rng.random() < cfg.sampling_fraction:
+        if kind == "colocated" and cfg.n > 1 and rand() < cfg.sampling_fraction:
             n = cfg.n
-        abort_at = rng.randint(0, 12) if rng.random() < cfg.abort_rate else None
-        fault = rng.choice(FAULTS[kind]) if rng.random() < cfg.fault_rate else None
+        abort_at = _below(bits, 13) if rand() < cfg.abort_rate else None
+        fault = None
+        if rand() < cfg.fault_rate:
+            faults = FAULTS[kind]
+            fault = faults[_below(bits, len(faults))]
         if fault == "unknown_adapter":
             lora = "no-such-lora"
         if fault == "collective" and abort_at is None:
             abort_at = 2  # the collective that fails is the abort's
-        max_new = rng.randint(1, cfg.max_new_tokens)
+        max_new = 1 + _below(bits, cfg.max_new_tokens)
         system, conv, history, prompt = _shape(cfg, shape_rng, convs, next_conv, prompt,
                                                max_new)
         out.append(RequestSpec(
@@ -247,8 +277,8 @@ def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
             n=n,
             abort_at=abort_at,
             fault=fault,
-            prefetch_pages=rng.randint(1, 8) if kind == "prefetch" else 0,
-            mamba=rng.random() < 0.5,
+            prefetch_pages=1 + _below(bits, 8) if kind == "prefetch" else 0,
+            mamba=rand() < 0.5,
             system=system,
             system_len=cfg.system_prompt_len if system >= 0 else 0,
             conv=conv,
