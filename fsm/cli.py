@@ -57,19 +57,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as e:
         print(f"terminus {name}: {e}", file=sys.stderr)
         return 2
+
+
+def console() -> int:
+    """The `terminus` console script (and `python -m terminus.fsm`): `main()`, then,
+    the process ending next, what exists (torch's modules, a run's records) is frozen
+    out of the collector, so the interpreter's collections at shutdown do not scan it
+    all once more only to find nothing worth freeing (~1.2 s of a `terminus simulate`
+    run's exit on a busy 2-core host, 0.4 s left). `atexit` handlers and
+    `weakref.finalize` callbacks still run; a reference cycle that is garbage when the
+    command returns is not collected (its `__del__` does not run), as CPython does not
+    promise at exit anyway. `main()` itself leaves the collector alone: a program or a
+    test that calls it goes on with its heap as it was."""
+    try:
+        return main()
     finally:
-        if argv is None:
-            _exiting()
-
-
-def _exiting() -> None:
-    """The console script's command is done and the process ends next: what exists
-    now (torch's modules, a run's records) is frozen out of the collector, so the
-    interpreter's collections at shutdown do not scan it all once more only to find
-    nothing worth freeing before the process exits (~1.2 s of a `terminus simulate`
-    run's exit on a busy 2-core host, 0.4 s left). Not for an in-process `main(argv)`
-    (tests, a caller's own program), whose process goes on."""
-    gc.freeze()
+        gc.freeze()
 
 
 def _version() -> str:

@@ -198,3 +198,21 @@ def test_another_packages_command_is_described_by_its_docstring_and_never_called
     assert command_parser(ep) is None
     assert summary(ep) == ("`terminus bench [NAME...] [--quick] [--json PATH] [--device DEV]`: "
                            "print figures")
+
+
+def test_main_leaves_the_collector_alone_and_the_console_script_freezes_before_exit(
+        monkeypatch, capsys):
+    import gc
+
+    frozen = gc.get_freeze_count()
+    monkeypatch.setattr(sys, "argv", ["terminus", "--version"])
+    try:
+        assert main() == 0  # a program calling main() goes on with its heap as it was
+        assert gc.get_freeze_count() == frozen
+        from terminus.fsm.cli import console
+
+        assert console() == 0
+        assert gc.get_freeze_count() > frozen  # the process ends next: heap frozen
+    finally:
+        gc.unfreeze()
+    assert capsys.readouterr().out.count("terminus ") == 2
