@@ -298,7 +298,8 @@ class Batch:
         m = self.machine
         if not isinstance(events, torch.Tensor):
             raise TypeError(f"machine {m.name!r}: Batch.step takes an int64 tensor of event "
-                            f"ids (one per instance, -1 for none), got "
+                            f"ids (one per instance, -1 for none), a list of rounds "
+                            f"{{row: id}} or a list of runs (rows, id); got "
                             f"{type(events).__name__}; build it with batch.event_ids([...])")
         if events.dtype != torch.int64 or events.shape[-1:] != (self.n,) or \
                 events.dim() not in (1, 2):
@@ -465,6 +466,10 @@ class Batch:
         for j, rd in enumerate(plan):
             for r, e in rd.items():
                 if not (isinstance(r, int) and 0 <= r < n):
+                    if not isinstance(r, int):
+                        raise TypeError(f"machine {m.name!r}: row {r!r} is a "
+                                        f"{type(r).__name__}, not an int; pass rows as "
+                                        "Python ints (rows.tolist(), int(r))")
                     raise IndexError(f"machine {m.name!r}: row {r!r} is out of range "
                                      f"0..{n - 1}; pass the rows of this batch")
                 if not (-1 <= e <= e_max or (j == 0 and reset and e == self._reset_id)):
@@ -547,7 +552,7 @@ class Batch:
             raise ValueError(f"machine {m.name!r}: step_runs steps a CPU batch; this one is "
                              f"on {self.device}; build the events tensor and call step()")
         if m.sinks:
-            return self.step_rows(rounds_of(runs), reset)
+            return self._runs_by_rounds(runs, reset)
         if self._bad is not None:
             self.check()
         n, e_max = self.n, self._w - 3
@@ -560,25 +565,28 @@ class Batch:
         if reset:
             todo = [(reset, _RESET), *runs]
         for rows, e in todo:
-            k = len(rows)
+            try:
+                k = len(rows)
+            except TypeError:  # not a list of rows: named by _runs_by_rounds
+                return self._runs_by_rounds(runs, reset)
             if not k:
                 continue
             # Anything unusual (a row or id out of range, a row twice, not plain ints)
             # is step_rows' to refuse or decide, changing nothing, as it does.
             if e.__class__ is not int or not -1 <= e <= e_max:
                 if e is not _RESET:
-                    return self.step_rows(rounds_of(runs), reset)
+                    return self._runs_by_rounds(runs, reset)
                 e = self._reset_id
             if set(map(type, rows)) != _INT or min(rows) < 0 or max(rows) >= n or len(
                     set(rows)) != k:
-                return self.step_rows(rounds_of(runs), reset)
+                return self._runs_by_rounds(runs, reset)
             if e < 0:
                 continue
             made = [work[r] + e for r in rows]
             packs = [table[c] for c in made]
             lo, hi = min(packs), max(packs)
             if lo < 0:  # refused: step_rows names it and records the errors
-                return self.step_rows(rounds_of(runs), reset)
+                return self._runs_by_rounds(runs, reset)
             for r, p in zip(rows, packs, strict=True):
                 work[r] = p & _BASE_MASK
             cells += made
@@ -596,6 +604,23 @@ class Batch:
         rows_new = np.array([r for r, _ in newly], dtype=np.int64)
         pids = np.array([q for _, q in newly], dtype=np.int64)
         return self._retire_rows(newly, rows_new, pids)
+
+    def _runs_by_rounds(self, runs: Sequence[tuple[Sequence[int], int]],
+                        reset: Sequence[int]) -> BatchStep:
+        """`step_rows` of the runs' rounds, once each run is checked for its shape: the
+        rows a sequence of ints, the event an int id (a bad one would fail inside with
+        Python's bare TypeError, naming neither the run nor what to pass)."""
+        m = self.machine
+        for k, run in enumerate(runs):
+            rows, e = run
+            ok_rows = not isinstance(rows, (str, bytes, Mapping)) and hasattr(
+                rows, "__iter__") and all(isinstance(r, int) for r in rows)
+            if not ok_rows or not isinstance(e, int):
+                raise TypeError(
+                    f"machine {m.name!r}: Batch.step_runs takes runs (rows, event id): "
+                    f"run {k} is {run!r}; rows are a list of row ints and the event an "
+                    "id from Batch.event_id(...) or machine.event_id(Cls) (-1 for none)")
+        return self.step_rows(rounds_of(runs), reset)
 
     def _retire_rows(self, newly: list[tuple[int, int]], rows: Any, pids: Any) -> BatchStep:
         """The outcome of a host-decided step whose rows `newly` (row, plan id), in row
