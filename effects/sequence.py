@@ -22,6 +22,7 @@ caller which rows retired and how (to stream their terminal output).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -306,7 +307,7 @@ class RunningBatch:
                 pools.table.mamba_slots.index_copy_(0, rows, slots.to(torch.int64))
         ids = rows.tolist()
         if queued:
-            self._admitted.append(rows)
+            self._admitted.append(rows.clone())  # the caller's tensor is the caller's
             self._enqueue(ids, self.event[Admit])
         else:
             # Admitted in the same call: a row that owns resources is never left vacant,
@@ -613,6 +614,11 @@ class RunningBatch:
         if not rows:
             return
         eid = self.event[event]
+        try:  # a copy (the caller may reuse its list) of plain ints (numpy's are not)
+            rows = list(map(operator.index, rows))
+        except TypeError:
+            raise TypeError(f"queue: rows are row ints, as admit() returns; got "
+                            f"{rows!r}") from None
         if min(rows) < 0 or max(rows) >= self.batch.n:
             bad = [r for r in rows if not 0 <= r < self.batch.n]
             raise IndexError(f"queue: rows {bad} are outside the batch; rows are "
@@ -620,8 +626,9 @@ class RunningBatch:
         self._enqueue(rows, eid)
 
     def _enqueue(self, rows: list[int], eid: int) -> None:
+        """Queue `rows` (a list of ints the queue keeps: not the caller's) for `eid`."""
         self._queued_ids.add(eid)
-        self._runs.append((list(rows), eid))  # a copy: the caller may reuse its list
+        self._runs.append((rows, eid))
 
     @sanitized
     def flush(self) -> BatchStep | None:

@@ -393,6 +393,33 @@ def test_a_row_outside_the_batch_is_refused_when_queued_and_queues_nothing(pools
     assert rb.retired["aborted"] == 2
 
 
+def test_numpy_rows_are_queued_as_ints_and_rows_that_are_not_ints_are_refused(pools):
+    rb = RunningBatch(pools)
+    new = rb.admit(2, mamba=True, queued=True)
+    rows = new.numpy().copy()  # numpy ints: a recorder's step refused them at flush
+    rb.queue(list(rows), SequenceAbort)
+    rows[:] = 7  # the queue kept its own copy
+    with pytest.raises(TypeError, match=r"queue: rows are row ints, as admit\(\) returns; "
+                       r"got \['a'\]"):
+        rb.queue(["a"], SequenceAbort)
+    rb.flush()
+    rb.check()
+    assert rb.retired["aborted"] == 2
+
+
+def test_the_rows_admit_returns_are_the_callers_the_batch_keeps_its_own(pools):
+    rb = RunningBatch(pools)
+    new = rb.admit(2, mamba=True, queued=True)
+    rows = new.tolist()
+    new.fill_(7)  # a caller reusing the tensor admit() returned, before the flush
+    assert sorted(rb.admitting.tolist()) == sorted(rows)
+    rb.flush()
+    rb.check()
+    assert sorted(rb.rows_in("prefill").tolist()) == sorted(rows)
+    rb.fire(torch.tensor(rows), SequenceAbort)
+    assert rb.retired["aborted"] == 2
+
+
 @pytest.fixture
 def unobserved():
     """No recorder attached (the suite's coverage recorder is): an observed step always
