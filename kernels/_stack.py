@@ -472,10 +472,16 @@ class FreeStack:
         the capacity, a device stack) goes through ``push`` exactly as a tensor would;
         ``ids`` may be a view of a table (a group keeps a copy, never the view).
         """
+        if not isinstance(ids, np.ndarray) or ids.ndim != 1:
+            raise TypeError(f"{self.name}: push_host takes a 1-D numpy array of ids; got "
+                            f"{type(ids).__name__} of shape {getattr(ids, 'shape', None)}; "
+                            "pass a tensor to push()")
         n = ids.shape[0]
         if (self._stack_host is None or self.strict or self._group is not None
-                or self._top + n > self._cap or ids.dtype not in _NP_IDS or ids.ndim != 1):
-            self.push(torch.from_numpy(ids.copy() if self._group is not None else ids))
+                or self._top + n > self._cap or ids.dtype not in _NP_IDS):
+            # push() takes a copy it can keep and torch can wrap (a view of a table row,
+            # a negative stride): this path is the cold one.
+            self.push(torch.from_numpy(np.ascontiguousarray(ids).copy()))
             return
         if n == 0:
             return

@@ -133,3 +133,25 @@ def test_a_few_lazy_frees_are_counted_as_a_scatter_counts_them(ids, monkeypatch)
         kv._free._sync()
         got.append(kv._free._count.tolist())
     assert got[0] == got[1]
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_push_host_takes_any_1d_array_and_names_what_it_refuses(strict):
+    import numpy as np
+
+    s = _stack.FreeStack("ids", 0, 8, strict=strict)
+    got = s.pop(8)
+    assert got is not None
+    table = np.array(got.tolist(), dtype=np.int64)
+    s.push_host(table[::-2])  # a view with a negative stride: on every path
+    with pytest.raises(TypeError, match=r"ids: push_host takes a 1-D numpy array of ids; "
+                       r"got ndarray of shape \(\); pass a tensor to push\(\)"):
+        s.push_host(np.array(3))
+    with pytest.raises(TypeError, match="got list"):
+        s.push_host([1, 2])  # type: ignore[arg-type]
+    s.push_host(table[-2::-2])
+    table[:] = 0  # the stack kept ids, not views of the caller's array
+    s.assert_full()
+    assert sorted(s.pop(8).tolist()) == sorted(got.tolist())
+    s.push(got)
+    s.assert_full()
