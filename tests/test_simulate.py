@@ -105,6 +105,9 @@ def test_the_generators_int_draws_are_random_randranges():
         _below(random.Random(0).getrandbits, 0)
     with pytest.raises(ValueError, match="empty range"):
         generate(WorkloadConfig(requests=3, max_new_tokens=0))
+    with pytest.raises(ValueError, match="adapters is empty; name at least one adapter"):
+        generate(WorkloadConfig(requests=3, lora_fraction=0.5, adapters=()))
+    assert generate(WorkloadConfig(requests=3, lora_fraction=0.0, adapters=()))
 
 
 def test_a_run_leaves_the_collector_and_torch_threads_as_it_found_them():

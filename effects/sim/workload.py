@@ -121,6 +121,10 @@ class WorkloadConfig(msgspec.Struct, frozen=True):
             raise ValueError(f"--n (parallel samples) must be >= 1, got {self.n}")
         if self.arrivals_per_step < 1:
             raise ValueError(f"arrivals_per_step must be >= 1, got {self.arrivals_per_step}")
+        if self.lora_fraction > 0 and not self.adapters:
+            raise ValueError(f"lora_fraction {self.lora_fraction} asks for LoRA requests "
+                             "but adapters is empty; name at least one adapter or set "
+                             "lora_fraction=0")
 
 
 _MT = _random.Random()
