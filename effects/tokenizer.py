@@ -87,7 +87,8 @@ _FINISHED = {r: Finished(r) for r in ("stop", "length", "abort")}
 # which wraps it in a task, runs it at the loop's next iteration, and wakes the caller
 # two iterations after it ends (its done callback, then the caller's wake-up). The direct
 # await yields to the loop at those same points (`asyncio.sleep(0)`; on the way out only
-# where the caller still has lifecycle work to do, and only when it returned), so
+# where the caller still has lifecycle work to do, when it returned or raised: a
+# cancellation passes at once, as through the gather), so
 # concurrent requests interleave as they did through the gather (a simulation's figures
 # do not move), without a task, a future and two callbacks.
 
@@ -489,9 +490,15 @@ class TokenizerSide:
                 prompts = group.prompts
                 if len(prompts) == 1:  # one prompt: no task to gather (see `_GATHERED`)
                     await asyncio.sleep(0)  # where the gathered task would have started
-                    group.tokens = [await self.tokenizer.tokenize(prompts[0])]
+                    try:
+                        tok = await self.tokenizer.tokenize(prompts[0])
+                    except Exception:  # an error reaches us when it reached the gather
+                        await asyncio.sleep(0)
+                        await asyncio.sleep(0)
+                        raise
                     await asyncio.sleep(0)  # the gather's done callback,
                     await asyncio.sleep(0)  # then this task's wake-up
+                    group.tokens = [tok]
                 else:
                     group.tokens = list(await asyncio.gather(
                         *(self.tokenizer.tokenize(p) for p in prompts)))

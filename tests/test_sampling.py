@@ -129,6 +129,36 @@ def test_warmup_failure_fails_the_whole_batch_before_fan_out():
     run(main())
 
 
+def test_a_one_prompt_group_whose_tokenizer_raises_fails_when_a_gather_would_have():
+    # Each group has one prompt, tokenized without a gathered task: a tokenizer error
+    # reaches its group when it would have through the gather, so the other group's
+    # warm-up is dispatched first and the batch fails on the dispatch error (503), as
+    # before, not on the late tokenizer error (400).
+    from terminus.effects.tokenizer import InvalidRequest
+
+    class Timed:
+        async def tokenize(self, p):
+            await asyncio.sleep(0)
+            if p == "bad":
+                await asyncio.sleep(0)
+                raise InvalidRequest("bad prompt")
+            return p.split()
+
+    async def main():
+        s = await make_side()
+        s.side.tokenizer = Timed()
+        s.scheduler.fail = {"*"}  # the scheduler's socket is down
+        groups = await s.side.submit_batch(["bad", "good"], ["a", "b"], n=2,
+                                           rids=["g0", "g1"])
+        await settle()
+        assert [g.state for g in groups] == ["errored", "errored"]
+        assert [s.sink.outputs[k].status for k in ("g0", "g1")] == [503, 503]
+        assert [str(k) for k in s.scheduler.keys] == ["g1-warmup-0"]
+        await s.finish_clean()
+
+    run(main())
+
+
 def test_warmup_dispatch_failure_fails_the_batch_and_aborts_unsent_warmups():
     async def main():
         s = await make_side()
