@@ -864,6 +864,8 @@ class DisaggPrefill:
                     owned[h.kind] += int(h.value.pages.numel())
                 elif h.kind == "kv":
                     owned[h.kind] += p.kv_units(h.value)
+                elif h.kind == PREFIX_LOCK:
+                    owned[h.kind] += 1  # a lock of the cache's pages (counted as cached)
                 else:
                     owned[h.kind] += int(h.value.numel())
         cached = getattr(self.cache, "held_tokens", 0)

@@ -619,3 +619,22 @@ def test_forget_drops_an_ended_request_and_refuses_a_live_one():
     with pytest.raises(KeyError, match="no disaggregated-prefill request 'r'"):
         e.abort("r")  # a late event for a forgotten id: an unknown id
     e.finish()
+
+
+def test_accounting_holds_while_a_request_locks_a_cached_prefix():
+    t = FakeTransport()
+    e = DisaggPrefill(DisaggPools.make(kv_tokens=64), transport=t)
+    e.add("a", 8, chunk_size=8, tokens=tuple(range(8)))
+    e.bootstrap("a")
+    e.schedule("a")
+    e.result("a", 0)
+    t.complete("a")
+    e.poll_transfer("a")
+    e.add("b", 8, chunk_size=8, tokens=tuple(range(8)))
+    assert e.req("b").cached == 7  # b owns a lock of the cached prefix
+    e.assert_accounted()  # the lock is not pool units (it raised AttributeError)
+    e.abort("b")
+    e.assert_accounted()
+    e.cache.evict_all()
+    e.pools.assert_full()
+    e.ledger.assert_empty()
