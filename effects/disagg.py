@@ -362,9 +362,12 @@ def sender_abort(ctx: ReleaseContext) -> None:
 def hand_kv_to_request(ctx: ReleaseContext) -> None:
     """An abandoned chunk's pages go to its request, which frees them when its drain ends
     (a later overlapped chunk still attends over them); a terminal request frees them at
-    once, and the plan's `Release("kv")` frees those of a chunk without a request."""
+    once, and the plan's `Release("kv")` frees those of a chunk without a request, and
+    those of a chunk never launched (a `schedule` refused after taking them: nothing
+    wrote them and nothing attends over them, and the request's KV is what it sends and
+    caches, so they must not join it)."""
     parent = getattr(ctx.instance, "parent", None)
-    if parent is None or ctx.ledger is None:
+    if parent is None or ctx.ledger is None or ctx.source == "scheduled":
         return
     for h in ctx.ledger.owned(ctx.instance, "kv"):
         ctx.ledger.transfer(h, parent)

@@ -638,3 +638,45 @@ def test_accounting_holds_while_a_request_locks_a_cached_prefix():
     e.cache.evict_all()
     e.pools.assert_full()
     e.ledger.assert_empty()
+
+
+def test_a_schedule_refused_by_the_table_frees_its_chunks_pages_and_a_retry_sends_the_prompt():
+    from terminus.effects.callsites import FaultPlan, call_sites, proxy
+    from terminus.effects.prefix_cache import PrefixCache
+
+    plan = FaultPlan(strict=False)
+    real = DisaggPools.make(kv_tokens=64, requests=4, mamba_slots=4, metadata_slots=4,
+                            host_pages=8, max_context_len=32)
+    pools = DisaggPools(kv=real.kv, mamba=real.mamba, metadata=real.metadata,
+                        host=real.host, table=proxy(real.table, "table", plan))
+    t, sent = FakeTransport(), {}
+    send = t.send
+
+    def recording_send(rid, kv):
+        send(rid, kv)
+        sent[rid] = kv.tolist()
+
+    t.send = recording_send
+    cache = PrefixCache(real.kv)
+    e = DisaggPrefill(pools, transport=t, cache=cache)
+    e.add("a", 8, chunk_size=4, tokens=tuple(range(8)))
+    e.bootstrap("a")
+    plan.arm(next(s for s in call_sites() if (s.resource, s.method) == ("table", "write")))
+    free_before = real.kv.available_size()
+    with pytest.raises(RuntimeError):
+        e.schedule("a")
+    # The never-launched chunk's pages are free again, not the request's.
+    assert e.ledger.owned(e.req("a"), "kv") == []
+    assert real.kv.available_size() == free_before
+    c0, c1 = e.schedule("a"), e.schedule("a")
+    pages = [h.value.tolist() for c in (c0, c1) for h in e.ledger.owned(c, "kv")]
+    e.result("a", 0)
+    e.result("a", 1)
+    assert sent["a"] == pages[0] + pages[1]  # the prompt's 8 tokens, nothing stale first
+    t.complete("a")
+    e.poll_transfer("a")
+    assert e.req("a").state == "succeeded"
+    assert cache.match(tuple(range(8))).indices.tolist() == sent["a"]
+    cache.evict_all()
+    real.assert_full()
+    e.ledger.assert_empty()
