@@ -141,15 +141,15 @@ class RequestKey(msgspec.Struct, frozen=True):
         # The valid keys in as few steps as the common ones allow (every key a driver
         # makes passes here): index 0 with any role, a positive index for a warm-up or
         # child. Anything else is refused with what was wrong.
-        try:
-            if self.index == 0:
-                if self.role in ROLES:
-                    return
-            elif self.index > 0 and self.role in ("child", "warmup"):
-                return
-        except TypeError:  # an index that does not compare with 0
+        if self.index.__class__ is not int and not (
+                isinstance(self.index, int) and not isinstance(self.index, bool)):
             raise TypeError(f"RequestKey index must be an int (0, or >= 0 for a warm-up "
-                            f"or child), got {self.index!r}") from None
+                            f"or child), got {self.index!r}; pass int(index)")
+        if self.index == 0:
+            if self.role in ROLES:
+                return
+        elif self.index > 0 and self.role in ("child", "warmup"):
+            return
         if self.role not in ROLES:
             raise ValueError(f"RequestKey role must be one of {ROLES}, got {self.role!r}")
         raise ValueError(f"RequestKey index {self.index} is not valid for role "

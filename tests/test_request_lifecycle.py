@@ -566,3 +566,8 @@ def test_request_keys_name_each_role_and_refuse_what_no_request_is():
         RequestKey("g", "child", None)
     with pytest.raises(TypeError, match=r"index must be an int .* got '1'"):
         RequestKey("g", "request", "1")
+    with pytest.raises(TypeError, match=r"index must be an int .* got 1\.5; pass int"):
+        RequestKey("g", "child", 1.5)  # it was accepted, naming the child "g-1.5"
+    with pytest.raises(TypeError, match=r"index must be an int .* got True"):
+        RequestKey("g", "child", True)
+    assert RequestKey("g", "child", 2).rid == "g-2"
