@@ -164,7 +164,8 @@ def batch():
 def test_batch_step_takes_a_tensor_and_says_how_to_build_one(batch):
     with pytest.raises(TypeError, match=exactly(
             "machine 'bench_request': Batch.step takes an int64 tensor of event ids (one "
-            "per instance, -1 for none), got list; build it with batch.event_ids([...])")):
+            "per instance, -1 for none), a list of rounds {row: id} or a list of runs "
+            "(rows, id); got list; build it with batch.event_ids([...])")):
         batch.step([0, 1, 2])
     with pytest.raises(ValueError, match=exactly(
             "machine 'bench_request': Batch.step takes 3 int64 event ids, one per "
