@@ -522,12 +522,7 @@ class Batch:
             raise self._refusal(r, (b - 1) // w, e, p)
         if cur:
             base_np[list(cur)] = list(cur.values())
-        if not newly:
-            return BatchStep(self._empty, self._empty)
-        newly.sort()
-        rows = np.array([r for r, _ in newly], dtype=np.int64)
-        pids = np.array([q for _, q in newly], dtype=np.int64)
-        return self._retire_rows(newly, rows, pids)
+        return self._retire_rows(newly)
 
     def step_runs(self, runs: Sequence[tuple[Sequence[int], int]],
                   reset: Sequence[int] = ()) -> BatchStep:
@@ -597,13 +592,8 @@ class Batch:
             self._record(Counter(cells).items())
         if cells:
             base_np[:] = work
-        if not newly:
-            return BatchStep(self._empty, self._empty)
         # A row turns terminal once in a step at most (a terminal state has no way out).
-        newly.sort()
-        rows_new = np.array([r for r, _ in newly], dtype=np.int64)
-        pids = np.array([q for _, q in newly], dtype=np.int64)
-        return self._retire_rows(newly, rows_new, pids)
+        return self._retire_rows(newly)
 
     def _runs_by_rounds(self, runs: Sequence[tuple[Sequence[int], int]],
                         reset: Sequence[int]) -> BatchStep:
@@ -622,11 +612,16 @@ class Batch:
                     "id from Batch.event_id(...) or machine.event_id(Cls) (-1 for none)")
         return self.step_rows(rounds_of(runs), reset)
 
-    def _retire_rows(self, newly: list[tuple[int, int]], rows: Any, pids: Any) -> BatchStep:
-        """The outcome of a host-decided step whose rows `newly` (row, plan id), in row
-        order, turned terminal (`rows`, `pids`: the same as int64 arrays): each plan run
-        once for its rows."""
+    def _retire_rows(self, newly: list[tuple[int, int]]) -> BatchStep:
+        """The outcome of a host-decided step whose rows `newly` (row, plan id) turned
+        terminal (sorted here, in place, into row order): each plan run once for its
+        rows."""
+        if not newly:
+            return BatchStep(self._empty, self._empty)
         m = self.machine
+        newly.sort()
+        rows = np.array([r for r, _ in newly], dtype=np.int64)
+        pids = np.array([q for _, q in newly], dtype=np.int64)
         result = BatchStep(torch.from_numpy(rows), torch.from_numpy(pids))
         if self._plans:
             # The rows by plan (each group in row order), as `BatchStep.by_plan` makes.

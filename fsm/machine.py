@@ -823,6 +823,7 @@ def _compile_guarded_else(cell: int, guard: Guard,
 
     return fire_guarded_else
 
+
 def _first_fire(cell: int, inst: Instance, event: Any) -> PlanReport | None:
     """`cell`'s first fire on this machine: compile it, then run it."""
     m = inst._m

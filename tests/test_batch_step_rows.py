@@ -112,6 +112,18 @@ def test_a_refused_step_rows_changes_nothing_and_names_the_first_refused_instanc
     assert b.states.tolist() == before and log == []
 
 
+def sequence_batch(n, log):
+    """A batch of the scheduler's machine whose every plan logs (plan, rows)."""
+    from terminus.states.sequence import SEQUENCE
+
+    def plan_for(name):
+        @release_effect
+        def release(ctx):
+            log.append((name, ctx.rows.tolist()))
+        return Plan(Action(release))
+    return SEQUENCE.batch(n, plans={p: plan_for(p) for p in SEQUENCE.plan_names})
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_step_rows_of_many_sequence_rows_is_the_dense_step(seed):
     # The scheduler's own machine, 64 rows, three release plans: several plans run in one
@@ -120,17 +132,8 @@ def test_step_rows_of_many_sequence_rows_is_the_dense_step(seed):
 
     n = 64
     rng = random.Random(seed)
-
-    def made(log):
-        def plan_for(name):
-            @release_effect
-            def release(ctx):
-                log.append((name, ctx.rows.tolist()))
-            return Plan(Action(release))
-        return SEQUENCE.batch(n, plans={p: plan_for(p) for p in SEQUENCE.plan_names})
-
     dense_log, rows_log = [], []
-    dense, by_row = made(dense_log), made(rows_log)
+    dense, by_row = sequence_batch(n, dense_log), sequence_batch(n, rows_log)
     w, e_count = dense._w, len(SEQUENCE.events)
     table = dense._packed_list
     heard_dense, heard_rows = [], []
@@ -191,17 +194,8 @@ def test_step_runs_is_step_rows_of_its_rounds(seed):
 
     n = 48
     rng = random.Random(seed)
-
-    def made(log):
-        def plan_for(name):
-            @release_effect
-            def release(ctx):
-                log.append((name, ctx.rows.tolist()))
-            return Plan(Action(release))
-        return SEQUENCE.batch(n, plans={p: plan_for(p) for p in SEQUENCE.plan_names})
-
     rows_log, runs_log = [], []
-    by_rows, by_runs = made(rows_log), made(runs_log)
+    by_rows, by_runs = sequence_batch(n, rows_log), sequence_batch(n, runs_log)
     w, e_count = by_rows._w, len(SEQUENCE.events)
     table = by_rows._packed_list
     refused = ignored_seen = 0
