@@ -390,7 +390,8 @@ class RadixTree:
     def dec_lock_ref(self, node: RadixNode) -> int:
         """Unlock the path from `node`; returns the tokens that became evictable.
 
-        Raises `LockUnderflow` (nothing changed) when a node on the path is not locked.
+        Raises `LockUnderflow` (nothing changed) when a node on the path is not locked,
+        or when `node` holds no lock of its own (only its descendants' locks).
         """
         path = self._path(node)
         for n in path:
@@ -398,6 +399,16 @@ class RadixTree:
                 raise LockUnderflow(f"dec_lock_ref({node!r}): {n!r} is not locked; every "
                                     "dec_lock_ref must follow an inc_lock_ref of the same "
                                     "node")
+        if path and node.children:
+            # Locks taken at `node` itself: its count less its children's (a lock of a
+            # descendant counts on every node above it). None: the unlock is another
+            # owner's, and taking it would underflow that owner's later unlock.
+            below = sum(c.lock_ref for c in node.children.values())
+            if node.lock_ref <= below:
+                raise LockUnderflow(
+                    f"dec_lock_ref({node!r}): its locks are all held through its "
+                    f"descendants ({below}), none taken at this node; unlock the node "
+                    "that inc_lock_ref locked")
         delta = 0
         for n in path:
             n.lock_ref -= 1

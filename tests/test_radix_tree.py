@@ -149,6 +149,27 @@ def test_an_unlock_without_its_lock_raises_and_changes_nothing():
     _drain(tree, kv)
 
 
+def test_unlocking_an_ancestor_locked_only_through_its_descendant_is_refused():
+    kv = TokenKVAllocator(64)
+    tree = RadixTree()
+    tree.insert([1, 2], _alloc(kv, 2))
+    kv.free(tree.insert([1, 2, 3, 4], _alloc(kv, 4)).duplicates)
+    leaf = tree.match_prefix([1, 2, 3, 4]).node
+    mid = tree.match_prefix([1, 2]).node
+    assert mid is not leaf and leaf.parent is mid
+    tree.inc_lock_ref(leaf)  # mid is locked only through leaf
+    with pytest.raises(LockUnderflow, match=r"all held through its descendants \(1\), none "
+                       r"taken at this node"):
+        tree.dec_lock_ref(mid)
+    tree.check()  # nothing changed: the leaf's owner unlocks it as it should
+    assert (tree.evictable_size(), tree.protected_size()) == (0, 4)
+    tree.inc_lock_ref(mid)
+    assert tree.dec_lock_ref(mid) == 0  # a lock taken at mid is mid's to return
+    assert tree.dec_lock_ref(leaf) == 4
+    tree.check()
+    _drain(tree, kv)
+
+
 def test_locking_an_evicted_node_raises():
     kv = TokenKVAllocator(64)
     tree = RadixTree()
