@@ -220,15 +220,10 @@ class DisaggResources:
 # -- release effects ---------------------------------------------------------------------
 
 
-def _res(ctx: ReleaseContext) -> DisaggResources:
-    res: DisaggResources = ctx.resources  # the ledger's (`make_ledger`)
-    return res
-
-
 @release_effect
 def free_kv(ctx: ReleaseContext, handle: Any) -> None:
     """Return KV pages to the allocator."""
-    _res(ctx).pools.kv.free(handle.value)
+    ctx.resources.pools.kv.free(handle.value)
 
 
 @release_effect
@@ -355,7 +350,7 @@ def forget_insert(ctx: ReleaseContext) -> None:
 @release_effect
 def sender_abort(ctx: ReleaseContext) -> None:
     """Tell the decode side the request is gone (best-effort in every plan, I5)."""
-    _res(ctx).transport.abort(ctx.instance.key)
+    ctx.resources.transport.abort(ctx.instance.key)
 
 
 @release_effect
@@ -553,11 +548,7 @@ class DisaggPrefill:
         except KeyError:
             req = self.req(rid)  # raises, naming the known ids
         done = self._chunk_terminal  # (`c.terminal`, without the property)
-        live: list[int] = []
-        for c in req.chunks:
-            if not done[c._s]:
-                live = [i for i, c in enumerate(req.chunks) if not c.terminal]
-                break
+        live = [i for i, c in enumerate(req.chunks) if not done[c._s]]
         if not self._req_terminal[req._s] or live:
             raise ValueError(
                 f"request {rid!r} cannot be forgotten: it is {req.state}"
@@ -790,15 +781,13 @@ class DisaggPrefill:
         if terminal[chunk._s]:
             chunk.fire(_RESULT)  # a duplicate: ignored by the chunk
             return None
-        for i in range(k):
-            if not terminal[chunks[i]._s]:
-                early = [j for j, c in enumerate(chunks[:k]) if not c.terminal]
-                # A chunk computes on its predecessors' KV, so its result cannot precede
-                # theirs; settling it first would start the transfer with their KV
-                # missing.
-                raise ValueError(
-                    f"result of chunk {k} of request {rid!r} arrived before that of "
-                    f"chunk(s) {early}; deliver chunk results in launch order")
+        early = [i for i in range(k) if not terminal[chunks[i]._s]]
+        if early:
+            # A chunk computes on its predecessors' KV, so its result cannot precede
+            # theirs; settling it first would start the transfer with their KV missing.
+            raise ValueError(
+                f"result of chunk {k} of request {rid!r} arrived before that of chunk(s) "
+                f"{early}; deliver chunk results in launch order")
         chunk.fire(_RESULT)
         if req._s == self._prefilling:
             ledger = self.ledger
