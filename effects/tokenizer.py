@@ -625,15 +625,7 @@ class TokenizerSide:
     @sanitized
     def on_output(self, rid: Any) -> bool:
         """The scheduler streamed a non-final output for `rid`."""
-        inst: Any = self._live.get(rid)
-        if inst.__class__ is not Request:  # ended, a group, not created, or unknown
-            return self._deliver(rid, _OUTPUT)
-        try:  # `_deliver`'s common case, inline: this runs for every streamed request
-            inst.fire(_OUTPUT)
-        finally:
-            if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
-                self._retired(inst, _OUTPUT)  # an observer ended it
-        return True
+        return self._deliver(rid, _OUTPUT)
 
     @sanitized
     def on_finish(self, rid: Any, reason: str = "stop") -> bool:
@@ -642,15 +634,7 @@ class TokenizerSide:
             event = _FINISHED[reason]
         except (KeyError, TypeError):
             event = Finished(reason)
-        inst: Any = self._live.get(rid)
-        if inst.__class__ is not Request:  # ended, a group, not created, or unknown
-            return self._deliver(rid, event)
-        try:  # `_deliver`'s common case, inline: this runs for every request
-            inst.fire(event)
-        finally:
-            if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
-                self._retired(inst, event)
-        return True
+        return self._deliver(rid, event)
 
     @sanitized
     def on_error(self, rid: Any, status: int = 500, message: str = "") -> bool:
