@@ -60,7 +60,7 @@ class StaleNode(KernelError):
 class RadixNode:
     """One node of the tree: ``key`` (token ids, whole pages), ``value`` (their KV indices)."""
 
-    __slots__ = ("children", "key", "last_access", "lock_ref", "parent", "value")
+    __slots__ = ("children", "held", "key", "last_access", "lock_ref", "parent", "value")
 
     def __init__(self, key: tuple[int, ...], value: torch.Tensor,
                  parent: RadixNode | None) -> None:
@@ -69,6 +69,11 @@ class RadixNode:
         self.parent = parent
         self.children: dict[tuple[int, ...], RadixNode] = {}
         self.lock_ref = 0
+        """Locks on this node: its own and every descendant's (a lock counts along its
+        path to the root)."""
+        self.held = 0
+        """Locks taken at this node itself (`inc_lock_ref(self)`): the ones an unlock of
+        this node may return."""
         self.last_access = 0
 
     def __repr__(self) -> str:
@@ -233,7 +238,7 @@ class RadixTree:
         parent = child.parent
         assert parent is not None and 0 < at < len(child.key)
         head = RadixNode(child.key[:at], child.value[:at], parent)
-        head.lock_ref = child.lock_ref
+        head.lock_ref = child.lock_ref  # (its `held` 0: the locks were taken at `child`)
         head.last_access = child.last_access
         child.key, child.value = child.key[at:], child.value[at:]
         child.parent = head
@@ -377,11 +382,14 @@ class RadixTree:
     def inc_lock_ref(self, node: RadixNode) -> int:
         """Lock the path from `node` to the root; returns the tokens that became protected."""
         delta = 0
-        for n in self._path(node):
+        path = self._path(node)
+        for n in path:
             if not n.lock_ref:
                 delta += len(n.key)
                 self._leaves.pop(n, None)
             n.lock_ref += 1
+        if path:  # (the root is never counted)
+            node.held += 1
         if delta:
             self._evictable -= delta
             self._protected += delta
@@ -399,16 +407,15 @@ class RadixTree:
                 raise LockUnderflow(f"dec_lock_ref({node!r}): {n!r} is not locked; every "
                                     "dec_lock_ref must follow an inc_lock_ref of the same "
                                     "node")
-        if path and node.children:
-            # Locks taken at `node` itself: its count less its children's (a lock of a
-            # descendant counts on every node above it). None: the unlock is another
-            # owner's, and taking it would underflow that owner's later unlock.
-            below = sum(c.lock_ref for c in node.children.values())
-            if node.lock_ref <= below:
+        if path:
+            if node.held <= 0:
+                # Its locks are all a descendant's: the unlock is another owner's, and
+                # taking it would underflow that owner's later unlock.
                 raise LockUnderflow(
                     f"dec_lock_ref({node!r}): its locks are all held through its "
-                    f"descendants ({below}), none taken at this node; unlock the node "
-                    "that inc_lock_ref locked")
+                    f"descendants ({node.lock_ref}), none taken at this node; unlock the "
+                    "node that inc_lock_ref locked")
+            node.held -= 1
         delta = 0
         for n in path:
             n.lock_ref -= 1
@@ -482,6 +489,8 @@ class RadixTree:
             assert n.parent.children.get(self._child_key(n.key)) is n, f"{n!r}: misplaced"
             below = sum(c.lock_ref for c in n.children.values())
             assert n.lock_ref >= below, f"{n!r}: lock_ref below its children's ({below})"
+            assert n.lock_ref == below + n.held, \
+                f"{n!r}: lock_ref is not its own locks ({n.held}) plus its children's"
             if n.lock_ref:
                 protected += len(n.key)
             else:
