@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from terminus.fsm import BatchStep, ReleaseContext, TransitionNotAllowed, release_effect
-from terminus.fsm.batch import rounds_of
+from terminus.fsm.batch import dense_rounds
 from terminus.kernels import (
     MambaStatePool,
     ReqToTokenTable,
@@ -656,13 +656,10 @@ class RunningBatch:
             if admitted:
                 reset = admitted[0] if len(admitted) == 1 else torch.cat(admitted)
             return self._deliver(runs, None, reset)
-        # Built on the host (numpy: ~1 us a round, where two torch.tensor and an
-        # index_copy_ cost ~15), then handed to the batch's device.
-        rounds = rounds_of(runs)
-        host = np.full((len(rounds), self.batch.n), -1, dtype=np.int64)
-        for j, rd in enumerate(rounds):  # rows checked by queue()
-            host[j, list(rd)] = list(rd.values())
-        ev = torch.from_numpy(host).to(self.batch.device)
+        # Built on the host by a fixed number of numpy calls (`dense_rounds`: no
+        # per-row Python work; the rows were checked by queue()), then handed to the
+        # batch's device.
+        ev = torch.from_numpy(dense_rounds(runs, self.batch.n)).to(self.batch.device)
         reset = None
         if admitted:
             reset = admitted[0] if len(admitted) == 1 else torch.cat(admitted)

@@ -107,6 +107,43 @@ def rounds_of(runs: Sequence[tuple[Sequence[int], int]]) -> list[dict[int, int]]
     return rounds
 
 
+def dense_rounds(runs: Sequence[tuple[Sequence[int], int]], n: int) -> np.ndarray:
+    """`rounds_of(runs)` as the dense (rounds, n) int64 array `Batch.step` takes (-1: no
+    event), built by a fixed number of numpy calls whatever the number of rows: a row's
+    j-th event (in the order of the runs that name it, a row named twice in one run
+    taking both) lands in round j, as `rounds_of` puts it. The rows must be ints in
+    0..n-1 (`RunningBatch.queue` checked them)."""
+    rows: list[int] = []
+    lens: list[int] = []
+    for rs, _ in runs:
+        rows += rs
+        lens.append(len(rs))
+    total = len(rows)
+    if not total:
+        return np.full((0, n), -1, dtype=np.int64)
+    r = np.fromiter(rows, np.int64, total)
+    e = np.repeat(np.array([ev for _, ev in runs], dtype=np.int64), lens)
+    # Each occurrence's round = how many times its row occurred before it: a stable sort
+    # by row keeps each row's occurrences in order; the rank is the distance from the
+    # first one of its row.
+    order = np.argsort(r, kind="stable")
+    rs_sorted = r[order]
+    first = np.empty(total, dtype=bool)
+    first[0] = True
+    np.not_equal(rs_sorted[1:], rs_sorted[:-1], out=first[1:])
+    if first.all():  # no row takes two events (a plain decode step): one round
+        host = np.full((1, n), -1, dtype=np.int64)
+        host[0, r] = e
+        return host
+    pos = np.arange(total, dtype=np.int64)
+    start = np.maximum.accumulate(pos * first)
+    depth = np.empty(total, dtype=np.int64)
+    depth[order] = pos - start
+    host = np.full((int(depth.max()) + 1, n), -1, dtype=np.int64)
+    host[depth, r] = e
+    return host
+
+
 def _host(t: torch.Tensor) -> Any:
     """Read `t` back to the host as Python numbers: a device synchronisation on CUDA.
     Stepping reads through here only (and `nonzero`, whose size the host must learn)."""
