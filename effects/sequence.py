@@ -216,24 +216,41 @@ class RunningBatch:
         if rows.dtype != torch.int64:
             rows = rows.to(torch.int64)
         ids = rows.tolist()
-        # The rows' lengths in one read, only where a row's KV goes into the cache.
-        lengths = ([0] * len(ids) if state != "finished" else
-                   table._np[0][ids].tolist() if table._np is not None else
-                   table.lengths.index_select(0, rows).tolist())
+        locks, tokens = self.locks, self.tokens
         firsts: list[int] = []
+        if state != "finished":
+            # Nothing goes into the cache: each row's lock is dropped, its own KV (from
+            # the end of its matched prefix) freed by release_batch.
+            for r in ids:
+                lock = locks[r]
+                tokens[r] = None
+                if lock is None:
+                    firsts.append(0)
+                    continue
+                locks[r] = None
+                firsts.append(lock.length)
+                try:
+                    lock.release()
+                except Exception as e:
+                    errors.append(e)
+            return host_ints(firsts, rows.device), errors
+        # The rows' lengths in one read (their KV goes into the cache).
+        lengths = (table._np[0][ids].tolist() if table._np is not None else
+                   table.lengths.index_select(0, rows).tolist())
         r2t = table.req_to_token
         # A CPU table's rows are read and rewritten through a numpy view (one host
         # operation each, where the tensor path takes two or three torch calls).
         r2t_np = table._np[2] if table._np is not None else None
+        insert = cache.insert
         for r, length in zip(ids, lengths, strict=True):
-            lock, toks = self.locks[r], self.tokens[r]
+            lock, toks = locks[r], tokens[r]
             start = lock.length if lock is not None else 0
             try:
-                if state == "finished" and toks is not None:
+                if toks is not None:
                     n = min(len(toks), length)
                     kv = (torch.from_numpy(r2t_np[r, :n].astype(np.int64))
                           if r2t_np is not None else r2t[r, :n].to(torch.int64))
-                    res = cache.insert(r, toks[:n], kv, owned_from=min(start, n))
+                    res = insert(r, toks[:n], kv, owned_from=min(start, n))
                     taken = int(res.taken.numel())
                     if taken:
                         # The tree took kv[prefix_len:end]; the row still owns the
@@ -252,8 +269,8 @@ class RunningBatch:
                 errors.append(e)
             finally:
                 firsts.append(start)
-                self.tokens[r] = None
-                self.locks[r] = None
+                tokens[r] = None
+                locks[r] = None
                 if lock is not None:
                     try:
                         lock.release()
@@ -320,11 +337,13 @@ class RunningBatch:
             assert self.cache is not None
             table = pools.table
             host = table._np  # a CPU table: rows written through numpy views
+            match, lock_of = self.cache.match, self.cache.lock
+            tokens, locks = self.tokens, self.locks
             for r, toks in zip(ids, prompts, strict=True):
-                self.tokens[r] = toks
-                m = self.cache.match(toks, limit=len(toks) - 1)
+                tokens[r] = toks
+                m = match(toks, limit=len(toks) - 1)
                 if m.length:
-                    self.locks[r] = self.cache.lock(m)
+                    locks[r] = lock_of(m)
                     if host is not None:
                         host[2][r, :m.length] = m.indices.cpu().numpy()
                         host[0][r] = m.length
@@ -562,8 +581,11 @@ class RunningBatch:
                 raise IndexError(f"append_kv: rows {rs} name a row outside 0.."
                                  f"{table.capacity - 1}; pass rows admit() returned")
             assert table._np is not None
-            lens = table._np[0][rs].tolist()
-            ends = [a + c for a, c in zip(lens, cs, strict=True)]
+            lens_np = table._np[0][rs]
+            if cs.count(1) == len(cs):  # one token each (a decode step): one numpy add
+                ends = (lens_np + 1).tolist()
+            else:
+                ends = [a + c for a, c in zip(lens_np.tolist(), cs, strict=True)]
         else:
             assert rows_t is not None and counts_t is not None
             ends_t = table.lengths.index_select(0, rows_t).to(torch.int64) + counts_t
