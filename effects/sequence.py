@@ -172,7 +172,10 @@ class RunningBatch:
         # its events in the order of the runs that name it), and the ids among them.
         self._runs: list[tuple[list[int], int]] = []
         self._queued_ids: set[int] = set()  # the ids in `_runs`: flush's known=
-        self._admitted: list[torch.Tensor] = []  # rows admit(queued=True) gave out
+        # Rows admit(queued=True) gave out, in order: as ints, and (a batch off the CPU)
+        # as the tensors admit() returned (a CPU batch builds one only when needed).
+        self._admitted_ids: list[int] = []
+        self._admitted: list[torch.Tensor] = []
         # Rows admitted by quiet steps the batch has not read back yet: if one of those
         # steps turns out refused, they are admitted again (never left vacant).
         self._unchecked_admits: list[torch.Tensor] = []
@@ -324,7 +327,9 @@ class RunningBatch:
                 pools.table.mamba_slots.index_copy_(0, rows, slots.to(torch.int64))
         ids = rows.tolist()
         if queued:
-            self._admitted.append(rows.clone())  # the caller's tensor is the caller's
+            self._admitted_ids += ids
+            if rows.device.type != "cpu":
+                self._admitted.append(rows.clone())  # the caller's tensor is the caller's
             self._enqueue(ids, self.event[Admit])
         else:
             # Admitted in the same call: a row that owns resources is never left vacant,
@@ -358,7 +363,8 @@ class RunningBatch:
         """Rows admitted with `queued=True` whose `Admit` is not known delivered yet (the
         next `flush` delivers it, or a quiet step did, not read back yet): they own their
         resources already, though the batch may still have them vacant."""
-        adm = self._admitted + self._unchecked_admits
+        pending = self._pending_rows(self._admitted_ids, self._admitted)
+        adm = ([pending] if pending is not None else []) + self._unchecked_admits
         if not adm:
             return torch.empty(0, dtype=torch.int64, device=self.pools.table.device)
         return adm[0] if len(adm) == 1 else torch.cat(adm)
@@ -666,26 +672,32 @@ class RunningBatch:
         `check()`), see `fsm.batch`."""
         runs, self._runs = self._runs, []
         known, self._queued_ids = self._queued_ids, set()
+        ids, self._admitted_ids = self._admitted_ids, []
         admitted, self._admitted = self._admitted, []
         if not runs:
             return None
         if self.batch.device.type == "cpu" and self.batch.machine.observed:
             # An observed step reads its decisions back whatever it holds (no quiet
             # step), so a CPU batch's is decided on the host, a few list operations
-            # per queued run (`Batch.step_runs`): the same step, without a dense tensor
-            # of every row's events and a few dozen small torch calls.
-            reset = None
-            if admitted:
-                reset = admitted[0] if len(admitted) == 1 else torch.cat(admitted)
-            return self._deliver(runs, None, reset)
+            # per queued run (`Batch.step_runs`, the admitted rows' resets as ints): the
+            # same step, without a dense tensor of every row's events and a few dozen
+            # small torch calls.
+            return self._deliver_runs(runs, ids)
         # Built on the host by a fixed number of numpy calls (`dense_rounds`: no
         # per-row Python work; the rows were checked by queue()), then handed to the
         # batch's device.
         ev = torch.from_numpy(dense_rounds(runs, self.batch.n)).to(self.batch.device)
-        reset = None
+        return self._deliver(ev, known, self._pending_rows(ids, admitted))
+
+    def _pending_rows(self, ids: list[int], admitted: list[torch.Tensor],
+                      ) -> torch.Tensor | None:
+        """The rows admitted with `queued=True` (`ids`; `admitted`: their tensors, off
+        the CPU) as one int64 tensor on the batch's device, or None."""
+        if not ids:
+            return None
         if admitted:
-            reset = admitted[0] if len(admitted) == 1 else torch.cat(admitted)
-        return self._deliver(ev, known, reset)
+            return admitted[0] if len(admitted) == 1 else torch.cat(admitted)
+        return host_ints(ids, self.batch.device)
 
     @sanitized
     def check(self) -> None:
@@ -698,10 +710,10 @@ class RunningBatch:
             raise
         self._unchecked_admits.clear()
 
-    def _deliver(self, ev: torch.Tensor | list[tuple[list[int], int]],
-                 known: set[int] | None, reset: torch.Tensor | None) -> BatchStep:
-        """`Batch.step` (of a tensor, or of runs of rows: `Batch.step_runs`), keeping
-        track of admissions a deferred refusal may undo."""
+    def _deliver(self, ev: torch.Tensor, known: set[int] | None,
+                 reset: torch.Tensor | None) -> BatchStep:
+        """`Batch.step` of a tensor, keeping track of admissions a deferred refusal may
+        undo (`_deliver_runs`: the same for a CPU batch's runs)."""
         refused = False
         try:
             return self.batch.step(ev, known=known, reset=reset)
@@ -717,6 +729,24 @@ class RunningBatch:
                     self._unchecked_admits.clear()
                 elif reset is not None:
                     self._unchecked_admits.append(reset)
+
+    def _deliver_runs(self, runs: list[tuple[list[int], int]], ids: list[int]) -> BatchStep:
+        """`_deliver` of a CPU batch's runs (`Batch.step_runs`), the rows `ids` admitted
+        with `queued=True` starting anew first: their tensor is built only when the step
+        is refused (to admit them again) or leaves a quiet step unread."""
+        refused = False
+        try:
+            return self.batch.step_runs(runs, ids)
+        except TransitionNotAllowed:
+            refused = True
+            self._readmit(host_ints(ids) if ids else None)
+            raise
+        finally:
+            if not refused:
+                if not self.batch.unchecked:
+                    self._unchecked_admits.clear()
+                elif ids:
+                    self._unchecked_admits.append(host_ints(ids))
 
     def _readmit(self, reset: torch.Tensor | None) -> None:
         """After a refused step: admit again every row admitted by a refused step (one
