@@ -736,7 +736,8 @@ class RunningBatch:
         is refused (to admit them again) or leaves a quiet step unread."""
         refused = False
         try:
-            return self.batch.step_runs(runs, ids)
+            # The rows are ints of the batch (queue() and admit() made them so).
+            return self.batch._step_runs(runs, ids, True)
         except TransitionNotAllowed:
             refused = True
             self._readmit(host_ints(ids) if ids else None)

@@ -579,6 +579,14 @@ class Batch:
         itself: the same error naming the same instance, the same records, nothing
         changed.
         """
+        return Batch._step_runs(self, runs, reset, False)
+
+    def _step_runs(self, runs: Sequence[tuple[Sequence[int], int]], reset: Sequence[int],
+                   rows_checked: bool) -> BatchStep:
+        """`step_runs`; `rows_checked`: the caller made every row of `runs` and `reset` a
+        Python int in 0..n-1 already (`RunningBatch.queue` and `admit` do), so a run's
+        rows are not checked for that again (a row twice in a run still is: it takes
+        two rounds, as `step_rows` decides)."""
         m = self.machine
         if self.device.type != "cpu":
             raise ValueError(f"machine {m.name!r}: step_runs steps a CPU batch; this one is "
@@ -609,8 +617,8 @@ class Batch:
                 if e is not _RESET:
                     return self._runs_by_rounds(runs, reset)
                 e = self._reset_id
-            if set(map(type, rows)) != _INT or min(rows) < 0 or max(rows) >= n or len(
-                    set(rows)) != k:
+            if len(set(rows)) != k or (not rows_checked and (
+                    set(map(type, rows)) != _INT or min(rows) < 0 or max(rows) >= n)):
                 return self._runs_by_rounds(runs, reset)
             if e < 0:
                 continue
