@@ -250,11 +250,13 @@ class RunningBatch:
             start = lock.length if lock is not None else 0
             try:
                 if toks is not None:
-                    n = min(len(toks), length)
+                    n = len(toks)
+                    if n > length:
+                        n = length
                     kv = (torch.from_numpy(r2t_np[r, :n].astype(np.int64))
                           if r2t_np is not None else r2t[r, :n].to(torch.int64))
-                    res = insert(r, toks[:n], kv, owned_from=min(start, n))
-                    taken = int(res.taken.numel())
+                    res = insert(r, toks[:n], kv, owned_from=start if start < n else n)
+                    taken = res.taken.numel()
                     if taken:
                         # The tree took kv[prefix_len:end]; the row still owns the
                         # duplicates kv[start:prefix_len] and the tail kv[end:]: move the
@@ -347,15 +349,16 @@ class RunningBatch:
             for r, toks in zip(ids, prompts, strict=True):
                 tokens[r] = toks
                 m = match(toks, limit=len(toks) - 1)
-                if m.length:
+                ln = m.length
+                if ln:
                     locks[r] = lock_of(m)
                     if host is not None:
-                        host[2][r, :m.length] = m.indices.cpu().numpy()
-                        host[0][r] = m.length
+                        host[2][r, :ln] = m.indices.cpu().numpy()
+                        host[0][r] = ln
                     else:
-                        table.req_to_token[r, :m.length] = m.indices.to(
+                        table.req_to_token[r, :ln] = m.indices.to(
                             device=table.device, dtype=table.req_to_token.dtype)
-                        table.lengths[r] = m.length
+                        table.lengths[r] = ln
         return rows
 
     @property
