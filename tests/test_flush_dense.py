@@ -135,3 +135,78 @@ def test_an_unobserved_flush_steps_as_an_observed_one(seed):
         assert not rb.rows_in(*[s for s in SEQUENCE.states if s != "vacant"
                                 and not b0._terminal[SEQUENCE.state_id(s)]]).numel()
         rb.pools.assert_full()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_runs_of_checked_rows_step_as_the_public_step_runs(seed):
+    # RunningBatch hands `Batch._step_runs` rows it made ints of the batch already
+    # (rows_checked=True: no type or range scan per run); any such runs (a row twice in
+    # a run included, and refused cells) step as the public, checking `step_runs` does.
+    from collections import Counter as C
+
+    from terminus.fsm import Plan, release_effect
+    from terminus.fsm.plan import Action
+
+    rng = random.Random(seed)
+    n = 32
+    logs: list[list] = [[], []]
+
+    def batch(log):
+        def plan_for(name):
+            @release_effect
+            def release(ctx):
+                log.append((name, ctx.rows.tolist()))
+            return Plan(Action(release))
+        return SEQUENCE.batch(n, plans={p: plan_for(p) for p in SEQUENCE.plan_names})
+
+    class Rec:
+        def __init__(self):
+            self.counts = C()
+
+        def record(self, machine, source, event, alt):
+            self.counts[(source, event, alt)] += 1
+
+        def record_counts(self, machine, counts):
+            self.counts.update(counts)
+
+    pub, fast = batch(logs[0]), batch(logs[1])
+    w, table = pub._w, pub._packed_list
+    refused = 0
+    for _ in range(50):
+        base = pub._base.tolist()
+        terminal = pub._terminal.tolist()
+        reset = [r for r in range(n) if ((base[r] - 1) // w == SEQUENCE.initial
+                                         or terminal[(base[r] - 1) // w])
+                 and rng.random() < 0.5]
+        cur = [SEQUENCE.initial * w + 1 if r in reset else base[r] for r in range(n)]
+        runs = []
+        for _ in range(rng.randint(1, 6)):
+            e = rng.randrange(len(SEQUENCE.events))
+            rows = [r for r in range(n) if rng.random() < 0.3
+                    and (table[cur[r] + e] >= 0 or rng.random() < 0.01)]
+            rng.shuffle(rows)
+            if rows and rng.random() < 0.05:
+                rows.append(rows[0])  # a row twice in a run
+            for r in rows:
+                if table[cur[r] + e] >= 0:
+                    cur[r] = table[cur[r] + e] & _BASE_MASK
+            runs.append((rows, e))
+        results = []
+        for b, how in ((pub, "public"), (fast, "checked")):
+            rec = Rec()
+            prev = observe.set_recorder(rec)
+            try:
+                if how == "public":
+                    step = b.step_runs(runs, reset)
+                else:
+                    step = b._step_runs(runs, reset, True)
+                res = (step.terminal.tolist(), step.plan_ids.tolist())
+            except TransitionNotAllowed as e:
+                res = (str(e), e.instance)
+            finally:
+                observe.set_recorder(prev)
+            results.append((res, b.states.tolist(), rec.counts))
+        assert results[0] == results[1]
+        assert logs[0] == logs[1]
+        refused += isinstance(results[0][0][0], str)
+    assert refused and logs[0]
