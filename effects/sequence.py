@@ -253,19 +253,21 @@ class RunningBatch:
                     n = len(toks)
                     if n > length:
                         n = length
-                    kv = (torch.from_numpy(r2t_np[r, :n].astype(np.int64))
-                          if r2t_np is not None else r2t[r, :n].to(torch.int64))
+                    if r2t_np is not None:
+                        kv_np = r2t_np[r, :n].astype(np.int64)  # a copy: the tree's
+                        kv = torch.from_numpy(kv_np)
+                    else:
+                        kv = r2t[r, :n].to(torch.int64)
                     res = insert(r, toks[:n], kv, owned_from=start if start < n else n)
-                    taken = res.taken.numel()
+                    taken = res.taken_count
                     if taken:
                         # The tree took kv[prefix_len:end]; the row still owns the
                         # duplicates kv[start:prefix_len] and the tail kv[end:]: move the
                         # taken run first, so the row owns the columns after it.
                         p, end = res.prefix_len, res.prefix_len + taken
-                        if r2t_np is not None:
-                            k = r2t_np[r, :n].copy()
-                            r2t_np[r, start:start + taken] = k[p:end]
-                            r2t_np[r, start + taken:end] = k[start:p]
+                        if r2t_np is not None:  # (kv_np: the row's columns, as they were)
+                            r2t_np[r, start:start + taken] = kv_np[p:end]
+                            r2t_np[r, start + taken:end] = kv_np[start:p]
                         else:
                             row = torch.cat((kv[:start], kv[p:end], kv[start:p], kv[end:]))
                             r2t[r, :n] = row.to(r2t.dtype)
