@@ -691,7 +691,9 @@ class RunningBatch:
         # Built on the host by a fixed number of numpy calls (`dense_rounds`: no
         # per-row Python work; the rows were checked by queue()), then handed to the
         # batch's device.
-        ev = torch.from_numpy(dense_rounds(runs, self.batch.n)).to(self.batch.device)
+        ev = torch.from_numpy(dense_rounds(runs, self.batch.n))
+        if self.batch.device.type != "cpu":
+            ev = ev.to(self.batch.device)
         return self._deliver(ev, known, self._pending_rows(ids, admitted))
 
     def _pending_rows(self, ids: list[int], admitted: list[torch.Tensor],
