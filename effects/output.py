@@ -20,6 +20,7 @@ exactly one `TerminalOutput`, from the plan of its terminal edge, into an `Outpu
 from __future__ import annotations
 
 from collections import Counter
+from operator import attrgetter
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -39,6 +40,9 @@ class TerminalOutput(msgspec.Struct, frozen=True, gc=False):
     status: int | None = None
     message: str = ""
     finish_reason: str | None = None
+
+
+_rid = attrgetter("rid")
 
 
 @runtime_checkable
@@ -74,7 +78,11 @@ class OutputLog:
 
     def first(self) -> dict[Any, TerminalOutput]:
         """Each request id's first output (what its client saw)."""
+        outputs = self.outputs
+        last = dict(zip(map(_rid, outputs), outputs, strict=True))  # each id's last
+        if len(last) == len(outputs):  # one output per id (as it should be): the first
+            return last
         out: dict[Any, TerminalOutput] = {}
-        for o in self.outputs:
+        for o in outputs:
             out.setdefault(o.rid, o)
         return out

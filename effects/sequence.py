@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from terminus.fsm import BatchStep, ReleaseContext, TransitionNotAllowed, release_effect
-from terminus.fsm.batch import rounds_of
+from terminus.fsm.batch import CheckedRuns, dense_rounds
 from terminus.kernels import (
     MambaStatePool,
     ReqToTokenTable,
@@ -172,7 +172,10 @@ class RunningBatch:
         # its events in the order of the runs that name it), and the ids among them.
         self._runs: list[tuple[list[int], int]] = []
         self._queued_ids: set[int] = set()  # the ids in `_runs`: flush's known=
-        self._admitted: list[torch.Tensor] = []  # rows admit(queued=True) gave out
+        # Rows admit(queued=True) gave out, in order: as ints, and (a batch off the CPU)
+        # as the tensors admit() returned (a CPU batch builds one only when needed).
+        self._admitted_ids: list[int] = []
+        self._admitted: list[torch.Tensor] = []
         # Rows admitted by quiet steps the batch has not read back yet: if one of those
         # steps turns out refused, they are admitted again (never left vacant).
         self._unchecked_admits: list[torch.Tensor] = []
@@ -216,34 +219,55 @@ class RunningBatch:
         if rows.dtype != torch.int64:
             rows = rows.to(torch.int64)
         ids = rows.tolist()
-        # The rows' lengths in one read, only where a row's KV goes into the cache.
-        lengths = ([0] * len(ids) if state != "finished" else
-                   table._np[0][ids].tolist() if table._np is not None else
-                   table.lengths.index_select(0, rows).tolist())
+        locks, tokens = self.locks, self.tokens
         firsts: list[int] = []
+        if state != "finished":
+            # Nothing goes into the cache: each row's lock is dropped, its own KV (from
+            # the end of its matched prefix) freed by release_batch.
+            for r in ids:
+                lock = locks[r]
+                tokens[r] = None
+                if lock is None:
+                    firsts.append(0)
+                    continue
+                locks[r] = None
+                firsts.append(lock.length)
+                try:
+                    lock.release()
+                except Exception as e:
+                    errors.append(e)
+            return host_ints(firsts, rows.device), errors
+        # The rows' lengths in one read (their KV goes into the cache).
+        lengths = (table._np[0][ids].tolist() if table._np is not None else
+                   table.lengths.index_select(0, rows).tolist())
         r2t = table.req_to_token
         # A CPU table's rows are read and rewritten through a numpy view (one host
         # operation each, where the tensor path takes two or three torch calls).
         r2t_np = table._np[2] if table._np is not None else None
+        insert = cache.insert
         for r, length in zip(ids, lengths, strict=True):
-            lock, toks = self.locks[r], self.tokens[r]
+            lock, toks = locks[r], tokens[r]
             start = lock.length if lock is not None else 0
             try:
-                if state == "finished" and toks is not None:
-                    n = min(len(toks), length)
-                    kv = (torch.from_numpy(r2t_np[r, :n].astype(np.int64))
-                          if r2t_np is not None else r2t[r, :n].to(torch.int64))
-                    res = cache.insert(r, toks[:n], kv, owned_from=min(start, n))
-                    taken = int(res.taken.numel())
+                if toks is not None:
+                    n = len(toks)
+                    if n > length:
+                        n = length
+                    if r2t_np is not None:
+                        kv_np = r2t_np[r, :n].astype(np.int64)  # a copy: the tree's
+                        kv = torch.from_numpy(kv_np)
+                    else:
+                        kv = r2t[r, :n].to(torch.int64)
+                    res = insert(r, toks[:n], kv, owned_from=start if start < n else n)
+                    taken = res.taken_count
                     if taken:
                         # The tree took kv[prefix_len:end]; the row still owns the
                         # duplicates kv[start:prefix_len] and the tail kv[end:]: move the
                         # taken run first, so the row owns the columns after it.
                         p, end = res.prefix_len, res.prefix_len + taken
-                        if r2t_np is not None:
-                            k = r2t_np[r, :n].copy()
-                            r2t_np[r, start:start + taken] = k[p:end]
-                            r2t_np[r, start + taken:end] = k[start:p]
+                        if r2t_np is not None:  # (kv_np: the row's columns, as they were)
+                            r2t_np[r, start:start + taken] = kv_np[p:end]
+                            r2t_np[r, start + taken:end] = kv_np[start:p]
                         else:
                             row = torch.cat((kv[:start], kv[p:end], kv[start:p], kv[end:]))
                             r2t[r, :n] = row.to(r2t.dtype)
@@ -252,8 +276,8 @@ class RunningBatch:
                 errors.append(e)
             finally:
                 firsts.append(start)
-                self.tokens[r] = None
-                self.locks[r] = None
+                tokens[r] = None
+                locks[r] = None
                 if lock is not None:
                     try:
                         lock.release()
@@ -307,7 +331,9 @@ class RunningBatch:
                 pools.table.mamba_slots.index_copy_(0, rows, slots.to(torch.int64))
         ids = rows.tolist()
         if queued:
-            self._admitted.append(rows.clone())  # the caller's tensor is the caller's
+            self._admitted_ids += ids
+            if rows.device.type != "cpu":
+                self._admitted.append(rows.clone())  # the caller's tensor is the caller's
             self._enqueue(ids, self.event[Admit])
         else:
             # Admitted in the same call: a row that owns resources is never left vacant,
@@ -320,18 +346,21 @@ class RunningBatch:
             assert self.cache is not None
             table = pools.table
             host = table._np  # a CPU table: rows written through numpy views
+            match, lock_of = self.cache.match, self.cache.lock
+            tokens, locks = self.tokens, self.locks
             for r, toks in zip(ids, prompts, strict=True):
-                self.tokens[r] = toks
-                m = self.cache.match(toks, limit=len(toks) - 1)
-                if m.length:
-                    self.locks[r] = self.cache.lock(m)
+                tokens[r] = toks
+                m = match(toks, limit=len(toks) - 1)
+                ln = m.length
+                if ln:
+                    locks[r] = lock_of(m)
                     if host is not None:
-                        host[2][r, :m.length] = m.indices.cpu().numpy()
-                        host[0][r] = m.length
+                        host[2][r, :ln] = m.indices.cpu().numpy()
+                        host[0][r] = ln
                     else:
-                        table.req_to_token[r, :m.length] = m.indices.to(
+                        table.req_to_token[r, :ln] = m.indices.to(
                             device=table.device, dtype=table.req_to_token.dtype)
-                        table.lengths[r] = m.length
+                        table.lengths[r] = ln
         return rows
 
     @property
@@ -339,7 +368,8 @@ class RunningBatch:
         """Rows admitted with `queued=True` whose `Admit` is not known delivered yet (the
         next `flush` delivers it, or a quiet step did, not read back yet): they own their
         resources already, though the batch may still have them vacant."""
-        adm = self._admitted + self._unchecked_admits
+        pending = self._pending_rows(self._admitted_ids, self._admitted)
+        adm = ([pending] if pending is not None else []) + self._unchecked_admits
         if not adm:
             return torch.empty(0, dtype=torch.int64, device=self.pools.table.device)
         return adm[0] if len(adm) == 1 else torch.cat(adm)
@@ -562,8 +592,11 @@ class RunningBatch:
                 raise IndexError(f"append_kv: rows {rs} name a row outside 0.."
                                  f"{table.capacity - 1}; pass rows admit() returned")
             assert table._np is not None
-            lens = table._np[0][rs].tolist()
-            ends = [a + c for a, c in zip(lens, cs, strict=True)]
+            lens_np = table._np[0][rs]
+            if cs.count(1) == len(cs):  # one token each (a decode step): one numpy add
+                ends = (lens_np + 1).tolist()
+            else:
+                ends = [a + c for a, c in zip(lens_np.tolist(), cs, strict=True)]
         else:
             assert rows_t is not None and counts_t is not None
             ends_t = table.lengths.index_select(0, rows_t).to(torch.int64) + counts_t
@@ -644,29 +677,34 @@ class RunningBatch:
         `check()`), see `fsm.batch`."""
         runs, self._runs = self._runs, []
         known, self._queued_ids = self._queued_ids, set()
+        ids, self._admitted_ids = self._admitted_ids, []
         admitted, self._admitted = self._admitted, []
         if not runs:
             return None
         if self.batch.device.type == "cpu" and self.batch.machine.observed:
             # An observed step reads its decisions back whatever it holds (no quiet
             # step), so a CPU batch's is decided on the host, a few list operations
-            # per queued run (`Batch.step_runs`): the same step, without a dense tensor
-            # of every row's events and a few dozen small torch calls.
-            reset = None
-            if admitted:
-                reset = admitted[0] if len(admitted) == 1 else torch.cat(admitted)
-            return self._deliver(runs, None, reset)
-        # Built on the host (numpy: ~1 us a round, where two torch.tensor and an
-        # index_copy_ cost ~15), then handed to the batch's device.
-        rounds = rounds_of(runs)
-        host = np.full((len(rounds), self.batch.n), -1, dtype=np.int64)
-        for j, rd in enumerate(rounds):  # rows checked by queue()
-            host[j, list(rd)] = list(rd.values())
-        ev = torch.from_numpy(host).to(self.batch.device)
-        reset = None
+            # per queued run (`Batch.step_runs`, the admitted rows' resets as ints): the
+            # same step, without a dense tensor of every row's events and a few dozen
+            # small torch calls.
+            return self._deliver_runs(runs, ids)
+        # Built on the host by a fixed number of numpy calls (`dense_rounds`: no
+        # per-row Python work; the rows were checked by queue()), then handed to the
+        # batch's device.
+        ev = torch.from_numpy(dense_rounds(runs, self.batch.n))
+        if self.batch.device.type != "cpu":
+            ev = ev.to(self.batch.device)
+        return self._deliver(ev, known, self._pending_rows(ids, admitted))
+
+    def _pending_rows(self, ids: list[int], admitted: list[torch.Tensor],
+                      ) -> torch.Tensor | None:
+        """The rows admitted with `queued=True` (`ids`; `admitted`: their tensors, off
+        the CPU) as one int64 tensor on the batch's device, or None."""
+        if not ids:
+            return None
         if admitted:
-            reset = admitted[0] if len(admitted) == 1 else torch.cat(admitted)
-        return self._deliver(ev, known, reset)
+            return admitted[0] if len(admitted) == 1 else torch.cat(admitted)
+        return host_ints(ids, self.batch.device)
 
     @sanitized
     def check(self) -> None:
@@ -679,10 +717,10 @@ class RunningBatch:
             raise
         self._unchecked_admits.clear()
 
-    def _deliver(self, ev: torch.Tensor | list[tuple[list[int], int]],
-                 known: set[int] | None, reset: torch.Tensor | None) -> BatchStep:
-        """`Batch.step` (of a tensor, or of runs of rows: `Batch.step_runs`), keeping
-        track of admissions a deferred refusal may undo."""
+    def _deliver(self, ev: torch.Tensor, known: set[int] | None,
+                 reset: torch.Tensor | None) -> BatchStep:
+        """`Batch.step` of a tensor, keeping track of admissions a deferred refusal may
+        undo (`_deliver_runs`: the same for a CPU batch's runs)."""
         refused = False
         try:
             return self.batch.step(ev, known=known, reset=reset)
@@ -698,6 +736,25 @@ class RunningBatch:
                     self._unchecked_admits.clear()
                 elif reset is not None:
                     self._unchecked_admits.append(reset)
+
+    def _deliver_runs(self, runs: list[tuple[list[int], int]], ids: list[int]) -> BatchStep:
+        """`_deliver` of a CPU batch's runs (`Batch.step_runs`), the rows `ids` admitted
+        with `queued=True` starting anew first: their tensor is built only when the step
+        is refused (to admit them again) or leaves a quiet step unread."""
+        refused = False
+        try:
+            # The rows are ints of the batch (queue() and admit() made them so).
+            return self.batch.step(CheckedRuns(runs, ids))
+        except TransitionNotAllowed:
+            refused = True
+            self._readmit(host_ints(ids) if ids else None)
+            raise
+        finally:
+            if not refused:
+                if not self.batch.unchecked:
+                    self._unchecked_admits.clear()
+                elif ids:
+                    self._unchecked_admits.append(host_ints(ids))
 
     def _readmit(self, reset: torch.Tensor | None) -> None:
         """After a refused step: admit again every row admitted by a refused step (one

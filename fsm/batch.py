@@ -107,6 +107,59 @@ def rounds_of(runs: Sequence[tuple[Sequence[int], int]]) -> list[dict[int, int]]
     return rounds
 
 
+class CheckedRuns(list[tuple[list[int], int]]):
+    """Runs (rows, event id) for `Batch.step` whose rows the caller made Python ints in
+    0..n-1 already (`RunningBatch.queue` and `admit` do), with `reset`: the rows (ints,
+    likewise) that start anew first. `step` hands them to `step_runs` without scanning
+    each run's rows for their type and range again (a row twice in a run is still
+    found: it takes two rounds, as `step_rows` decides); anything else is checked as
+    for a plain list of runs."""
+
+    __slots__ = ("reset",)
+
+    def __init__(self, runs: Iterable[tuple[list[int], int]] = (),
+                 reset: Sequence[int] = ()) -> None:
+        super().__init__(runs)
+        self.reset = reset
+
+
+def dense_rounds(runs: Sequence[tuple[Sequence[int], int]], n: int) -> np.ndarray:
+    """`rounds_of(runs)` as the dense (rounds, n) int64 array `Batch.step` takes (-1: no
+    event), built by a fixed number of numpy calls whatever the number of rows: a row's
+    j-th event (in the order of the runs that name it, a row named twice in one run
+    taking both) lands in round j, as `rounds_of` puts it. The rows must be ints in
+    0..n-1 (`RunningBatch.queue` checked them)."""
+    rows: list[int] = []
+    lens: list[int] = []
+    for rs, _ in runs:
+        rows += rs
+        lens.append(len(rs))
+    total = len(rows)
+    if not total:
+        return np.full((0, n), -1, dtype=np.int64)
+    r = np.fromiter(rows, np.int64, total)
+    e = np.repeat(np.array([ev for _, ev in runs], dtype=np.int64), lens)
+    # Each occurrence's round = how many times its row occurred before it: a stable sort
+    # by row keeps each row's occurrences in order; the rank is the distance from the
+    # first one of its row.
+    order = np.argsort(r, kind="stable")
+    rs_sorted = r[order]
+    first = np.empty(total, dtype=bool)
+    first[0] = True
+    np.not_equal(rs_sorted[1:], rs_sorted[:-1], out=first[1:])
+    if first.all():  # no row takes two events (a plain decode step): one round
+        host = np.full((1, n), -1, dtype=np.int64)
+        host[0, r] = e
+        return host
+    pos = np.arange(total, dtype=np.int64)
+    start = np.maximum.accumulate(pos * first)
+    depth = np.empty(total, dtype=np.int64)
+    depth[order] = pos - start
+    host = np.full((int(depth.max()) + 1, n), -1, dtype=np.int64)
+    host[depth, r] = e
+    return host
+
+
 def _host(t: torch.Tensor) -> Any:
     """Read `t` back to the host as Python numbers: a device synchronisation on CUDA.
     Stepping reads through here only (and `nonzero`, whose size the host must learn)."""
@@ -335,6 +388,8 @@ class Batch:
         absent take none), on a CPU batch: the same step decided on the host, see
         `step_rows`; or a list of runs, each a (rows, event id) tuple, a row taking its
         events in the order of the runs that name it: see `step_runs`.
+        `CheckedRuns` (runs whose rows the caller made ints of the batch, with their
+        reset rows) are `step_runs` of them, without a second scan of the rows.
 
         `events` may also be a (rounds, n) tensor: `events[j, i]` is the j-th event
         instance i takes in this step (-1 for none), so one call delivers a scheduler
@@ -363,6 +418,12 @@ class Batch:
         counted in `machine.stats.ignored` only while a recorder or sink observes the
         machine (counting them costs a bincount per step).
         """
+        if events.__class__ is CheckedRuns:  # RunningBatch's runs: `step_runs`
+            if reset is not None:
+                raise ValueError(f"machine {self.machine.name!r}: CheckedRuns carry their "
+                                 "reset rows (CheckedRuns(runs, reset=...)); pass no reset=")
+            runs = cast("CheckedRuns", events)
+            return self._step_runs(runs, runs.reset, True)
         if isinstance(events, (list, tuple)) and events and all(
                 isinstance(rd, Mapping) for rd in events):  # rounds by row: `step_rows`
             rows = self._check_rows(reset, "reset").tolist() if reset is not None else ()
@@ -542,6 +603,14 @@ class Batch:
         itself: the same error naming the same instance, the same records, nothing
         changed.
         """
+        return Batch._step_runs(self, runs, reset, False)
+
+    def _step_runs(self, runs: Sequence[tuple[Sequence[int], int]], reset: Sequence[int],
+                   rows_checked: bool) -> BatchStep:
+        """`step_runs`; `rows_checked`: the caller made every row of `runs` and `reset` a
+        Python int in 0..n-1 already (`RunningBatch.queue` and `admit` do), so a run's
+        rows are not checked for that again (a row twice in a run still is: it takes
+        two rounds, as `step_rows` decides)."""
         m = self.machine
         if self.device.type != "cpu":
             raise ValueError(f"machine {m.name!r}: step_runs steps a CPU batch; this one is "
@@ -572,8 +641,8 @@ class Batch:
                 if e is not _RESET:
                     return self._runs_by_rounds(runs, reset)
                 e = self._reset_id
-            if set(map(type, rows)) != _INT or min(rows) < 0 or max(rows) >= n or len(
-                    set(rows)) != k:
+            if len(set(rows)) != k or (not rows_checked and (
+                    set(map(type, rows)) != _INT or min(rows) < 0 or max(rows) >= n)):
                 return self._runs_by_rounds(runs, reset)
             if e < 0:
                 continue

@@ -80,3 +80,23 @@ def test_a_closed_client_stream_is_recorded_once_and_skips_no_release():
                                                    "hicache"}
     assert sink.counts["p1"] == 1 and sink.outputs[0].outcome == "aborted"
     engine.finish()
+
+
+def test_first_is_each_ids_first_output_with_or_without_repeats():
+    # One output per id takes a C-level path; a repeated id (a bug the counts expose)
+    # the general one: both give each id's first output, in order of first appearance.
+    import random
+
+    rng = random.Random(3)
+    for _ in range(50):
+        log = OutputLog()
+        rids = [rng.randrange(12) for _ in range(rng.randint(0, 15))]
+        if rng.random() < 0.5:
+            rids = list(dict.fromkeys(rids))  # no repeats
+        for k, rid in enumerate(rids):
+            log.put(TerminalOutput(rid, "finished", 200, str(k)))
+        want: dict = {}
+        for o in log.outputs:
+            want.setdefault(o.rid, o)
+        got = log.first()
+        assert got == want and list(got) == list(want)
