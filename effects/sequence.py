@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from terminus.fsm import BatchStep, ReleaseContext, TransitionNotAllowed, release_effect
-from terminus.fsm.batch import CheckedRuns, dense_rounds
+from terminus.fsm.batch import _CheckedRuns, dense_rounds
 from terminus.kernels import (
     MambaStatePool,
     ReqToTokenTable,
@@ -744,7 +744,7 @@ class RunningBatch:
         refused = False
         try:
             # The rows are ints of the batch (queue() and admit() made them so).
-            return self.batch.step(CheckedRuns(runs, ids))
+            return self.batch.step(_CheckedRuns(runs, ids))
         except TransitionNotAllowed:
             refused = True
             self._readmit(host_ints(ids) if ids else None)

@@ -107,13 +107,17 @@ def rounds_of(runs: Sequence[tuple[Sequence[int], int]]) -> list[dict[int, int]]
     return rounds
 
 
-class CheckedRuns(list[tuple[list[int], int]]):
+class _CheckedRuns(list[tuple[list[int], int]]):
     """Runs (rows, event id) for `Batch.step` whose rows the caller made Python ints in
     0..n-1 already (`RunningBatch.queue` and `admit` do), with `reset`: the rows (ints,
     likewise) that start anew first. `step` hands them to `step_runs` without scanning
     each run's rows for their type and range again (a row twice in a run is still
     found: it takes two rounds, as `step_rows` decides); anything else is checked as
-    for a plain list of runs."""
+    for a plain list of runs.
+
+    Private to the library: the rows are trusted (a -1 would step the last row), so
+    only `RunningBatch`, whose `queue` and `admit` made every row an int of its batch,
+    builds these; a caller's runs go through `step_runs`, which checks each of them."""
 
     __slots__ = ("reset",)
 
@@ -388,8 +392,8 @@ class Batch:
         absent take none), on a CPU batch: the same step decided on the host, see
         `step_rows`; or a list of runs, each a (rows, event id) tuple, a row taking its
         events in the order of the runs that name it: see `step_runs`.
-        `CheckedRuns` (runs whose rows the caller made ints of the batch, with their
-        reset rows) are `step_runs` of them, without a second scan of the rows.
+        `RunningBatch` hands its runs (rows it made ints of the batch, with their reset
+        rows) as a private `_CheckedRuns`: `step_runs` of them, without a second scan.
 
         `events` may also be a (rounds, n) tensor: `events[j, i]` is the j-th event
         instance i takes in this step (-1 for none), so one call delivers a scheduler
@@ -418,11 +422,11 @@ class Batch:
         counted in `machine.stats.ignored` only while a recorder or sink observes the
         machine (counting them costs a bincount per step).
         """
-        if events.__class__ is CheckedRuns:  # RunningBatch's runs: `step_runs`
+        if events.__class__ is _CheckedRuns:  # RunningBatch's runs: `step_runs`
             if reset is not None:
-                raise ValueError(f"machine {self.machine.name!r}: CheckedRuns carry their "
-                                 "reset rows (CheckedRuns(runs, reset=...)); pass no reset=")
-            runs = cast("CheckedRuns", events)
+                raise ValueError(f"machine {self.machine.name!r}: _CheckedRuns carry their "
+                                 "reset rows (_CheckedRuns(runs, reset=...)); pass no reset=")
+            runs = cast("_CheckedRuns", events)
             return self._step_runs(runs, runs.reset, True)
         if isinstance(events, (list, tuple)) and events and all(
                 isinstance(rd, Mapping) for rd in events):  # rounds by row: `step_rows`

@@ -13,7 +13,7 @@ import pytest
 
 from terminus.effects.sequence import RunningBatch, SchedulerPools
 from terminus.fsm import TransitionNotAllowed, observe
-from terminus.fsm.batch import _BASE_MASK, CheckedRuns, dense_rounds, rounds_of
+from terminus.fsm.batch import _BASE_MASK, _CheckedRuns, dense_rounds, rounds_of
 from terminus.states.sequence import SEQUENCE, Admit, ChunkDone, SequenceAbort
 
 
@@ -140,7 +140,7 @@ def test_an_unobserved_flush_steps_as_an_observed_one(seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_runs_of_checked_rows_step_as_the_public_step_runs(seed):
     # RunningBatch hands `Batch.step` runs whose rows it made ints of the batch already
-    # (`CheckedRuns`: no type or range scan per run); any such runs (a row twice in a
+    # (`_CheckedRuns`: no type or range scan per run); any such runs (a row twice in a
     # run included, and refused cells) step as the public, checking `step_runs` does.
     from collections import Counter as C
 
@@ -199,7 +199,7 @@ def test_runs_of_checked_rows_step_as_the_public_step_runs(seed):
                 if how == "public":
                     step = b.step_runs(runs, reset)
                 else:
-                    step = b.step(CheckedRuns(runs, reset))
+                    step = b.step(_CheckedRuns(runs, reset))
                 res = (step.terminal.tolist(), step.plan_ids.tolist())
             except TransitionNotAllowed as e:
                 res = (str(e), e.instance)
@@ -210,5 +210,5 @@ def test_runs_of_checked_rows_step_as_the_public_step_runs(seed):
         assert logs[0] == logs[1]
         refused += isinstance(results[0][0][0], str)
     assert refused and logs[0]
-    with pytest.raises(ValueError, match="CheckedRuns carry their reset rows"):
-        pub.step(CheckedRuns([([0], 0)]), reset=pub._empty)
+    with pytest.raises(ValueError, match="_CheckedRuns carry their reset rows"):
+        pub.step(_CheckedRuns([([0], 0)]), reset=pub._empty)
