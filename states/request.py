@@ -215,7 +215,7 @@ class Request(Instance):
 
 def wants_lora(inst: Any, ev: Any) -> bool:
     """The request must acquire its LoRA reference itself."""
-    return bool(ev.acquire)
+    return ev.acquire  # a bool field (no bool() call: this runs for every request)
 
 
 def client_error(inst: Any, ev: Any) -> bool:
