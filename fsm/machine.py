@@ -869,7 +869,9 @@ def _compile_general(m: Machine, t: _Terminal) -> _OnCell:
 
 def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
     """`_compile_terminal` for a plan with actions over a ledger: `Ledger._run_steps`'s
-    walk, unrolled into one function whose constants are bound here.
+    walk, unrolled into one function made for this plan (`_PLAN_BODY`, with one block a
+    step from `_ACTION_STEP` or `_RELEASE_STEP`), whose constants are bound here: no
+    loop over the steps, no test of each step's type.
 
     Steps run in order, each even when an earlier one raised (the error goes to the
     report). An `Action` calls its function unwrapped, since the context is the
@@ -882,26 +884,45 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
     """
     ledger = t.ledger
     assert ledger is not None
-    target, edge, pname, pid = t.target, t.edge, t.pname, t.pid
-    mname, runs = m.name, m.stats._runs
-    observers, raw = ledger._observers, ledger._raw
-    # Per step: (kind, or None for an Action; the function called unwrapped, None for
-    # the kind's default releaser; the step's (name, best_effort), read only when it
-    # raised or returned something).
-    steps: list[tuple[str | None, Any, tuple[str, bool]]] = []
-    for st in t.plan.steps:
+    # Per step, the constants its block reads: the kind (Release), the function called
+    # unwrapped (None for a kind's default releaser, read from `raw` at the call, as
+    # `register_kind` may replace it), and the step's (name, best_effort), read only when
+    # it raised or returned something.
+    env: dict[str, Any] = {
+        "target": t.target, "edge": t.edge, "pname": t.pname, "pid": t.pid,
+        "mname": m.name, "runs": m.stats._runs, "ledger": ledger,
+        "observers": ledger._observers, "raw": ledger._raw, "new": _new,
+        "Context": ReleaseContext, "Report": PlanReport, "Hd": Handle, "busy": _BUSY,
+        "refs": _refs, "SWEPT": _SWEPT, "step_failed": _step_failed,
+        "step_returned": _step_returned,
+    }
+    blocks: list[str] = []
+    for i, st in enumerate(t.plan.steps):
+        env[f"about{i}"] = (st.name, st.best_effort)
         if type(st) is Release:
-            steps.append((st.kind, None if st.fn is None else unwrapped(st.fn),
-                          (st.name, st.best_effort)))
+            env[f"kind{i}"] = st.kind
+            fn = None if st.fn is None else unwrapped(st.fn)
+            env[f"fn{i}"] = fn
+            blocks.append(_RELEASE_STEP.format(
+                i=i, call=f"raw[kind{i}]" if fn is None else f"fn{i}"))
         else:
             assert isinstance(st, Action)
-            steps.append((None, unwrapped(st.fn), (st.name, st.best_effort)))
-    csteps = tuple(steps)
-    new, Context, Report, Hd, busy = _new, ReleaseContext, PlanReport, Handle, _BUSY
-    spare: ReleaseContext | None = None  # a dead context nobody kept (`_compile_terminal`)
-    refs = _refs
+            env[f"fn{i}"] = unwrapped(st.fn)
+            blocks.append(_ACTION_STEP.format(i=i))
+    src = _PLAN_BODY.replace("                # STEPS\n", "".join(blocks))
+    code = compile(src, f"<plan {m.name}:{t.pname}>", "exec")
+    exec(code, env)  # our own template, filled with step indices only
+    return env["make"]()  # type: ignore[no-any-return]
 
-    def fire_terminal(inst: Instance, event: Any) -> PlanReport | None:
+
+# The terminal step of `_compile_plan`, made once per plan: `make()` returns it, closed
+# over the one dead context it may reuse (`spare`: one nobody kept after its plan, so
+# nobody can see it live again, `_REUSE`). The steps' blocks replace the "# STEPS" line.
+_PLAN_BODY = """\
+def make():
+    spare = None
+
+    def fire_terminal(inst, event):
         nonlocal spare
         inst._s = target
         inst._q = busy
@@ -916,42 +937,11 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
             ctx.event = event
             report = Report(mname, inst, pname)
             try:
-                for kind, fn, about in csteps:
-                    if kind is None:  # an Action
-                        try:
-                            res = fn(ctx)
-                        except Exception as e:  # every step runs; the error is reported
-                            _step_failed(report, about, e)
-                            continue
-                    else:
-                        cur = inst._owns
-                        if cur is None:
-                            continue
-                        if cur.__class__ is not Hd:  # several handles
-                            ledger._release_kind(ctx, inst, cur, kind, fn, report, about)
-                            continue
-                        if cur.released or cur.kind != kind:
-                            continue
-                        cur.released = True  # marked first: never released twice
-                        inst._owns = None
-                        if observers:
-                            observers.pop(cur, None)
-                        ledger._released += 1
-                        if report._released is None:
-                            report._released = cur
-                        else:
-                            report.released.append(cur)
-                        try:
-                            res = (fn or raw[kind])(ctx, cur)
-                        except Exception as e:
-                            _step_failed(report, about, e)
-                            continue
-                    if res is not None:
-                        _step_returned(ledger, res, report, about)
+                # STEPS
                 cur = inst._owns
                 if cur is not None:  # the handles no step named, by their default releasers
                     ledger._release_kind(ctx, inst, cur if cur.__class__ is list else (cur,),
-                                         None, None, report, _SWEPT)
+                                         None, None, report, SWEPT)
             finally:
                 ctx._live = False
                 if refs(ctx) == 2:  # ours and the call's: nobody kept it
@@ -974,6 +964,44 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
         return report
 
     return fire_terminal
+"""
+
+# An Action: called unwrapped; every step runs, an error is reported.
+_ACTION_STEP = """\
+                try:
+                    res = fn{i}(ctx)
+                except Exception as e:
+                    step_failed(report, about{i}, e)
+                else:
+                    if res is not None:
+                        step_returned(ledger, res, report, about{i})
+"""
+
+# A Release(kind): the one handle of the kind inline, marked first; several handles
+# through `Ledger._release_kind`.
+_RELEASE_STEP = """\
+                cur = inst._owns
+                if cur is not None:
+                    if cur.__class__ is not Hd:  # several handles
+                        ledger._release_kind(ctx, inst, cur, kind{i}, fn{i}, report, about{i})
+                    elif not cur.released and cur.kind == kind{i}:
+                        cur.released = True  # marked first: never released twice
+                        inst._owns = None
+                        if observers:
+                            observers.pop(cur, None)
+                        ledger._released += 1
+                        if report._released is None:
+                            report._released = cur
+                        else:
+                            report.released.append(cur)
+                        try:
+                            res = {call}(ctx, cur)
+                        except Exception as e:
+                            step_failed(report, about{i}, e)
+                        else:
+                            if res is not None:
+                                step_returned(ledger, res, report, about{i})
+"""
 
 
 def _step_failed(report: PlanReport, about: tuple[str, bool], e: Exception) -> None:
