@@ -912,7 +912,7 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
     src = _PLAN_BODY.replace("                # STEPS\n", "".join(blocks))
     code = compile(src, f"<plan {m.name}:{t.pname}>", "exec")
     exec(code, env)  # our own template, filled with step indices only
-    return env["make"]()  # type: ignore[no-any-return]
+    return env["make"]()
 
 
 # The terminal step of `_compile_plan`, made once per plan: `make()` returns it, closed
