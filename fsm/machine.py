@@ -876,8 +876,9 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
     Steps run in order, each even when an earlier one raised (the error goes to the
     report). An `Action` calls its function unwrapped, since the context is the
     engine's own and live (I1). A `Release(kind)` step releases the one handle of that
-    kind an instance owns inline, marked first (as `Ledger._release_owned` does);
-    several handles go through `Ledger._release_kind`. Then what no step named is
+    kind an instance owns inline, marked first (as `Ledger._release_owned` does), and
+    of several each of the kind in order (`Ledger._release_kind`'s loop, inline: the
+    sweep still calls it). Then what no step named is
     released by its kind's default releaser. The instance is marked busy
     (`_BUSY`) meanwhile, which is also what makes a handle given to it during the plan
     the plan's (`Ledger._planning`), and the context is dead after the plan.
@@ -977,13 +978,41 @@ _ACTION_STEP = """\
                         step_returned(ledger, res, report, about{i})
 """
 
-# A Release(kind): the one handle of the kind inline, marked first; several handles
-# through `Ledger._release_kind`.
+# A Release(kind): the one handle of the kind inline, marked first; of several, each
+# of the kind in order (`Ledger._release_kind`'s loop, inline with the kind bound), one
+# an earlier release effect moved or released skipped.
 _RELEASE_STEP = """\
                 cur = inst._owns
                 if cur is not None:
                     if cur.__class__ is not Hd:  # several handles
-                        ledger._release_kind(ctx, inst, cur, kind{i}, fn{i}, report, about{i})
+                        for h in tuple(cur):  # a snapshot: releases change the list
+                            if h.kind != kind{i} or h.released or h.owner is not inst:
+                                continue
+                            h.released = True  # marked first: never released twice
+                            now = inst._owns  # `Ledger._unlink`, on the owner's slot
+                            if now is h:
+                                inst._owns = None
+                            elif now.__class__ is list:
+                                now.remove(h)
+                                if len(now) == 1:
+                                    inst._owns = now[0]
+                            if observers:
+                                observers.pop(h, None)
+                            ledger._released += 1
+                            done = report._released
+                            if done is None:
+                                report._released = h
+                            elif done.__class__ is list:
+                                done.append(h)
+                            else:
+                                report._released = [done, h]
+                            try:
+                                res = {call}(ctx, h)
+                            except Exception as e:
+                                step_failed(report, about{i}, e)
+                            else:
+                                if res is not None:
+                                    step_returned(ledger, res, report, about{i})
                     elif not cur.released and cur.kind == kind{i}:
                         cur.released = True  # marked first: never released twice
                         inst._owns = None
