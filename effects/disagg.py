@@ -555,13 +555,18 @@ class DisaggPrefill:
         except KeyError:
             req = self.req(rid)  # raises, naming the known ids
         done = self._chunk_terminal  # (`c.terminal`, without the property)
+        if self._req_terminal[req._s]:
+            for c in req.chunks:  # (a loop: the list below only for the error)
+                if not done[c._s]:
+                    break
+            else:
+                del self.requests[rid]
+                return
         live = [i for i, c in enumerate(req.chunks) if not done[c._s]]
-        if not self._req_terminal[req._s] or live:
-            raise ValueError(
-                f"request {rid!r} cannot be forgotten: it is {req.state}"
-                + (f" with chunk(s) {live} not settled" if live else "")
-                + "; forget a request once it and its chunks ended")
-        del self.requests[rid]
+        raise ValueError(
+            f"request {rid!r} cannot be forgotten: it is {req.state}"
+            + (f" with chunk(s) {live} not settled" if live else "")
+            + "; forget a request once it and its chunks ended")
 
     # -- happenings --------------------------------------------------------------------
 
@@ -811,7 +816,9 @@ class DisaggPrefill:
         report = req.fire(ChunkSettled(k, chunk.last))
         if req._s == self._transferring:
             kv = [req.matched] if req.matched is not None else []
-            kv += [h.value for h in self.ledger.owned(req, "kv")]
+            for h in self.ledger.owned(req):  # its KV handles' pages, in order
+                if h.kind == "kv":
+                    kv.append(h.value)
             try:
                 self.transport.send(rid, torch.cat(kv) if len(kv) > 1 else kv[0])
             except TransportError as e:
