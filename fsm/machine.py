@@ -18,6 +18,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from types import CodeType
 from typing import TYPE_CHECKING, Any
 
 from . import observe as _obs
@@ -897,23 +898,37 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
         "refs": _refs, "SWEPT": _SWEPT, "step_failed": _step_failed,
         "step_returned": _step_returned,
     }
-    blocks: list[str] = []
-    for i, st in enumerate(t.plan.steps):
+    shape: list[str] = []  # per step: "A" (Action), "R" (Release, own function), "D"
+    for i, st in enumerate(t.plan.steps):  # (Release by the kind's default releaser)
         env[f"about{i}"] = (st.name, st.best_effort)
         if type(st) is Release:
             env[f"kind{i}"] = st.kind
-            fn = None if st.fn is None else unwrapped(st.fn)
-            env[f"fn{i}"] = fn
-            blocks.append(_RELEASE_STEP.format(
-                i=i, call=f"raw[kind{i}]" if fn is None else f"fn{i}"))
+            env[f"fn{i}"] = fn = None if st.fn is None else unwrapped(st.fn)
+            shape.append("D" if fn is None else "R")
         else:
             assert isinstance(st, Action)
             env[f"fn{i}"] = unwrapped(st.fn)
-            blocks.append(_ACTION_STEP.format(i=i))
-    src = _PLAN_BODY.replace("                # STEPS\n", "".join(blocks))
-    code = compile(src, f"<plan {m.name}:{t.pname}>", "exec")
+            shape.append("A")
+    # Compiled once per shape (compiling costs milliseconds), named after the plan.
+    code = _named(_plan_code("".join(shape)), f"<plan {m.name}:{t.pname}>")
     exec(code, env)  # our own template, filled with step indices only
     return env["make"]()
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_code(shape: str) -> CodeType:
+    """`_PLAN_BODY` with one block a step of `shape` (see `_compile_plan`), compiled."""
+    blocks = [_ACTION_STEP.format(i=i) if c == "A" else _RELEASE_STEP.format(
+        i=i, call=f"raw[kind{i}]" if c == "D" else f"fn{i}") for i, c in enumerate(shape)]
+    return compile(_PLAN_BODY.replace("                # STEPS\n", "".join(blocks)),
+                   "<plan>", "exec")
+
+
+def _named(code: CodeType, filename: str) -> CodeType:
+    """`code` (and the functions it defines) with `filename`, which tracebacks show."""
+    consts = tuple(_named(c, filename) if isinstance(c, CodeType) else c
+                   for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
 
 
 # The terminal step of `_compile_plan`, made once per plan: `make()` returns it, closed

@@ -12,7 +12,7 @@ import pytest
 
 from terminus.fsm import Action, Ledger, Plan, Release, ReleaseFailed, release_effect
 from terminus.kernels import TokenKVAllocator
-from tests.lifecycle import LIFECYCLE, Abort, Job
+from tests.lifecycle import LIFECYCLE, Abort, Chunk, Finish, Job, Start
 
 KINDS = ("a", "b", "c")
 
@@ -119,3 +119,35 @@ def test_the_unrolled_function_is_named_after_its_plan():
     cells = [f for f in m._on if f is not None and getattr(f, "__code__", None) is not None]
     files = {f.__code__.co_filename for f in cells}
     assert "<plan lifecycle:release_aborted>" in files
+
+
+def test_plans_of_one_shape_share_one_compiled_template_and_keep_their_names():
+    from terminus.fsm import machine as engine
+
+    @release_effect
+    def drop(ctx: Any, handle: Any) -> None:
+        pass
+
+    @release_effect
+    def note(ctx: Any) -> None:
+        pass
+
+    ledger = Ledger(dict.fromkeys(KINDS, drop))
+    shape = Plan(Release("a"), Action(note))
+    m = LIFECYCLE.bind({"release_aborted": shape, "release_finished": shape}, ledger)
+    before = engine._plan_code.cache_info()
+    for name, event in (("aborted", Abort()), ("finished", None)):
+        job = Job(m, name)
+        if event is None:
+            job.fire(Start())
+            job.fire(Chunk(last=True))
+            job.fire(Finish())
+            assert job.state == "finished"
+        else:
+            job.fire(event)
+    after = engine._plan_code.cache_info()
+    assert after.misses - before.misses <= 1 and after.hits - before.hits >= 1
+    files = {f.__code__.co_filename for f in m._on
+             if f is not None and getattr(f, "__code__", None) is not None}
+    assert {"<plan lifecycle:release_aborted>", "<plan lifecycle:release_finished>"} <= files
+    ledger.assert_empty()
