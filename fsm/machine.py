@@ -798,13 +798,15 @@ def _compile_guarded(cell: int,
 def _compile_guarded_else(cell: int, guard: Guard,
                           outs: tuple[tuple[int, _OnCell | None], ...]) -> _OnCell:
     """`_compile_guarded` for the most common guarded cell, one guard and an
-    unguarded alternative after it: the same steps without the loop over guards."""
+    unguarded alternative after it: the same steps without the loop over guards, each
+    alternative's target and compiled cell bound as constants of its branch."""
     stepping = _STEPPING
+    (target0, run0), (target1, run1) = outs
 
     def fire_guarded_else(inst: Instance, event: Any) -> PlanReport | None:
         inst._q = stepping
         try:
-            k = 0 if guard(inst, event) else 1
+            held = guard(inst, event)
         except Exception as exc:
             q = inst._q
             if q is stepping:
@@ -815,12 +817,16 @@ def _compile_guarded_else(cell: int, guard: Guard,
         q = inst._q
         inst._q = None
         if q is not stepping:  # a guard fired at it: the general path, told which held
-            return inst._m._fire_step(cell, inst, event, k, q)
-        target, run = outs[k]
-        if run is None:
-            inst._s = target
+            return inst._m._fire_step(cell, inst, event, 0 if held else 1, q)
+        if held:
+            if run0 is None:
+                inst._s = target0
+                return None
+            return run0(inst, event)
+        if run1 is None:
+            inst._s = target1
             return None
-        return run(inst, event)
+        return run1(inst, event)
 
     return fire_guarded_else
 
@@ -924,6 +930,7 @@ def _plan_code(shape: str) -> CodeType:
                    "<plan>", "exec")
 
 
+@functools.lru_cache(maxsize=1024)  # (a loop binds machines of the same names again)
 def _named(code: CodeType, filename: str) -> CodeType:
     """`code` (and the functions it defines) with `filename`, which tracebacks show."""
     consts = tuple(_named(c, filename) if isinstance(c, CodeType) else c
