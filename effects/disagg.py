@@ -274,12 +274,19 @@ def insert_kv_into_cache(ctx: ReleaseContext) -> None:
     assert ledger is not None
     res: DisaggResources = ledger.resources
     inst = ctx.instance
-    handles = ledger.owned(inst, "kv")
-    parts = [h.value for h in handles]
-    locks = ledger.owned(inst, PREFIX_LOCK)
-    lock = locks[0].value if locks else None
-    if not parts:
+    # Its KV handles and its prefix lock, in one pass over what it owns.
+    handles: list[Handle] = []
+    lock_h: Handle | None = None
+    for h in ledger.owned(inst):
+        kind = h.kind
+        if kind == "kv":
+            handles.append(h)
+        elif kind == PREFIX_LOCK and lock_h is None:
+            lock_h = h
+    if not handles:
         return
+    lock = lock_h.value if lock_h is not None else None
+    parts = [h.value for h in handles]
     owned_from = lock.length if lock is not None else 0
     ps = res.pools.page_size
     n = _insertable(parts, ps) if ps != 1 else -1  # (one page a token: every part)
@@ -436,7 +443,7 @@ class PrefillRequest(DisaggReq):
 
     def __init__(self, machine: Machine, key: str, prompt_len: int, chunk_size: int,
                  tokens: tuple[int, ...] = ()) -> None:
-        super().__init__(machine, key)
+        DisaggReq.__init__(self, machine, key)  # not super(): one lookup less per request
         self.prompt_len = prompt_len
         self.tokens = tokens
         """The prompt's token ids (what the prefix cache is keyed by)."""
@@ -548,13 +555,18 @@ class DisaggPrefill:
         except KeyError:
             req = self.req(rid)  # raises, naming the known ids
         done = self._chunk_terminal  # (`c.terminal`, without the property)
+        if self._req_terminal[req._s]:
+            for c in req.chunks:  # (a loop: the list below only for the error)
+                if not done[c._s]:
+                    break
+            else:
+                del self.requests[rid]
+                return
         live = [i for i, c in enumerate(req.chunks) if not done[c._s]]
-        if not self._req_terminal[req._s] or live:
-            raise ValueError(
-                f"request {rid!r} cannot be forgotten: it is {req.state}"
-                + (f" with chunk(s) {live} not settled" if live else "")
-                + "; forget a request once it and its chunks ended")
-        del self.requests[rid]
+        raise ValueError(
+            f"request {rid!r} cannot be forgotten: it is {req.state}"
+            + (f" with chunk(s) {live} not settled" if live else "")
+            + "; forget a request once it and its chunks ended")
 
     # -- happenings --------------------------------------------------------------------
 
@@ -781,7 +793,8 @@ class DisaggPrefill:
         if terminal[chunk._s]:
             chunk.fire(_RESULT)  # a duplicate: ignored by the chunk
             return None
-        early = [i for i in range(k) if not terminal[chunks[i]._s]]
+        # (the list only when some chunk came before: the common first result builds none)
+        early = [i for i in range(k) if not terminal[chunks[i]._s]] if k else None
         if early:
             # A chunk computes on its predecessors' KV, so its result cannot precede
             # theirs; settling it first would start the transfer with their KV missing.
@@ -803,7 +816,9 @@ class DisaggPrefill:
         report = req.fire(ChunkSettled(k, chunk.last))
         if req._s == self._transferring:
             kv = [req.matched] if req.matched is not None else []
-            kv += [h.value for h in self.ledger.owned(req, "kv")]
+            for h in self.ledger.owned(req):  # its KV handles' pages, in order
+                if h.kind == "kv":
+                    kv.append(h.value)
             try:
                 self.transport.send(rid, torch.cat(kv) if len(kv) > 1 else kv[0])
             except TransportError as e:

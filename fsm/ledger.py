@@ -499,7 +499,9 @@ class Ledger:
         something."""
         raw, observers = self._raw, self._observers
         for h in tuple(cur):  # a snapshot: releases change `cur`
-            if (kind is not None and h.kind != kind) or h.released or h.owner is not owner:
+            # The kind first: a step's kind is never None (only the sweep's is), and most
+            # handles a step passes over are of another kind.
+            if (h.kind != kind and kind is not None) or h.released or h.owner is not owner:
                 continue
             h.released = True  # marked first: never released twice
             now: Any = owner._owns  # `_unlink`, on the owner's slot

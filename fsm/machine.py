@@ -18,6 +18,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from types import CodeType
 from typing import TYPE_CHECKING, Any
 
 from . import observe as _obs
@@ -797,13 +798,15 @@ def _compile_guarded(cell: int,
 def _compile_guarded_else(cell: int, guard: Guard,
                           outs: tuple[tuple[int, _OnCell | None], ...]) -> _OnCell:
     """`_compile_guarded` for the most common guarded cell, one guard and an
-    unguarded alternative after it: the same steps without the loop over guards."""
+    unguarded alternative after it: the same steps without the loop over guards, each
+    alternative's target and compiled cell bound as constants of its branch."""
     stepping = _STEPPING
+    (target0, run0), (target1, run1) = outs
 
     def fire_guarded_else(inst: Instance, event: Any) -> PlanReport | None:
         inst._q = stepping
         try:
-            k = 0 if guard(inst, event) else 1
+            held = guard(inst, event)
         except Exception as exc:
             q = inst._q
             if q is stepping:
@@ -814,12 +817,16 @@ def _compile_guarded_else(cell: int, guard: Guard,
         q = inst._q
         inst._q = None
         if q is not stepping:  # a guard fired at it: the general path, told which held
-            return inst._m._fire_step(cell, inst, event, k, q)
-        target, run = outs[k]
-        if run is None:
-            inst._s = target
+            return inst._m._fire_step(cell, inst, event, 0 if held else 1, q)
+        if held:
+            if run0 is None:
+                inst._s = target0
+                return None
+            return run0(inst, event)
+        if run1 is None:
+            inst._s = target1
             return None
-        return run(inst, event)
+        return run1(inst, event)
 
     return fire_guarded_else
 
@@ -869,39 +876,76 @@ def _compile_general(m: Machine, t: _Terminal) -> _OnCell:
 
 def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
     """`_compile_terminal` for a plan with actions over a ledger: `Ledger._run_steps`'s
-    walk, unrolled into one function whose constants are bound here.
+    walk, unrolled into one function made for this plan (`_PLAN_BODY`, with one block a
+    step from `_ACTION_STEP` or `_RELEASE_STEP`), whose constants are bound here: no
+    loop over the steps, no test of each step's type.
 
     Steps run in order, each even when an earlier one raised (the error goes to the
     report). An `Action` calls its function unwrapped, since the context is the
     engine's own and live (I1). A `Release(kind)` step releases the one handle of that
-    kind an instance owns inline, marked first (as `Ledger._release_owned` does);
-    several handles go through `Ledger._release_kind`. Then what no step named is
+    kind an instance owns inline, marked first (as `Ledger._release_owned` does), and
+    of several each of the kind in order (`Ledger._release_kind`'s loop, inline: the
+    sweep still calls it). Then what no step named is
     released by its kind's default releaser. The instance is marked busy
     (`_BUSY`) meanwhile, which is also what makes a handle given to it during the plan
     the plan's (`Ledger._planning`), and the context is dead after the plan.
     """
     ledger = t.ledger
     assert ledger is not None
-    target, edge, pname, pid = t.target, t.edge, t.pname, t.pid
-    mname, runs = m.name, m.stats._runs
-    observers, raw = ledger._observers, ledger._raw
-    # Per step: (kind, or None for an Action; the function called unwrapped, None for
-    # the kind's default releaser; the step's (name, best_effort), read only when it
-    # raised or returned something).
-    steps: list[tuple[str | None, Any, tuple[str, bool]]] = []
-    for st in t.plan.steps:
+    # Per step, the constants its block reads: the kind (Release), the function called
+    # unwrapped (None for a kind's default releaser, read from `raw` at the call, as
+    # `register_kind` may replace it), and the step's (name, best_effort), read only when
+    # it raised or returned something.
+    env: dict[str, Any] = {
+        "target": t.target, "edge": t.edge, "pname": t.pname, "pid": t.pid,
+        "mname": m.name, "runs": m.stats._runs, "ledger": ledger,
+        "observers": ledger._observers, "raw": ledger._raw, "new": _new,
+        "Context": ReleaseContext, "Report": PlanReport, "Hd": Handle, "busy": _BUSY,
+        "refs": _refs, "SWEPT": _SWEPT, "step_failed": _step_failed,
+        "step_returned": _step_returned,
+    }
+    shape: list[str] = []  # per step: "A" (Action), "R" (Release, own function), "D"
+    for i, st in enumerate(t.plan.steps):  # (Release by the kind's default releaser)
+        env[f"about{i}"] = (st.name, st.best_effort)
         if type(st) is Release:
-            steps.append((st.kind, None if st.fn is None else unwrapped(st.fn),
-                          (st.name, st.best_effort)))
+            env[f"kind{i}"] = st.kind
+            env[f"fn{i}"] = fn = None if st.fn is None else unwrapped(st.fn)
+            shape.append("D" if fn is None else "R")
         else:
             assert isinstance(st, Action)
-            steps.append((None, unwrapped(st.fn), (st.name, st.best_effort)))
-    csteps = tuple(steps)
-    new, Context, Report, Hd, busy = _new, ReleaseContext, PlanReport, Handle, _BUSY
-    spare: ReleaseContext | None = None  # a dead context nobody kept (`_compile_terminal`)
-    refs = _refs
+            env[f"fn{i}"] = unwrapped(st.fn)
+            shape.append("A")
+    # Compiled once per shape (compiling costs milliseconds), named after the plan.
+    code = _named(_plan_code("".join(shape)), f"<plan {m.name}:{t.pname}>")
+    exec(code, env)  # our own template, filled with step indices only
+    return env["make"]()
 
-    def fire_terminal(inst: Instance, event: Any) -> PlanReport | None:
+
+@functools.lru_cache(maxsize=256)
+def _plan_code(shape: str) -> CodeType:
+    """`_PLAN_BODY` with one block a step of `shape` (see `_compile_plan`), compiled."""
+    blocks = [_ACTION_STEP.format(i=i) if c == "A" else _RELEASE_STEP.format(
+        i=i, call=f"raw[kind{i}]" if c == "D" else f"fn{i}") for i, c in enumerate(shape)]
+    return compile(_PLAN_BODY.replace("                # STEPS\n", "".join(blocks)),
+                   "<plan>", "exec")
+
+
+@functools.lru_cache(maxsize=1024)  # (a loop binds machines of the same names again)
+def _named(code: CodeType, filename: str) -> CodeType:
+    """`code` (and the functions it defines) with `filename`, which tracebacks show."""
+    consts = tuple(_named(c, filename) if isinstance(c, CodeType) else c
+                   for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
+
+
+# The terminal step of `_compile_plan`, made once per plan: `make()` returns it, closed
+# over the one dead context it may reuse (`spare`: one nobody kept after its plan, so
+# nobody can see it live again, `_REUSE`). The steps' blocks replace the "# STEPS" line.
+_PLAN_BODY = """\
+def make():
+    spare = None
+
+    def fire_terminal(inst, event):
         nonlocal spare
         inst._s = target
         inst._q = busy
@@ -916,42 +960,11 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
             ctx.event = event
             report = Report(mname, inst, pname)
             try:
-                for kind, fn, about in csteps:
-                    if kind is None:  # an Action
-                        try:
-                            res = fn(ctx)
-                        except Exception as e:  # every step runs; the error is reported
-                            _step_failed(report, about, e)
-                            continue
-                    else:
-                        cur = inst._owns
-                        if cur is None:
-                            continue
-                        if cur.__class__ is not Hd:  # several handles
-                            ledger._release_kind(ctx, inst, cur, kind, fn, report, about)
-                            continue
-                        if cur.released or cur.kind != kind:
-                            continue
-                        cur.released = True  # marked first: never released twice
-                        inst._owns = None
-                        if observers:
-                            observers.pop(cur, None)
-                        ledger._released += 1
-                        if report._released is None:
-                            report._released = cur
-                        else:
-                            report.released.append(cur)
-                        try:
-                            res = (fn or raw[kind])(ctx, cur)
-                        except Exception as e:
-                            _step_failed(report, about, e)
-                            continue
-                    if res is not None:
-                        _step_returned(ledger, res, report, about)
+                # STEPS
                 cur = inst._owns
                 if cur is not None:  # the handles no step named, by their default releasers
                     ledger._release_kind(ctx, inst, cur if cur.__class__ is list else (cur,),
-                                         None, None, report, _SWEPT)
+                                         None, None, report, SWEPT)
             finally:
                 ctx._live = False
                 if refs(ctx) == 2:  # ours and the call's: nobody kept it
@@ -974,6 +987,72 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
         return report
 
     return fire_terminal
+"""
+
+# An Action: called unwrapped; every step runs, an error is reported.
+_ACTION_STEP = """\
+                try:
+                    res = fn{i}(ctx)
+                except Exception as e:
+                    step_failed(report, about{i}, e)
+                else:
+                    if res is not None:
+                        step_returned(ledger, res, report, about{i})
+"""
+
+# A Release(kind): the one handle of the kind inline, marked first; of several, each
+# of the kind in order (`Ledger._release_kind`'s loop, inline with the kind bound), one
+# an earlier release effect moved or released skipped.
+_RELEASE_STEP = """\
+                cur = inst._owns
+                if cur is not None:
+                    if cur.__class__ is not Hd:  # several handles
+                        for h in tuple(cur):  # a snapshot: releases change the list
+                            if h.kind != kind{i} or h.released or h.owner is not inst:
+                                continue
+                            h.released = True  # marked first: never released twice
+                            now = inst._owns  # `Ledger._unlink`, on the owner's slot
+                            if now is h:
+                                inst._owns = None
+                            elif now.__class__ is list:
+                                now.remove(h)
+                                if len(now) == 1:
+                                    inst._owns = now[0]
+                            if observers:
+                                observers.pop(h, None)
+                            ledger._released += 1
+                            done = report._released
+                            if done is None:
+                                report._released = h
+                            elif done.__class__ is list:
+                                done.append(h)
+                            else:
+                                report._released = [done, h]
+                            try:
+                                res = {call}(ctx, h)
+                            except Exception as e:
+                                step_failed(report, about{i}, e)
+                            else:
+                                if res is not None:
+                                    step_returned(ledger, res, report, about{i})
+                    elif not cur.released and cur.kind == kind{i}:
+                        cur.released = True  # marked first: never released twice
+                        inst._owns = None
+                        if observers:
+                            observers.pop(cur, None)
+                        ledger._released += 1
+                        if report._released is None:
+                            report._released = cur
+                        else:
+                            report.released.append(cur)
+                        try:
+                            res = {call}(ctx, cur)
+                        except Exception as e:
+                            step_failed(report, about{i}, e)
+                        else:
+                            if res is not None:
+                                step_returned(ledger, res, report, about{i})
+"""
 
 
 def _step_failed(report: PlanReport, about: tuple[str, bool], e: Exception) -> None:

@@ -27,6 +27,7 @@ import asyncio
 import functools
 import inspect
 from collections.abc import Awaitable, Callable
+from operator import attrgetter
 from typing import Any, TypeVar
 
 import msgspec
@@ -90,45 +91,23 @@ class ReleaseContext:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise ReleaseOutsideTerminal("ReleaseContext()")
 
-    @property
-    def live(self) -> bool:
-        """True while the engine is running the plan this context was made for."""
-        return self._live
-
-    @property
-    def machine(self) -> str:
-        """The machine's name."""
-        return self._edge.machine
-
-    @property
-    def plan(self) -> str:
-        """The plan's name."""
-        return self._edge.plan
-
-    @property
-    def source(self) -> str:
-        """The state the terminal transition left."""
-        return self._edge.source
-
-    @property
-    def target(self) -> str:
-        """The terminal state it entered."""
-        return self._edge.target
-
-    @property
-    def ledger(self) -> Any:
-        """The machine's `Ledger`, or None."""
-        return self._edge.ledger
-
-    @property
-    def rows(self) -> Any:
-        """For a batched plan, the int64 indices of its rows in this step; else None."""
-        return self._edge.rows
-
-    @property
-    def resources(self) -> Any:
-        """The resources object given to the ledger (`Ledger(resources=...)`)."""
-        return self._edge._holds.resources
+    # The fields are read through C getters (`operator.attrgetter`): effects read them in
+    # every step (`ctx.resources` above all), and a getter of this kind runs no Python
+    # frame, where a `def` property runs one per read.
+    live = property(attrgetter("_live"),
+                    doc="True while the engine is running the plan this context was made for.")
+    machine = property(attrgetter("_edge.machine"), doc="The machine's name.")
+    plan = property(attrgetter("_edge.plan"), doc="The plan's name.")
+    source = property(attrgetter("_edge.source"),
+                      doc="The state the terminal transition left.")
+    target = property(attrgetter("_edge.target"), doc="The terminal state it entered.")
+    ledger = property(attrgetter("_edge.ledger"), doc="The machine's `Ledger`, or None.")
+    rows = property(attrgetter("_edge.rows"),
+                    doc="For a batched plan, the int64 indices of its rows in this step; "
+                        "else None.")
+    resources = property(attrgetter("_edge._holds.resources"),
+                         doc="The resources object given to the ledger "
+                             "(`Ledger(resources=...)`).")
 
     def __enter__(self) -> ReleaseContext:
         return self

@@ -58,7 +58,7 @@ class Chunk(Instance):
 
     def __init__(self, machine: Machine, key: Any = None, *, parent: Any = None,
                  index: int = 0, last: bool = False) -> None:
-        super().__init__(machine, key)
+        Instance.__init__(self, machine, key)  # not super(): one lookup less per chunk
         self.parent = parent
         self.index = index
         self.last = last

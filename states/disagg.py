@@ -129,7 +129,7 @@ class DisaggReq(Instance):
     __slots__ = ("chunks", "reason")
 
     def __init__(self, machine: Machine, key: Any = None) -> None:
-        super().__init__(machine, key)
+        Instance.__init__(self, machine, key)  # not super(): one lookup less per request
         self.chunks: list[Instance] = []
         self.reason = ""
 

@@ -190,7 +190,7 @@ class Request(Instance):
     is decided by the ledger's handles, never by this field).
     """
 
-    __slots__ = ("lora", "lora_id", "parent", "prompt", "role", "stream", "tokens")
+    __slots__ = ("_role", "lora", "lora_id", "parent", "prompt", "stream", "tokens")
 
     def __init__(self, machine: Machine, key: Any = None, *, prompt: Any = None,
                  lora: str | None = None, role: str | None = None, stream: bool = True,
@@ -200,12 +200,23 @@ class Request(Instance):
         self.lora = lora
         self.tokens: Any = None
         self.lora_id: int | None = None
-        if role is None:
-            role = (key.role if key.__class__ is RequestKey or isinstance(key, RequestKey)
-                    else "request")
-        self.role = role
+        self._role = role  # None: its key's (read when asked, not per request made)
         self.stream = stream
         self.parent = parent
+
+    @property
+    def role(self) -> str:
+        """"request", "child" or "warmup": as given, else the role of a `RequestKey` key
+        ("request" for any other key)."""
+        role = self._role
+        if role is not None:
+            return role
+        key = self.key
+        return key.role if isinstance(key, RequestKey) else "request"
+
+    @role.setter
+    def role(self, role: str) -> None:
+        self._role = role
 
     @property
     def rid(self) -> Any:
@@ -215,7 +226,7 @@ class Request(Instance):
 
 def wants_lora(inst: Any, ev: Any) -> bool:
     """The request must acquire its LoRA reference itself."""
-    return bool(ev.acquire)
+    return ev.acquire  # a bool field (no bool() call: this runs for every request)
 
 
 def client_error(inst: Any, ev: Any) -> bool:
