@@ -143,8 +143,8 @@ class FakeTokenizer:
 class _Seq:
     """The scheduler's view of one sequence: its spec, progress and row."""
 
-    __slots__ = ("aborted", "chunks_left", "decoding", "fail", "fail_status", "generated",
-                 "in_flight", "max_new", "prompt", "reply", "rid", "row", "status", "tokens")
+    __slots__ = ("aborted", "chunks_left", "decoding", "fail", "fail_status", "in_flight",
+                 "max_new", "prompt", "reply", "rid", "row", "start", "status", "tokens")
 
     def __init__(self, rid: Any, prompt: int, max_new: int, fail: str | None,
                  tokens: list[int] | None = None, reply: list[int] | None = None) -> None:
@@ -152,8 +152,9 @@ class _Seq:
         self.prompt = prompt  # prompt tokens still to prefill (past the cached prefix)
         self.tokens = tokens  # prompt and generated token ids (the prefix cache's key)
         self.reply = reply
-        """The tokens the model replies (with `tokens` only), read at its first decode
-        step: a sequence aborted before it never makes them."""
+        """The tokens the model replies (with `tokens` only), read when it finishes (its
+        prefix-cache key is then its prompt and reply): a sequence aborted or failed
+        before never makes them."""
         self.max_new = max_new
         self.fail = fail
         self.fail_status = _STATUS.get(fail, 0) if fail is not None else 0
@@ -161,7 +162,9 @@ class _Seq:
         self.row = -1
         self.chunks_left = 0
         self.in_flight: deque[bool] = deque()  # True for the final chunk
-        self.generated = 0
+        self.start = 0
+        """The scheduler's decode tick when it started decoding: it has generated
+        `ticks - start` tokens since (`SimScheduler.generated`)."""
         self.aborted = False
         self.decoding = False  # its final chunk's result was delivered (not aborted)
         self.status = 0
@@ -187,6 +190,19 @@ class SimScheduler:
         self.aborts: list[Any] = []
         self.dispatch_failures: set[Any] = set()
         self._replies: dict[tuple[str, int], list[int]] = {}
+        self.decoders: dict[int, _Seq] = {}
+        """The rows of `by_row` whose sequence decodes (`decoding`, not aborted)."""
+        self._failers: dict[int, _Seq] = {}
+        """The rows of `decoders` the scheduler fails halfway (`fail_status`)."""
+        self.ticks = 0
+        """Decode steps made so far (steps whose decoding rows each took a token): a
+        decoding sequence's count of generated tokens is `ticks - seq.start`, so a
+        token costs no Python work per row; what happens at a count (its first
+        output, its finish) is booked under the tick it happens at."""
+        self._firsts: dict[int, list[_Seq]] = {}
+        """Tick -> sequences whose first token it makes (their `on_output`)."""
+        self._finishing: dict[int, list[_Seq]] = {}
+        """Tick -> sequences whose last token (`max_new`) it makes."""
         running.on_retired = self._retired
 
     # -- SchedulerLink ----------------------------------------------------------------
@@ -235,7 +251,8 @@ class SimScheduler:
             if seq.in_flight:
                 if seq.in_flight.popleft():
                     last.append(seq.row)
-                    seq.decoding = not seq.aborted
+                    if not seq.aborted:
+                        self._start_decoding(seq)
                 else:
                     done.append(seq.row)
                 if not seq.in_flight and not seq.chunks_left:
@@ -258,40 +275,77 @@ class SimScheduler:
                 seq.in_flight.append(seq.chunks_left == 0)
             rb.queue(rows, ChunkLaunched)
         # Decode: every decoding row gets one token (one KV slot each, one alloc), in
-        # row order.
-        decoding = [seq for seq in self.by_row.values() if seq.decoding and not seq.aborted]
-        if decoding:
-            decoding.sort(key=_row)
-            failing = [seq for seq in decoding
-                       if seq.fail_status and seq.generated >= seq.max_new // 2]
+        # row order; a row the scheduler fails halfway fails before its token.
+        decoders = self.decoders
+        if self._failers:
+            ticks = self.ticks
+            failing = sorted((seq for seq in self._failers.values()
+                              if ticks - seq.start >= seq.max_new // 2), key=_row)
             if failing:
                 for seq in failing:
                     seq.status = seq.fail_status
-                    seq.decoding = False
+                    self._stop_decoding(seq)
                 rb.queue([seq.row for seq in failing], Fail)
-                decoding = [seq for seq in decoding if seq.decoding]
-            rows = [seq.row for seq in decoding]
-            if rows and rb.append_kv(rows, [1] * len(rows)):
+        if decoders:
+            rows = sorted(decoders)
+            if rb.append_kv(rows, [1] * len(rows)):
                 rb.queue(rows, Token)
-                finished = []
+                self.ticks = ticks = self.ticks + 1
+                firsts = self._firsts.pop(ticks, None)
                 tok = self.tokenizer
-                for seq in decoding:
-                    g = seq.generated
-                    toks = seq.tokens
-                    if toks is not None:
-                        reply = seq.reply
-                        if reply is None:
-                            reply = seq.reply = self._reply(seq)
-                        toks.append(reply[g] if g < len(reply) else 1)
-                    g += 1
-                    seq.generated = g
-                    if g == 1 and tok is not None:
-                        tok.on_output(seq.rid)
-                    if g >= seq.max_new:
-                        finished.append(seq.row)
-                        seq.decoding = False
-                rb.queue(finished, Finish)
+                if firsts is not None and tok is not None:
+                    firsts.sort(key=_row)
+                    for seq in firsts:
+                        if decoders.get(seq.row) is seq:
+                            tok.on_output(seq.rid)
+                ending = self._finishing.pop(ticks, None)
+                if ending is not None:
+                    ending.sort(key=_row)
+                    finished = []
+                    for seq in ending:
+                        if decoders.get(seq.row) is seq:
+                            self._stop_decoding(seq)
+                            if seq.tokens is not None:
+                                self._extend_reply(seq)
+                            finished.append(seq.row)
+                    rb.queue(finished, Finish)
         rb.flush()
+
+    def generated(self, seq: _Seq) -> int:
+        """Tokens `seq` generated so far (while it decodes)."""
+        return self.ticks - seq.start
+
+    def _start_decoding(self, seq: _Seq) -> None:
+        """Its final chunk's result is delivered: it decodes from this step on (its
+        first token at the next tick, its last at `max_new` ticks from now)."""
+        seq.decoding = True
+        t = seq.start = self.ticks
+        self.decoders[seq.row] = seq
+        if seq.fail_status:
+            self._failers[seq.row] = seq
+        self._firsts.setdefault(t + 1, []).append(seq)
+        self._finishing.setdefault(t + max(seq.max_new, 1), []).append(seq)
+
+    def _stop_decoding(self, seq: _Seq) -> None:
+        """It finished, failed, was aborted or retired: no more tokens (what is booked
+        for it under later ticks is skipped: it is no longer in `decoders`)."""
+        seq.decoding = False
+        if self.decoders.get(seq.row) is seq:
+            del self.decoders[seq.row]
+            self._failers.pop(seq.row, None)
+
+    def _extend_reply(self, seq: _Seq) -> None:
+        """Append its `max_new` generated tokens to its token ids (the prefix cache's key
+        when it retires): the reply's, then 1s past a short reply."""
+        toks = seq.tokens
+        assert toks is not None
+        reply = seq.reply
+        if reply is None:
+            reply = seq.reply = self._reply(seq)
+        n = max(seq.max_new, 1)
+        toks += reply[:n]
+        if len(reply) < n:
+            toks += [1] * (n - len(reply))
 
     def _reply(self, seq: _Seq) -> list[int]:
         """`seq`'s reply tokens (`workload.reply_tokens`, a pure function of the request
@@ -372,6 +426,8 @@ class SimScheduler:
             if seq is None or seq.aborted:
                 continue  # already retired, or a duplicate: the echo went out
             seq.aborted = True
+            if seq.decoding:
+                self._stop_decoding(seq)
             if seq.row < 0:  # still queued: it never owned a row
                 self.queue.remove(seq)
                 del self.by_rid[rid]
@@ -385,6 +441,8 @@ class SimScheduler:
         seqs = [self.by_row.pop(r) for r in rows.tolist()]
         for seq in seqs:
             self.prefilling.pop(seq.row, None)
+            if seq.decoding:
+                self._stop_decoding(seq)
         errors: list[Exception] = []
         for seq in seqs:  # one echo refused (a LoRA release underflowing) stops no other
             self.by_rid.pop(seq.rid, None)
