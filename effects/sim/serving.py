@@ -636,6 +636,11 @@ class SimPrefetch:
                                    insert=self._inserter(r)) for r in range(cfg.ranks)]
         self.ranks = SimulatedRanks(self.sites, grid_partitions(cfg.ranks, cfg.tp))
         self.live: dict[Any, tuple[int, int]] = {}  # rid -> (start step, pages)
+        self._waiting: dict[Any, list[PrefetchSite]] = {}
+        """rid -> the ranks whose prefetch of it has not ended, each in `pending`
+        until `_active` holds it (what `step` did to it: only `step` moves a live
+        prefetch, so it reads no state back)."""
+        self._active: set[tuple[Any, int]] = set()  # (rid, rank) whose I/O runs
         self.deadlocks = 0
         self.aborts = 0
         self.failing: set[Any] = set()  # rids whose abort collective raises
@@ -652,23 +657,34 @@ class SimPrefetch:
         for s in self.sites:
             s.queue(rid)
         self.live[rid] = (now, pages)
+        self._waiting[rid] = list(self.sites)
 
     def step(self, now: int) -> None:
         """Start (rank r waits r steps), transfer one page a step, complete."""
         done = []
+        active = self._active
+        waiting = self._waiting
         for rid, (t0, pages) in self.live.items():
-            finished = 0
-            for s in self.sites:
-                inst = s.requests[rid]
-                if inst.state == "pending" and now >= t0 + s.rank:
-                    s.start(rid, pages)
-                elif inst.state == "active" and s.transfer(rid, 1) >= pages:
-                    s.complete(rid)
-                finished += inst.terminal
-            if finished == len(self.sites):
-                done.append(rid)
+            ranks = waiting[rid]
+            ended = False
+            for s in ranks:
+                key = (rid, s.rank)
+                if key in active:
+                    if s.transfer(rid, 1) >= pages:
+                        s.complete(rid)
+                        if s.requests[rid].terminal:
+                            active.discard(key)
+                            ended = True
+                elif now >= t0 + s.rank and s.start(rid, pages) is not None:
+                    active.add(key)  # (None: host pages short, still pending)
+            if ended:
+                ranks = waiting[rid] = [s for s in ranks if (rid, s.rank) in active
+                                        or not s.requests[rid].terminal]
+                if not ranks:
+                    done.append(rid)
         for rid in done:
             del self.live[rid]
+            del waiting[rid]
             for s in self.sites:
                 s.forget(rid)  # ended on every rank: nothing can reach it any more
         # Cache eviction under pressure, as a real host cache does.
@@ -684,6 +700,8 @@ class SimPrefetch:
         if rid not in self.live:
             return
         del self.live[rid]
+        for s in self._waiting.pop(rid):
+            self._active.discard((rid, s.rank))
         self.aborts += 1
         outcomes = self.abort_on_ranks(rid)
         errors = [o for o in outcomes if isinstance(o, BaseException)]

@@ -135,12 +135,10 @@ _IDS = numpy.arange(1 << 16, dtype=numpy.int64) % 32000 + 1
 """Token id of each 16-bit draw."""
 
 
-@functools.lru_cache(maxsize=4096)
-def _segment(key: str, n: int) -> tuple[int, ...]:
-    """`n` token ids (1..32000) seeded by `key` (the same key always gives the same ids;
-    system prompts and conversation turns recur, so recent segments are kept): each
-    id is a native-order 16-bit draw mod 32000, plus 1 (array arithmetic, not a loop
-    in Python).
+def _draw(key: str, n: int) -> tuple[int, ...]:
+    """`n` token ids (1..32000) seeded by `key` (the same key always gives the same
+    ids): each id is a native-order 16-bit draw mod 32000, plus 1 (array arithmetic,
+    not a loop in Python).
 
     The draws are `random.Random(key).randbytes(2 * n)`'s, made without building a
     generator per segment: the seed is the integer `Random.seed` makes of a str (its
@@ -156,6 +154,16 @@ def _segment(key: str, n: int) -> tuple[int, ...]:
     return tuple(_IDS[raw].tolist())
 
 
+@functools.lru_cache(maxsize=4096)
+def _segment(key: str, n: int) -> tuple[int, ...]:
+    """`_draw(key, n)`, kept: the segments that recur (system prompts, conversation
+    turns and replies). A request's own segments (the rest of its prompt, a reply
+    that no later turn repeats) are drawn by `_draw` uncached: tens of thousands of
+    them would push out the few hundred that recur, each then drawn again (a new
+    seed each: the draw's main cost)."""
+    return _draw(key, n)
+
+
 @functools.lru_cache(maxsize=1024)
 def _prompt(spec: RequestSpec, seed: int) -> tuple[int, ...]:
     head = f"{seed}/"
@@ -167,7 +175,7 @@ def _prompt(spec: RequestSpec, seed: int) -> tuple[int, ...]:
             out += _segment(f"{conv}{j}", n)
     rest = spec.prompt_len - len(out)
     if rest > 0:  # (a conversation's prompt is its system prompt and turns only)
-        out += _segment(head + spec.rid, rest)
+        out += _draw(head + spec.rid, rest)
     return out if len(out) == spec.prompt_len else out[:spec.prompt_len]
 
 
@@ -182,7 +190,7 @@ def reply_tokens(spec: RequestSpec, n: int, seed: int = 0) -> list[int]:
     has them in its prompt)."""
     if spec.conv >= 0:
         return list(_segment(f"{seed}/conv/{spec.conv}/{len(spec.history)}", n))
-    return list(_segment(f"{seed}/{spec.rid}/reply", n))
+    return list(_draw(f"{seed}/{spec.rid}/reply", n))
 
 
 def _below(bits: Callable[[int], int], n: int) -> int:
