@@ -1,7 +1,8 @@
 """The simulator's skeleton keeps what it computes instead of re-reading it every step:
 the scheduler counts a decoding row's tokens as the decode tick minus its start (its
 first output and finish booked under their tick, its token ids appended when it
-finishes), and the prefetch driver keeps which ranks run I/O. Each is checked here
+finishes), a chunk's size is a whole chunk or the sequence's `tail` (set once, when
+seated), and the prefetch driver keeps which ranks run I/O. Each is checked here
 against the per-row reference it replaced (kept in this file), also on runs whose
 decode steps and prefetch starts are refused now and then (a short pool): the same
 transitions, in the same order, the same outputs, the same prefix-cache figures and
@@ -54,7 +55,10 @@ class ReferenceScheduler(SimScheduler):
             if not seqs:
                 break
             rows = [seq.row for seq in seqs]
-            if not rb.append_kv(rows, self._chunk_sizes(seqs)):
+            c = self.cfg.chunk_size
+            sizes = [max(1, min(c, seq.prompt - (-(-seq.prompt // c) - seq.chunks_left) * c))
+                     for seq in seqs]
+            if not rb.append_kv(rows, sizes):
                 break
             for seq in seqs:
                 seq.chunks_left -= 1

@@ -144,7 +144,8 @@ class _Seq:
     """The scheduler's view of one sequence: its spec, progress and row."""
 
     __slots__ = ("aborted", "chunks_left", "decoding", "fail", "fail_status", "in_flight",
-                 "max_new", "prompt", "reply", "rid", "row", "start", "status", "tokens")
+                 "max_new", "prompt", "reply", "rid", "row", "start", "status", "tail",
+                 "tokens")
 
     def __init__(self, rid: Any, prompt: int, max_new: int, fail: str | None,
                  tokens: list[int] | None = None, reply: list[int] | None = None) -> None:
@@ -161,6 +162,8 @@ class _Seq:
         """The status the scheduler fails it with halfway through decode (0: none)."""
         self.row = -1
         self.chunks_left = 0
+        self.tail = 0
+        """Tokens of its final chunk (the others are whole chunks), set when seated."""
         self.in_flight: deque[bool] = deque()  # True for the final chunk
         self.start = 0
         """The scheduler's decode tick when it started decoding: it has generated
@@ -262,13 +265,15 @@ class SimScheduler:
         rb.queue(done, ChunkDone)
         rb.queue(last, LastChunkDone)
         # Launch chunks: up to two in flight per row (the next overlapped).
+        c = self.cfg.chunk_size
         for _ in range(2):
             seqs = [seq for seq in self.prefilling.values()
                     if seq.chunks_left and not seq.aborted and len(seq.in_flight) < 2]
             if not seqs:
                 break
             rows = [seq.row for seq in seqs]
-            if not rb.append_kv(rows, self._chunk_sizes(seqs)):
+            sizes = [c if seq.chunks_left > 1 else seq.tail for seq in seqs]
+            if not rb.append_kv(rows, sizes):
                 break  # KV is short: the chunks wait for pages to come back
             for seq in seqs:
                 seq.chunks_left -= 1
@@ -360,15 +365,6 @@ class SimScheduler:
             got = self._replies[key] = reply_tokens(spec, seq.max_new)
         return got
 
-    def _chunk_sizes(self, seqs: list[_Seq]) -> list[int]:
-        """Tokens of each sequence's next chunk: full chunks, then the remainder."""
-        c = self.cfg.chunk_size
-        sizes = []
-        for seq in seqs:
-            launched = -(-seq.prompt // c) - seq.chunks_left
-            sizes.append(max(1, min(c, seq.prompt - launched * c)))
-        return sizes
-
     def _admit(self) -> None:
         rb = self.running
         k = min(len(self.queue), rb.pools.table.available)
@@ -412,10 +408,15 @@ class SimScheduler:
 
     def _seat(self, batch: list[_Seq], rows: torch.Tensor) -> None:
         rb = self.running
+        c = self.cfg.chunk_size
         for seq, r in zip(batch, rows.tolist(), strict=True):
             seq.row = r
             seq.prompt -= rb.matched(r)  # the cached prefix is not prefilled again
-            seq.chunks_left = max(1, -(-seq.prompt // self.cfg.chunk_size))
+            k = -(-seq.prompt // c)
+            seq.chunks_left = max(1, k)
+            # Its final chunk: what the whole chunks before it leave (a prompt the
+            # cache holds entirely still prefills one whole chunk).
+            seq.tail = max(1, min(c, seq.prompt - (k - 1) * c))
             self.by_row[r] = seq
             self.prefilling[r] = seq
 
