@@ -144,12 +144,14 @@ class _Seq:
     """The scheduler's view of one sequence: its spec, progress and row."""
 
     __slots__ = ("aborted", "chunks_left", "decoding", "fail", "fail_status", "in_flight",
-                 "max_new", "prompt", "reply", "rid", "row", "start", "status", "tail",
-                 "tokens")
+                 "mamba", "max_new", "prompt", "reply", "rid", "row", "start", "status",
+                 "tail", "tokens")
 
     def __init__(self, rid: Any, prompt: int, max_new: int, fail: str | None,
-                 tokens: list[int] | None = None, reply: list[int] | None = None) -> None:
+                 tokens: list[int] | None = None, reply: list[int] | None = None,
+                 mamba: bool = False) -> None:
         self.rid = rid
+        self.mamba = mamba  # its request's `RequestSpec.mamba` (it takes a Mamba slot)
         self.prompt = prompt  # prompt tokens still to prefill (past the cached prefix)
         self.tokens = tokens  # prompt and generated token ids (the prefix cache's key)
         self.reply = reply
@@ -223,7 +225,7 @@ class SimScheduler:
             ids = prompt_tokens(spec)  # a list of its own: cut in place
             if len(ids) > n:
                 del ids[n:]
-        seq = _Seq(rid, n, max_new, None if warmup else spec.fault, ids)
+        seq = _Seq(rid, n, max_new, None if warmup else spec.fault, ids, mamba=spec.mamba)
         self.queue.append(seq)
         self.by_rid[rid] = seq
 
@@ -372,7 +374,7 @@ class SimScheduler:
         flags: list[bool] = []
         if k and rb.cache is None:
             head = list(itertools.islice(self.queue, k))
-            flags = [self.spec_of(seq.rid).mamba for seq in head]
+            flags = [seq.mamba for seq in head]
         if head and sum(flags) <= rb.pools.mamba.available_size():
             # Everything at the head fits: the runs admit exactly as one by one would
             # (each run all or nothing, none refused), in one admission per kind. With a
@@ -392,11 +394,11 @@ class SimScheduler:
             if k == 0:
                 return
             # One admission per Mamba/no-Mamba run at the head of the queue.
-            mamba = self.spec_of(self.queue[0].rid).mamba
+            queue = self.queue
+            mamba = queue[0].mamba
             batch: list[_Seq] = []
-            while self.queue and len(batch) < k and self.spec_of(
-                    self.queue[0].rid).mamba == mamba:
-                batch.append(self.queue.popleft())
+            while queue and len(batch) < k and queue[0].mamba == mamba:
+                batch.append(queue.popleft())
             prompts = None
             if rb.cache is not None:
                 prompts = [seq.tokens if seq.tokens is not None else [] for seq in batch]
