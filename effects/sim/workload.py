@@ -152,7 +152,7 @@ def _draw(key: str, n: int) -> list[int]:
     _seed(_MT, int.from_bytes(b + _sha512(b).digest(), "big"))
     raw = numpy.frombuffer(_getrandbits(_MT, 16 * n).to_bytes(2 * n, "little"),
                            dtype=numpy.uint16)
-    return _IDS.take(raw).tolist()  # type: ignore[no-any-return]
+    return _IDS.take(raw).tolist()
 
 
 @functools.lru_cache(maxsize=4096)
