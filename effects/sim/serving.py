@@ -143,25 +143,33 @@ class FakeTokenizer:
 class _Seq:
     """The scheduler's view of one sequence: its spec, progress and row."""
 
-    __slots__ = ("aborted", "chunks_left", "decoding", "fail", "fail_status", "generated",
-                 "in_flight", "max_new", "prompt", "reply", "rid", "row", "status", "tokens")
+    __slots__ = ("aborted", "chunks_left", "decoding", "fail", "fail_status", "in_flight",
+                 "mamba", "max_new", "prompt", "reply", "rid", "row", "start", "status",
+                 "tail", "tokens")
 
     def __init__(self, rid: Any, prompt: int, max_new: int, fail: str | None,
-                 tokens: list[int] | None = None, reply: list[int] | None = None) -> None:
+                 tokens: list[int] | None = None, reply: list[int] | None = None,
+                 mamba: bool = False) -> None:
         self.rid = rid
+        self.mamba = mamba  # its request's `RequestSpec.mamba` (it takes a Mamba slot)
         self.prompt = prompt  # prompt tokens still to prefill (past the cached prefix)
         self.tokens = tokens  # prompt and generated token ids (the prefix cache's key)
         self.reply = reply
-        """The tokens the model replies (with `tokens` only), read at its first decode
-        step: a sequence aborted before it never makes them."""
+        """The tokens the model replies (with `tokens` only), read when it finishes (its
+        prefix-cache key is then its prompt and reply): a sequence aborted or failed
+        before never makes them."""
         self.max_new = max_new
         self.fail = fail
         self.fail_status = _STATUS.get(fail, 0) if fail is not None else 0
         """The status the scheduler fails it with halfway through decode (0: none)."""
         self.row = -1
         self.chunks_left = 0
+        self.tail = 0
+        """Tokens of its final chunk (the others are whole chunks), set when seated."""
         self.in_flight: deque[bool] = deque()  # True for the final chunk
-        self.generated = 0
+        self.start = 0
+        """The scheduler's decode tick when it started decoding: it has generated
+        `ticks - start` tokens since (`SimScheduler.generated`)."""
         self.aborted = False
         self.decoding = False  # its final chunk's result was delivered (not aborted)
         self.status = 0
@@ -187,6 +195,19 @@ class SimScheduler:
         self.aborts: list[Any] = []
         self.dispatch_failures: set[Any] = set()
         self._replies: dict[tuple[str, int], list[int]] = {}
+        self.decoders: dict[int, _Seq] = {}
+        """The rows of `by_row` whose sequence decodes (`decoding`, not aborted)."""
+        self._failers: dict[int, _Seq] = {}
+        """The rows of `decoders` the scheduler fails halfway (`fail_status`)."""
+        self.ticks = 0
+        """Decode steps made so far (steps whose decoding rows each took a token): a
+        decoding sequence's count of generated tokens is `ticks - seq.start`, so a
+        token costs no Python work per row; what happens at a count (its first
+        output, its finish) is booked under the tick it happens at."""
+        self._firsts: dict[int, list[_Seq]] = {}
+        """Tick -> sequences whose first token it makes (their `on_output`)."""
+        self._finishing: dict[int, list[_Seq]] = {}
+        """Tick -> sequences whose last token (`max_new`) it makes."""
         running.on_retired = self._retired
 
     # -- SchedulerLink ----------------------------------------------------------------
@@ -204,7 +225,7 @@ class SimScheduler:
             ids = prompt_tokens(spec)  # a list of its own: cut in place
             if len(ids) > n:
                 del ids[n:]
-        seq = _Seq(rid, n, max_new, None if warmup else spec.fault, ids)
+        seq = _Seq(rid, n, max_new, None if warmup else spec.fault, ids, mamba=spec.mamba)
         self.queue.append(seq)
         self.by_rid[rid] = seq
 
@@ -235,7 +256,8 @@ class SimScheduler:
             if seq.in_flight:
                 if seq.in_flight.popleft():
                     last.append(seq.row)
-                    seq.decoding = not seq.aborted
+                    if not seq.aborted:
+                        self._start_decoding(seq)
                 else:
                     done.append(seq.row)
                 if not seq.in_flight and not seq.chunks_left:
@@ -245,53 +267,92 @@ class SimScheduler:
         rb.queue(done, ChunkDone)
         rb.queue(last, LastChunkDone)
         # Launch chunks: up to two in flight per row (the next overlapped).
+        c = self.cfg.chunk_size
         for _ in range(2):
             seqs = [seq for seq in self.prefilling.values()
                     if seq.chunks_left and not seq.aborted and len(seq.in_flight) < 2]
             if not seqs:
                 break
             rows = [seq.row for seq in seqs]
-            if not rb.append_kv(rows, self._chunk_sizes(seqs)):
+            sizes = [c if seq.chunks_left > 1 else seq.tail for seq in seqs]
+            if not rb.append_kv(rows, sizes):
                 break  # KV is short: the chunks wait for pages to come back
             for seq in seqs:
                 seq.chunks_left -= 1
                 seq.in_flight.append(seq.chunks_left == 0)
             rb.queue(rows, ChunkLaunched)
         # Decode: every decoding row gets one token (one KV slot each, one alloc), in
-        # row order.
-        decoding = [seq for seq in self.by_row.values() if seq.decoding and not seq.aborted]
-        if decoding:
-            decoding.sort(key=_row)
-            failing = [seq for seq in decoding
-                       if seq.fail_status and seq.generated >= seq.max_new // 2]
+        # row order; a row the scheduler fails halfway fails before its token.
+        decoders = self.decoders
+        if self._failers:
+            ticks = self.ticks
+            failing = sorted((seq for seq in self._failers.values()
+                              if ticks - seq.start >= seq.max_new // 2), key=_row)
             if failing:
                 for seq in failing:
                     seq.status = seq.fail_status
-                    seq.decoding = False
+                    self._stop_decoding(seq)
                 rb.queue([seq.row for seq in failing], Fail)
-                decoding = [seq for seq in decoding if seq.decoding]
-            rows = [seq.row for seq in decoding]
-            if rows and rb.append_kv(rows, [1] * len(rows)):
+        if decoders:
+            rows = sorted(decoders)
+            if rb.append_kv(rows, [1] * len(rows)):
                 rb.queue(rows, Token)
-                finished = []
+                self.ticks = ticks = self.ticks + 1
+                firsts = self._firsts.pop(ticks, None)
                 tok = self.tokenizer
-                for seq in decoding:
-                    g = seq.generated
-                    toks = seq.tokens
-                    if toks is not None:
-                        reply = seq.reply
-                        if reply is None:
-                            reply = seq.reply = self._reply(seq)
-                        toks.append(reply[g] if g < len(reply) else 1)
-                    g += 1
-                    seq.generated = g
-                    if g == 1 and tok is not None:
-                        tok.on_output(seq.rid)
-                    if g >= seq.max_new:
-                        finished.append(seq.row)
-                        seq.decoding = False
-                rb.queue(finished, Finish)
+                if firsts is not None and tok is not None:
+                    firsts.sort(key=_row)
+                    for seq in firsts:
+                        if decoders.get(seq.row) is seq:
+                            tok.on_output(seq.rid)
+                ending = self._finishing.pop(ticks, None)
+                if ending is not None:
+                    ending.sort(key=_row)
+                    finished = []
+                    for seq in ending:
+                        if decoders.get(seq.row) is seq:
+                            self._stop_decoding(seq)
+                            if seq.tokens is not None:
+                                self._extend_reply(seq)
+                            finished.append(seq.row)
+                    rb.queue(finished, Finish)
         rb.flush()
+
+    def generated(self, seq: _Seq) -> int:
+        """Tokens `seq` generated so far (while it decodes)."""
+        return self.ticks - seq.start
+
+    def _start_decoding(self, seq: _Seq) -> None:
+        """Its final chunk's result is delivered: it decodes from this step on (its
+        first token at the next tick, its last at `max_new` ticks from now)."""
+        seq.decoding = True
+        t = seq.start = self.ticks
+        self.decoders[seq.row] = seq
+        if seq.fail_status:
+            self._failers[seq.row] = seq
+        self._firsts.setdefault(t + 1, []).append(seq)
+        self._finishing.setdefault(t + max(seq.max_new, 1), []).append(seq)
+
+    def _stop_decoding(self, seq: _Seq) -> None:
+        """It finished, failed, was aborted or retired: no more tokens (what is booked
+        for it under later ticks is skipped: it is no longer in `decoders`)."""
+        seq.decoding = False
+        if self.decoders.get(seq.row) is seq:
+            del self.decoders[seq.row]
+            self._failers.pop(seq.row, None)
+
+    def _extend_reply(self, seq: _Seq) -> None:
+        """Append its `max_new` generated tokens to its token ids (the prefix cache's key
+        when it retires): the reply's, then 1s past a short reply."""
+        toks = seq.tokens
+        assert toks is not None
+        reply = seq.reply
+        if reply is None:
+            reply = seq.reply = self._reply(seq)
+        n = max(seq.max_new, 1)
+        toks += reply[:n]
+        if len(reply) < n:
+            toks += [1] * (n - len(reply))
 
     def _reply(self, seq: _Seq) -> list[int]:
         """`seq`'s reply tokens (`workload.reply_tokens`, a pure function of the request
@@ -306,15 +367,6 @@ class SimScheduler:
             got = self._replies[key] = reply_tokens(spec, seq.max_new)
         return got
 
-    def _chunk_sizes(self, seqs: list[_Seq]) -> list[int]:
-        """Tokens of each sequence's next chunk: full chunks, then the remainder."""
-        c = self.cfg.chunk_size
-        sizes = []
-        for seq in seqs:
-            launched = -(-seq.prompt // c) - seq.chunks_left
-            sizes.append(max(1, min(c, seq.prompt - launched * c)))
-        return sizes
-
     def _admit(self) -> None:
         rb = self.running
         k = min(len(self.queue), rb.pools.table.available)
@@ -322,7 +374,7 @@ class SimScheduler:
         flags: list[bool] = []
         if k and rb.cache is None:
             head = list(itertools.islice(self.queue, k))
-            flags = [self.spec_of(seq.rid).mamba for seq in head]
+            flags = [seq.mamba for seq in head]
         if head and sum(flags) <= rb.pools.mamba.available_size():
             # Everything at the head fits: the runs admit exactly as one by one would
             # (each run all or nothing, none refused), in one admission per kind. With a
@@ -342,11 +394,11 @@ class SimScheduler:
             if k == 0:
                 return
             # One admission per Mamba/no-Mamba run at the head of the queue.
-            mamba = self.spec_of(self.queue[0].rid).mamba
+            queue = self.queue
+            mamba = queue[0].mamba
             batch: list[_Seq] = []
-            while self.queue and len(batch) < k and self.spec_of(
-                    self.queue[0].rid).mamba == mamba:
-                batch.append(self.queue.popleft())
+            while queue and len(batch) < k and queue[0].mamba == mamba:
+                batch.append(queue.popleft())
             prompts = None
             if rb.cache is not None:
                 prompts = [seq.tokens if seq.tokens is not None else [] for seq in batch]
@@ -358,10 +410,15 @@ class SimScheduler:
 
     def _seat(self, batch: list[_Seq], rows: torch.Tensor) -> None:
         rb = self.running
+        c = self.cfg.chunk_size
         for seq, r in zip(batch, rows.tolist(), strict=True):
             seq.row = r
             seq.prompt -= rb.matched(r)  # the cached prefix is not prefilled again
-            seq.chunks_left = max(1, -(-seq.prompt // self.cfg.chunk_size))
+            k = -(-seq.prompt // c)
+            seq.chunks_left = max(1, k)
+            # Its final chunk: what the whole chunks before it leave (a prompt the
+            # cache holds entirely still prefills one whole chunk).
+            seq.tail = max(1, min(c, seq.prompt - (k - 1) * c))
             self.by_row[r] = seq
             self.prefilling[r] = seq
 
@@ -372,6 +429,8 @@ class SimScheduler:
             if seq is None or seq.aborted:
                 continue  # already retired, or a duplicate: the echo went out
             seq.aborted = True
+            if seq.decoding:
+                self._stop_decoding(seq)
             if seq.row < 0:  # still queued: it never owned a row
                 self.queue.remove(seq)
                 del self.by_rid[rid]
@@ -385,6 +444,8 @@ class SimScheduler:
         seqs = [self.by_row.pop(r) for r in rows.tolist()]
         for seq in seqs:
             self.prefilling.pop(seq.row, None)
+            if seq.decoding:
+                self._stop_decoding(seq)
         errors: list[Exception] = []
         for seq in seqs:  # one echo refused (a LoRA release underflowing) stops no other
             self.by_rid.pop(seq.rid, None)
@@ -578,6 +639,11 @@ class SimPrefetch:
                                    insert=self._inserter(r)) for r in range(cfg.ranks)]
         self.ranks = SimulatedRanks(self.sites, grid_partitions(cfg.ranks, cfg.tp))
         self.live: dict[Any, tuple[int, int]] = {}  # rid -> (start step, pages)
+        self._waiting: dict[Any, list[PrefetchSite]] = {}
+        """rid -> the ranks whose prefetch of it has not ended, each in `pending`
+        until `_active` holds it (what `step` did to it: only `step` moves a live
+        prefetch, so it reads no state back)."""
+        self._active: set[tuple[Any, int]] = set()  # (rid, rank) whose I/O runs
         self.deadlocks = 0
         self.aborts = 0
         self.failing: set[Any] = set()  # rids whose abort collective raises
@@ -594,23 +660,34 @@ class SimPrefetch:
         for s in self.sites:
             s.queue(rid)
         self.live[rid] = (now, pages)
+        self._waiting[rid] = list(self.sites)
 
     def step(self, now: int) -> None:
         """Start (rank r waits r steps), transfer one page a step, complete."""
         done = []
+        active = self._active
+        waiting = self._waiting
         for rid, (t0, pages) in self.live.items():
-            finished = 0
-            for s in self.sites:
-                inst = s.requests[rid]
-                if inst.state == "pending" and now >= t0 + s.rank:
-                    s.start(rid, pages)
-                elif inst.state == "active" and s.transfer(rid, 1) >= pages:
-                    s.complete(rid)
-                finished += inst.terminal
-            if finished == len(self.sites):
-                done.append(rid)
+            ranks = waiting[rid]
+            ended = False
+            for s in ranks:
+                key = (rid, s.rank)
+                if key in active:
+                    if s.transfer(rid, 1) >= pages:
+                        s.complete(rid)
+                        if s.requests[rid].terminal:
+                            active.discard(key)
+                            ended = True
+                elif now >= t0 + s.rank and s.start(rid, pages) is not None:
+                    active.add(key)  # (None: host pages short, still pending)
+            if ended:
+                ranks = waiting[rid] = [s for s in ranks if (rid, s.rank) in active
+                                        or not s.requests[rid].terminal]
+                if not ranks:
+                    done.append(rid)
         for rid in done:
             del self.live[rid]
+            del waiting[rid]
             for s in self.sites:
                 s.forget(rid)  # ended on every rank: nothing can reach it any more
         # Cache eviction under pressure, as a real host cache does.
@@ -626,6 +703,8 @@ class SimPrefetch:
         if rid not in self.live:
             return
         del self.live[rid]
+        for s in self._waiting.pop(rid):
+            self._active.discard((rid, s.rank))
         self.aborts += 1
         outcomes = self.abort_on_ranks(rid)
         errors = [o for o in outcomes if isinstance(o, BaseException)]

@@ -131,16 +131,15 @@ _MT = _random.Random()
 """One generator, reseeded for every segment (`_segment`)."""
 _seed = _random.Random.seed
 _getrandbits = _random.Random.getrandbits
-_IDS = numpy.arange(1 << 16, dtype=numpy.int64) % 32000 + 1
-"""Token id of each 16-bit draw."""
+_IDS = numpy.array(range(1, 32001), dtype=object)[numpy.arange(1 << 16) % 32000]
+"""Token id of each 16-bit draw: the int objects themselves (an object array), so
+a draw's `tolist()` shares them instead of making an int per token."""
 
 
-@functools.lru_cache(maxsize=4096)
-def _segment(key: str, n: int) -> tuple[int, ...]:
-    """`n` token ids (1..32000) seeded by `key` (the same key always gives the same ids;
-    system prompts and conversation turns recur, so recent segments are kept): each
-    id is a native-order 16-bit draw mod 32000, plus 1 (array arithmetic, not a loop
-    in Python).
+def _draw(key: str, n: int) -> list[int]:
+    """`n` token ids (1..32000) seeded by `key` (the same key always gives the same
+    ids), a new list: each id is a native-order 16-bit draw mod 32000, plus 1 (array
+    indexing, not a loop in Python).
 
     The draws are `random.Random(key).randbytes(2 * n)`'s, made without building a
     generator per segment: the seed is the integer `Random.seed` makes of a str (its
@@ -148,27 +147,40 @@ def _segment(key: str, n: int) -> tuple[int, ...]:
     and `randbytes` is `getrandbits` as little-endian bytes.
     """
     if n == 0:
-        return ()
+        return []
     b = key.encode()
     _seed(_MT, int.from_bytes(b + _sha512(b).digest(), "big"))
     raw = numpy.frombuffer(_getrandbits(_MT, 16 * n).to_bytes(2 * n, "little"),
                            dtype=numpy.uint16)
-    return tuple(_IDS[raw].tolist())
+    return _IDS.take(raw).tolist()
+
+
+@functools.lru_cache(maxsize=4096)
+def _segment(key: str, n: int) -> tuple[int, ...]:
+    """`_draw(key, n)`, kept: the segments that recur (system prompts, conversation
+    turns and replies). A request's own segments (the rest of its prompt, a reply
+    that no later turn repeats) are drawn by `_draw` uncached: tens of thousands of
+    them would push out the few hundred that recur, each then drawn again (a new
+    seed each: the draw's main cost)."""
+    return tuple(_draw(key, n))
 
 
 @functools.lru_cache(maxsize=1024)
 def _prompt(spec: RequestSpec, seed: int) -> tuple[int, ...]:
     head = f"{seed}/"
-    out = _segment(f"{head}system/{spec.system}", spec.system_len) if spec.system >= 0 \
-        else ()
+    out: list[int] = []
+    if spec.system >= 0:
+        out += _segment(f"{head}system/{spec.system}", spec.system_len)
     if spec.conv >= 0:
         conv = f"{head}conv/{spec.conv}/"
         for j, n in enumerate(spec.history):
             out += _segment(f"{conv}{j}", n)
     rest = spec.prompt_len - len(out)
     if rest > 0:  # (a conversation's prompt is its system prompt and turns only)
-        out += _segment(head + spec.rid, rest)
-    return out if len(out) == spec.prompt_len else out[:spec.prompt_len]
+        out += _draw(head + spec.rid, rest)
+    elif rest < 0:
+        del out[spec.prompt_len:]
+    return tuple(out)
 
 
 def prompt_tokens(spec: RequestSpec, seed: int = 0) -> list[int]:
@@ -182,7 +194,7 @@ def reply_tokens(spec: RequestSpec, n: int, seed: int = 0) -> list[int]:
     has them in its prompt)."""
     if spec.conv >= 0:
         return list(_segment(f"{seed}/conv/{spec.conv}/{len(spec.history)}", n))
-    return list(_segment(f"{seed}/{spec.rid}/reply", n))
+    return _draw(f"{seed}/{spec.rid}/reply", n)
 
 
 def _below(bits: Callable[[int], int], n: int) -> int:
