@@ -307,6 +307,11 @@ def release_batch(
             # no torch call on the way (see FreeStack.push_host).
             if flat is not None:
                 kv._free.push_host(flat)
+        elif type(kv) is TokenKVAllocator:
+            # Our own paged pool: their pages found and pushed from numpy (free_host:
+            # the same pages in the same order as free of a tensor, no tensor made).
+            if flat is not None:
+                kv.free_host(flat)
         else:
             kv.free(_empty(table) if flat is None else
                     torch.from_numpy(flat.copy() if aliased else flat))
