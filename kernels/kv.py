@@ -170,7 +170,10 @@ class TokenKVAllocator(StackPool):
         elif not indices.shape[0]:
             return
         elif indices.shape[0] <= _HOST_PAGES or not _NP_PAGES:
-            self._free.push_host(self._pages_few(indices.tolist()))
+            # A few tokens: divided by numpy, deduplicated and sorted by Python's set
+            # and sorted (no per-token bytecode; numpy's unique costs more on a few).
+            self._free.push_host(np.array(sorted(set((indices // self.page_size).tolist())),
+                                          dtype=np.int64))
         else:
             self._free.push_host(np.unique(indices // self.page_size))
 
