@@ -109,7 +109,8 @@ class RadixInsert:
     ``duplicate_count`` says how many duplicates there are without cutting.
     """
 
-    __slots__ = ("_dup", "_values", "node", "prefix_len", "taken", "taken_count")
+    __slots__ = ("_dup", "_values", "duplicate_count", "node", "prefix_len", "taken",
+                 "taken_count")
 
     def __init__(self, prefix_len: int, node: RadixNode, taken: torch.Tensor,
                  values: torch.Tensor, owned_from: int, dup_end: int, cached_end: int) -> None:
@@ -120,18 +121,14 @@ class RadixInsert:
         """``taken.numel()``, without asking the tensor."""
         self._values = values
         self._dup = (owned_from, dup_end, cached_end if cached_end > owned_from else owned_from)
+        self.duplicate_count = dup_end - owned_from
+        """``duplicates.numel()``, without cutting the view."""
 
     @property
     def duplicates(self) -> torch.Tensor:
         """The caller's indices of tokens the tree already held (the caller frees them)."""
         lo, hi, _ = self._dup
         return self._values[lo:hi]
-
-    @property
-    def duplicate_count(self) -> int:
-        """``duplicates.numel()``, without cutting the view."""
-        lo, hi, _ = self._dup
-        return hi - lo
 
     @property
     def leftover(self) -> torch.Tensor:
