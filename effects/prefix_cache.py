@@ -142,8 +142,7 @@ class PrefixCache:
         when the tree refuses; the caller's pages are then all still its own."""
         tree = self.tree
         res = tree.insert(tokens, kv_indices, owned_from=owned_from)
-        inserts = self.inserts
-        inserts[rid] = inserts.get(rid, 0) + 1  # (a Counter's += calls __missing__ first)
+        self.inserts[rid] += 1
         self.inserted_tokens += res.taken_count
         self.duplicate_tokens += res.duplicate_count
         held = tree.total_size()
