@@ -336,51 +336,86 @@ class FreeStack:
             return None
         if self._synced < self._top:
             self._sync()
+        if self._stack_np is not None and n:
+            got = self._pop_host(n)
+            if got is not None:
+                return torch.from_numpy(got)
+        return self._pop_tensor(n)
+
+    def pop_host(self, n: int) -> np.ndarray | None:
+        """``pop(n)`` of a CPU stack as a numpy array of its own (int64), or None when
+        fewer than ``n`` are free: for a pool that works on the ids with numpy, a tensor
+        and its ``.numpy()`` view less per call. The same checks and the same ids as
+        ``pop``; ValueError on a stack that is not on the CPU."""
+        if self._stack_host is None:
+            raise ValueError(f"{self.name}: pop_host needs a CPU free list; use pop()")
+        if n < 0:
+            raise ValueError(
+                f"{self.name}: cannot allocate a negative number ({n}); ask for n >= 0"
+            )
+        if n > self._top:
+            return None
+        if self._synced < self._top:
+            self._sync()
+        if self._stack_np is not None and n:
+            got = self._pop_host(n)
+            if got is not None:
+                return got
+        return self._pop_tensor(n).numpy()
+
+    def _pop_host(self, n: int) -> np.ndarray | None:
+        """The top ``n`` ids (0 < n <= top, counts synced) checked and taken on the host,
+        as a copy; None (nothing taken) when one of them is out of range or its count is
+        not exactly 1, for ``_pop_tensor`` to take and flag."""
         stack_np = self._stack_np
-        if stack_np is not None and n:
-            # CPU: checked and taken on the host (see __init__). Every id in range with a
-            # count of exactly 1 is the usual case; anything else takes the general path
-            # below, which flags it.
-            old = self._top
-            seg = stack_np[old - n : old]
-            counts_np = self._by_id_np
-            assert counts_np is not None
-            if n <= _HOST_TAKE:
-                # A few ids: the same test and update, id by id (see _HOST_TAKE).
-                mv, off, lo, hi = self._count_mv, self._off, self.lo, self.hi
-                assert mv is not None
-                vals = seg.tolist()
-                for v in vals:
-                    if not lo <= v < hi or mv[v + off] != 1:
-                        break
-                else:
-                    for v in vals:
-                        mv[v + off] = 0
-                    self._top = self._synced = old - n
-                    return torch.from_numpy(seg.copy())  # ~1.5 us; torch.tensor(vals): ~6
-            elif n <= _HOST_POP:
-                vals = seg.tolist()
-                if (self.lo <= min(vals) and max(vals) < self.hi
-                        and counts_np[seg].tolist().count(1) == n):
-                    # Counts of 1 mean no id is twice in `seg`: setting them to 0 is
-                    # exactly the scatter of -1 below.
-                    counts_np[seg] = 0
-                    self._top = self._synced = old - n
-                    return torch.from_numpy(seg.copy())
-            elif n <= _HOST_POP_BYTES and _LITTLE_ENDIAN and (
-                    seg - self.lo if self.lo else seg).tobytes()[7::8].isascii():
-                # Many ids, none below lo (no int64's top byte has its sign bit set): one
-                # gather of their counts from a view that ends at hi (an id past it raises)
-                # and a bytes comparison, no numpy reduction (cold after a Python-heavy
-                # step) and no torch op.
-                try:
-                    taken = counts_np[: self.hi].take(seg).tobytes()
-                except IndexError:
-                    taken = b""
-                if taken == b"\x01" * n:
-                    counts_np[seg] = 0
-                    self._top = self._synced = old - n
-                    return torch.from_numpy(seg.copy())
+        assert stack_np is not None
+        # CPU: checked and taken on the host (see __init__). Every id in range with a
+        # count of exactly 1 is the usual case; anything else takes the general path,
+        # which flags it.
+        old = self._top
+        seg = stack_np[old - n : old]
+        counts_np = self._by_id_np
+        assert counts_np is not None
+        if n <= _HOST_TAKE:
+            # A few ids: the same test and update, id by id (see _HOST_TAKE).
+            mv, off, lo, hi = self._count_mv, self._off, self.lo, self.hi
+            assert mv is not None
+            vals = seg.tolist()
+            for v in vals:
+                if not lo <= v < hi or mv[v + off] != 1:
+                    return None
+            for v in vals:
+                mv[v + off] = 0
+            self._top = self._synced = old - n
+            return seg.copy()  # (as a tensor ~1.5 us; torch.tensor(vals): ~6)
+        if n <= _HOST_POP:
+            vals = seg.tolist()
+            if (self.lo <= min(vals) and max(vals) < self.hi
+                    and counts_np[seg].tolist().count(1) == n):
+                # Counts of 1 mean no id is twice in `seg`: setting them to 0 is
+                # exactly the scatter of -1 in _pop_tensor.
+                counts_np[seg] = 0
+                self._top = self._synced = old - n
+                return seg.copy()
+        elif n <= _HOST_POP_BYTES and _LITTLE_ENDIAN and (
+                seg - self.lo if self.lo else seg).tobytes()[7::8].isascii():
+            # Many ids, none below lo (no int64's top byte has its sign bit set): one
+            # gather of their counts from a view that ends at hi (an id past it raises)
+            # and a bytes comparison, no numpy reduction (cold after a Python-heavy
+            # step) and no torch op.
+            try:
+                taken = counts_np[: self.hi].take(seg).tobytes()
+            except IndexError:
+                taken = b""
+            if taken == b"\x01" * n:
+                counts_np[seg] = 0
+                self._top = self._synced = old - n
+                return seg.copy()
+        return None
+
+    def _pop_tensor(self, n: int) -> torch.Tensor:
+        """The top ``n`` ids (n <= top, counts synced) taken with tensor ops, flagging
+        any whose count is not exactly 1 (the device path, and the host's odd case)."""
         out = self._stack.narrow(0, self._top - n, n).clone()
         self._top -= n
         self._synced = self._top

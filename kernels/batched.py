@@ -229,28 +229,29 @@ def release_batch(
     several pools raised) is raised at the end.
     """
     _int_starts(kv_start)
-    dev = table.req_to_token.device
+    host = table._np if _HOST_RELEASE else None
     if (
         type(slots) is torch.Tensor
         and slots.dtype == torch.int64
-        and slots.device == dev
         and slots.dim() == 1
+        # (a CPU table's numpy views: the table is on the CPU, so is_cpu says it all)
+        and (slots.is_cpu if table._np is not None
+             else slots.device == table.req_to_token.device)
     ):
         ids = slots
     else:
-        ids = as_ids(slots, dev, "release_batch")
+        ids = as_ids(slots, table.req_to_token.device, "release_batch")
         if ids.dtype != torch.int64:
             ids = ids.long()  # index_fill_ takes int64 indices only
-    if not ids.numel():
+    if not ids.shape[0]:
         return BatchRelease(0, 0, 0)
-    host = table._np if _HOST_RELEASE else None
     if host is not None:
         # A CPU table: read and reset through numpy views of it (the same memory), with
         # as few distinct ops as it takes: after a scheduler's Python-heavy step the
         # first call of each op pays tens of us of cold code (README, "terminus bench
         # kernels"), more for a torch op than for numpy's take or slice assignment.
         lengths_np, _, r2t = host
-        cap = table.capacity
+        cap = table._rows
         n_rows = ids.shape[0]
         if n_rows <= _HOST_ROWS:
             # A few rows: their KV gathered one slice a row (the same tokens, in order).
@@ -307,6 +308,11 @@ def release_batch(
             # no torch call on the way (see FreeStack.push_host).
             if flat is not None:
                 kv._free.push_host(flat)
+        elif type(kv) is TokenKVAllocator:
+            # Our own paged pool: their pages found and pushed from numpy (free_host:
+            # the same pages in the same order as free of a tensor, no tensor made).
+            if flat is not None:
+                kv.free_host(flat)
         else:
             kv.free(_empty(table) if flat is None else
                     torch.from_numpy(flat.copy() if aliased else flat))

@@ -188,7 +188,7 @@ class HostPagePool(StackPool):
         if after is not None:
             assert p.anchor is not None
             self._unlock_commit(p.anchor, after)
-        self._prefetching -= p.pages.numel()
+        self._prefetching -= p._n_pages
 
     def assert_full(self) -> None:
         """Raise ``LeakError`` unless every page is free and unlocked, no prefetch live."""
@@ -210,6 +210,7 @@ class Prefetch:
     def __init__(self, pool: HostPagePool, pages: torch.Tensor, anchor: torch.Tensor | None):
         self.pool = pool
         self.pages = pages
+        self._n_pages = int(pages.numel())  # (advance runs per transfer step: no C call)
         self.anchor = anchor
         self.completed = 0
         self.stopped = False
@@ -220,8 +221,11 @@ class Prefetch:
         """Record ``k`` more pages transferred; returns the completed count."""
         if self.stopped:
             raise KernelError("Prefetch.advance() after stop()/terminate(): the I/O was stopped")
-        self.completed = min(self.pages.numel(), self.completed + k)
-        return self.completed
+        done = self.completed + k
+        if done > self._n_pages:
+            done = self._n_pages
+        self.completed = done
+        return done
 
     def stop(self) -> int:
         """Stop the I/O (a drain) without freeing anything; returns ``completed``.

@@ -105,14 +105,18 @@ class TokenKVAllocator(StackPool):
                 f"{self._free.name}: cannot allocate a negative number of tokens ({n}); "
                 "ask for n >= 0"
             )
+        if self._offsets_np is not None:
+            # A CPU pool: the pages popped as numpy and the tokens built by numpy (~4 us
+            # for a few pages; four torch ops ~9, and each pays cold code after a
+            # scheduler's Python-heavy step).
+            pages_np = self._free.pop_host(-(-n // self.page_size))
+            if pages_np is None:
+                return None
+            got = (pages_np[:, None] * self.page_size + self._offsets_np).reshape(-1)
+            return torch.from_numpy(got[:n])
         pages = self._free.pop(-(-n // self.page_size))
         if pages is None:
             return None
-        if self._offsets_np is not None:
-            # A CPU pool: the tokens built by numpy (~4 us for a few pages; four torch ops
-            # ~9, and each pays cold code after a scheduler's Python-heavy step).
-            got = (pages.numpy()[:, None] * self.page_size + self._offsets_np).reshape(-1)
-            return torch.from_numpy(got[:n])
         tokens = pages.unsqueeze(1) * self.page_size + self._offsets
         return tokens.reshape(-1)[:n]
 
@@ -132,9 +136,7 @@ class TokenKVAllocator(StackPool):
             if cpu and ids.numel() <= _HOST_PAGES:
                 # A request's tokens on a CPU: its pages, sorted and once each, as
                 # torch.unique gives them (3-9 us here; div and unique cost ~11).
-                ps = self.page_size
-                self._free.push_host(np.array(sorted({v // ps for v in ids.tolist()}),
-                                              dtype=np.int64))
+                self._free.push_host(self._pages_few(ids.tolist()))
                 return
             elif cpu and _NP_PAGES:
                 # Many tokens on a CPU: the same pages (floor division, sorted, once
@@ -145,6 +147,35 @@ class TokenKVAllocator(StackPool):
             else:
                 ids = torch.unique(torch.div(ids, self.page_size, rounding_mode="floor"))
         self._free.push(ids)
+
+    def _pages_few(self, tokens: list[int]) -> np.ndarray:
+        """The pages of a few token indices, sorted and once each (int64)."""
+        ps = self.page_size
+        return np.array(sorted({v // ps for v in tokens}), dtype=np.int64)
+
+    def free_host(self, indices: np.ndarray) -> None:
+        """``free`` of a 1-D numpy array of token indices (int32 or int64; what a release
+        gathers from a CPU table), with no tensor made on the way: the same pages reach
+        the free list in the same order as ``free(torch.from_numpy(indices))``.
+        A CPU pool only (``ValueError`` otherwise)."""
+        if self._free._stack_host is None:
+            raise ValueError(f"{self._free.name}: free_host needs a CPU pool; use free()")
+        if not isinstance(indices, np.ndarray) or indices.ndim != 1 \
+                or indices.dtype.kind not in "iu":
+            raise TypeError(f"{self._free.name}: free_host takes a 1-D numpy array of "
+                            f"integer token indices; got {type(indices).__name__} "
+                            f"{getattr(indices, 'dtype', '')}; pass a tensor to free()")
+        if self.page_size == 1:
+            self._free.push_host(indices)
+        elif not indices.shape[0]:
+            return
+        elif indices.shape[0] <= _HOST_PAGES or not _NP_PAGES:
+            # A few tokens: divided by numpy, deduplicated and sorted by Python's set
+            # and sorted (no per-token bytecode; numpy's unique costs more on a few).
+            self._free.push_host(np.array(sorted(set((indices // self.page_size).tolist())),
+                                          dtype=np.int64))
+        else:
+            self._free.push_host(np.unique(indices // self.page_size))
 
     def free_group_begin(self) -> None:
         """Collect the frees that follow; they reach the free list at ``free_group_end``."""

@@ -109,7 +109,8 @@ class RadixInsert:
     ``duplicate_count`` says how many duplicates there are without cutting.
     """
 
-    __slots__ = ("_dup", "_values", "node", "prefix_len", "taken", "taken_count")
+    __slots__ = ("_dup", "_values", "duplicate_count", "node", "prefix_len", "taken",
+                 "taken_count")
 
     def __init__(self, prefix_len: int, node: RadixNode, taken: torch.Tensor,
                  values: torch.Tensor, owned_from: int, dup_end: int, cached_end: int) -> None:
@@ -120,18 +121,14 @@ class RadixInsert:
         """``taken.numel()``, without asking the tensor."""
         self._values = values
         self._dup = (owned_from, dup_end, cached_end if cached_end > owned_from else owned_from)
+        self.duplicate_count = dup_end - owned_from
+        """``duplicates.numel()``, without cutting the view."""
 
     @property
     def duplicates(self) -> torch.Tensor:
         """The caller's indices of tokens the tree already held (the caller frees them)."""
         lo, hi, _ = self._dup
         return self._values[lo:hi]
-
-    @property
-    def duplicate_count(self) -> int:
-        """``duplicates.numel()``, without cutting the view."""
-        lo, hi, _ = self._dup
-        return hi - lo
 
     @property
     def leftover(self) -> torch.Tensor:
@@ -206,14 +203,17 @@ class RadixTree:
                  limit: int | None = None) -> tuple[int, ...]:
         """`tokens[:limit]` as a tuple cut to whole pages (no copy of a tuple kept whole;
         else one slice and one tuple of what is kept)."""
-        if isinstance(tokens, torch.Tensor):
+        cls = tokens.__class__
+        if cls is not list and cls is not tuple and isinstance(tokens, torch.Tensor):
             tokens = tokens.tolist()
         whole = n = len(tokens)
         if limit is not None and limit < n:
-            n = max(0, limit)
-        n -= n % self.page_size
-        if tokens.__class__ is tuple:
-            return tokens if n == whole else tokens[:n]
+            n = limit if limit > 0 else 0
+        page = self.page_size
+        if page != 1:
+            n -= n % page
+        if cls is tuple:
+            return tokens if n == whole else tokens[:n]  # type: ignore[return-value]
         return tuple(tokens if n == whole else tokens[:n])
 
     def _tick(self) -> int:
@@ -340,7 +340,8 @@ class RadixTree:
         values = kv_indices if dtype is torch.int64 else kv_indices.to(torch.int64)
         taken = self._empty
         if prefix_len < end:
-            taken = values.narrow(0, prefix_len, end - prefix_len).clone()
+            # One dispatched op (narrow + clone is two, ~2.5x the time on a CPU).
+            taken = values.narrow_copy(0, prefix_len, end - prefix_len)
             new = RadixNode(key[prefix_len:], taken, node)
             self._clock = new.last_access = self._clock + 1
             node.children[key[prefix_len:prefix_len + self.page_size]] = new

@@ -50,16 +50,20 @@ class ReqToTokenTable(StackPool):
 
     def alloc(self, n: int = 1) -> torch.Tensor | None:
         """``n`` request slots with length 0, or None when short (never partial)."""
+        views = self._np
+        if views is not None and 0 < n <= 64:
+            # A CPU table: a few rows popped as numpy and reset through numpy views (the
+            # same memory), one tensor made at the end.
+            at = self._free.pop_host(n)
+            if at is None:
+                return None
+            views[0][at] = 0
+            views[1][at] = 0
+            return torch.from_numpy(at)
         slots = self._free.pop(n)
         if slots is not None and n:
-            if self._np is not None and n <= 64:
-                # A CPU table: a few rows are reset through numpy views (same memory).
-                at = slots.numpy()
-                self._np[0][at] = 0
-                self._np[1][at] = 0
-            else:
-                self.lengths.index_fill_(0, slots, 0)
-                self.mamba_slots.index_fill_(0, slots, 0)
+            self.lengths.index_fill_(0, slots, 0)
+            self.mamba_slots.index_fill_(0, slots, 0)
         return slots
 
     def free(self, slots: IdsLike) -> None:

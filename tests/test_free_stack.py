@@ -155,3 +155,60 @@ def test_push_host_takes_any_1d_array_and_names_what_it_refuses(strict):
     assert sorted(s.pop(8).tolist()) == sorted(got.tolist())
     s.push(got)
     s.assert_full()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pop_host_takes_the_same_ids_and_flags_as_pop(seed):
+    # Two stacks driven by the same random frees (double and foreign ones included) and
+    # pops: one pops tensors, the other numpy arrays; every pop, the counts, the sticky
+    # flags and check()'s verdict agree (each fold path of the fixture).
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    a = _stack.FreeStack("ids", 1, 64)
+    b = _stack.FreeStack("ids", 1, 64)
+    held: list[int] = []
+    for _ in range(60):
+        if rng.random() < 0.5 or not held:
+            n = int(rng.integers(0, 20))
+            ta, tb = a.pop(n), b.pop_host(n)
+            assert (ta is None) == (tb is None)
+            if ta is not None:
+                assert tb is not None and tb.dtype == np.int64
+                assert ta.tolist() == tb.tolist()
+                held += ta.tolist()
+        else:
+            k = int(rng.integers(1, len(held) + 1))
+            ids = [held.pop(int(rng.integers(len(held)))) for _ in range(k)]
+            if rng.random() < 0.1:
+                ids.append(ids[0] if rng.random() < 0.5 else 70)  # a double / foreign free
+            got = []
+            for s in (a, b):
+                try:
+                    s.push(torch.tensor(ids))
+                    got.append(None)
+                except (DoubleFree, ForeignIndex) as e:  # refused: nothing changed
+                    got.append(str(e))
+            assert got[0] == got[1]
+        assert torch.equal(a._count, b._count) and torch.equal(a._bad, b._bad)
+        assert a._top == b._top
+    errs = []
+    for s in (a, b):
+        try:
+            s.check()
+            errs.append(None)
+        except (DoubleFree, ForeignIndex) as e:
+            errs.append((type(e), str(e)))
+    assert errs[0] == errs[1]
+
+
+def test_pop_host_refuses_a_negative_count_and_a_device_stack():
+    s = _stack.FreeStack("ids", 1, 8)
+    with pytest.raises(ValueError, match="cannot allocate a negative number"):
+        s.pop_host(-1)
+    assert s.pop_host(9) is None and s.available == 8
+    got = s.pop_host(0)
+    assert got is not None and got.shape == (0,)
+    s._stack_host = None  # as on a device
+    with pytest.raises(ValueError, match="pop_host needs a CPU free list"):
+        s.pop_host(1)

@@ -484,3 +484,56 @@ def test_a_paged_free_of_a_negative_token_is_named_as_foreign(device, pages_path
     lazy.free(torch.cat((got[:4], torch.tensor([-3], device=device))))
     with pytest.raises(ForeignIndex, match=r"\[-1\]"):
         lazy.check()
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("seed", range(4))
+def test_free_host_pushes_what_free_of_the_same_tensor_pushes(page_size, seed, monkeypatch):
+    # Two pools under the same random allocs and frees; one frees numpy arrays (int32
+    # or int64, views of a table row included) with free_host, the other the same ids
+    # as tensors with free: the free lists and counts stay equal, on each pages path.
+    import numpy as np
+
+    from terminus.kernels import kv as kv_mod
+
+    rng = np.random.default_rng(seed)
+    a = TokenKVAllocator(1024, page_size=page_size)
+    b = TokenKVAllocator(1024, page_size=page_size)
+    held: list[np.ndarray] = []
+    for step in range(40):
+        monkeypatch.setattr(kv_mod, "_HOST_PAGES", 192 if step % 2 else 0)
+        if rng.random() < 0.6 or not held:
+            n = int(rng.integers(1, 300))
+            ga, gb = a.alloc(n), b.alloc(n)
+            assert (ga is None) == (gb is None)
+            if ga is not None:
+                assert gb is not None and torch.equal(ga, gb)
+                held.append(ga.numpy().copy())
+        else:
+            ids = held.pop(int(rng.integers(len(held))))
+            arr = ids.astype(np.int32) if rng.random() < 0.5 else ids
+            if rng.random() < 0.3:
+                arr = arr[::-1]  # a view with a negative stride
+            a.free_host(arr)
+            b.free(torch.from_numpy(arr.copy()))
+        top = a._free._top
+        assert top == b._free._top
+        assert torch.equal(a._free._stack[:top], b._free._stack[:top])
+        assert torch.equal(a._free._count, b._free._count)
+    for ids in held:
+        a.free_host(ids)
+        b.free(torch.from_numpy(ids))
+    assert torch.equal(a._free._stack, b._free._stack)
+    a.assert_full()
+    b.assert_full()
+
+
+def test_free_host_refuses_what_is_not_a_1d_integer_array():
+    kv = TokenKVAllocator(16, page_size=4)
+    with pytest.raises(TypeError, match="free_host takes a 1-D numpy array of integer"):
+        kv.free_host(torch.tensor([1]))  # type: ignore[arg-type]
+    import numpy as np
+    with pytest.raises(TypeError, match="free_host takes a 1-D numpy array of integer"):
+        kv.free_host(np.array([4.0]))
+    kv.free_host(np.array([], dtype=np.int64))  # nothing to free
+    kv.assert_full()
