@@ -383,7 +383,8 @@ def stream_terminal(ctx: ReleaseContext) -> None:
     bootstrap failure of a drain or of a wait for the sender), else the reason the
     terminal event carries."""
     inst = ctx.instance
-    reason = getattr(inst, "reason", "") or getattr(ctx.event, "reason", "")
+    reason = ((inst.reason if inst.__class__ is PrefillRequest else getattr(inst, "reason", ""))
+              or getattr(ctx.event, "reason", ""))
     res: DisaggResources = ctx.resources
     res.sink.put(TerminalOutput(str(inst.key), ctx.target, message=reason))
 

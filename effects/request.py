@@ -93,10 +93,13 @@ def release_lora(ctx: Any, handle: Any) -> Any:
     """Return one reference to the registry by its acquired id (the `"lora"` releaser)."""
     res = ctx.resources
     reg = res.lora_registry
-    nowait = getattr(reg, "release_nowait", None)
-    if nowait is not None and not getattr(res, "async_release", False):
-        nowait(handle.value)
-        return None
+    # (`RequestResources.async_release` read as a field: no getattr for ours)
+    if not (res.async_release if res.__class__ is RequestResources
+            else getattr(res, "async_release", False)):
+        nowait = getattr(reg, "release_nowait", None)
+        if nowait is not None:
+            nowait(handle.value)
+            return None
     return reg.release(handle.value)  # a coroutine: the ledger keeps its task alive
 
 

@@ -9,12 +9,27 @@ import gc
 
 import pytest
 
-from terminus.effects.request import LORA, TerminalOutput, bind_request
+from terminus.effects.request import (
+    LORA,
+    RequestResources,
+    TerminalOutput,
+    bind_request,
+    lora_ledger,
+)
 from terminus.effects.tokenizer import RequestKey, TokenizerSide
 from terminus.fsm import Ledger, TransitionNotAllowed
 from terminus.kernels.errors import UnloadTimeout
-from terminus.states.request import Finished, Output, Request, RequestAbort, SchedulerError
-from tests.tokenizer_side import make_side, settle
+from terminus.states.request import (
+    Finished,
+    LoRAAcquired,
+    Output,
+    Request,
+    RequestAbort,
+    SchedulerError,
+    Submitted,
+    Validated,
+)
+from tests.tokenizer_side import FakeScheduler, GatedRegistry, RecordingSink, make_side, settle
 
 
 def run(coro):
@@ -571,3 +586,82 @@ def test_request_keys_name_each_role_and_refuse_what_no_request_is():
     with pytest.raises(TypeError, match=r"index must be an int .* got True"):
         RequestKey("g", "child", True)
     assert RequestKey("g", "child", 2).rid == "g-2"
+
+
+def test_an_output_whose_observer_ends_the_request_retires_it_once_by_either_id():
+    """An observer that aborts the request inside an output's fire gets it retired once,
+    whether the output names the request by its key or by the client's id."""
+    async def main():
+        s = await make_side()
+        reqs = [await s.side.submit("hello", "a", rid=r) for r in ("r1", "r2")]
+
+        def sink(rec):
+            if rec.target == "running":
+                s.side.get(rec.instance).fire(RequestAbort("observer ended it"))
+
+        s.side.requests.add_sink(sink)
+        assert s.side.on_output(reqs[0].key)  # by key
+        assert s.side.on_output("r2")  # by the client's id
+        s.side.requests.remove_sink(sink)
+        for r in ("r1", "r2"):
+            assert s.sink.outcome(r) == "aborted"
+            assert s.side.get(r) is None  # retired: its id is free again
+        assert s.side.live_count == 0 and not s.sink.duplicates
+        assert s.ledger.released == 2
+        # Late results for the retired requests are counted and change nothing.
+        assert not s.side.on_output(reqs[0].key) and not s.side.on_finish("r2")
+        assert s.side.unknown_events == 2 and s.ledger.released == 2
+        await s.finish_clean()
+
+    run(main())
+
+
+class _PlainResources:
+    """Resources of another class than `RequestResources` (the attributes will do);
+    without `async_release` unless given."""
+
+    def __init__(self, registry, sink, scheduler, **extra):
+        self.lora_registry, self.sink, self.scheduler = registry, sink, scheduler
+        self.__dict__.update(extra)
+
+
+@pytest.mark.parametrize(("make", "nowait", "sync"), [
+    (lambda reg, sink: RequestResources(reg, sink, FakeScheduler()), True, True),
+    (lambda reg, sink: RequestResources(reg, sink, FakeScheduler(), async_release=True),
+     True, False),
+    (lambda reg, sink: RequestResources(reg, sink, FakeScheduler()), False, False),
+    (lambda reg, sink: _PlainResources(reg, sink, FakeScheduler()), True, True),
+    (lambda reg, sink: _PlainResources(reg, sink, FakeScheduler(), async_release=False),
+     True, True),
+    (lambda reg, sink: _PlainResources(reg, sink, FakeScheduler(), async_release=True),
+     True, False),
+    (lambda reg, sink: _PlainResources(reg, sink, FakeScheduler()), False, False),
+], ids=["ours", "ours-async", "ours-no-nowait", "plain", "plain-sync", "plain-async",
+        "plain-no-nowait"])
+def test_the_reference_goes_back_at_once_or_through_the_awaitable_release(make, nowait,
+                                                                         sync):
+    """`release_lora` returns the reference at once through `release_nowait` unless the
+    resources ask for `async_release` (read as a field of ours, by getattr of others) or
+    the registry has no `release_nowait`: then through the awaited `release`."""
+    async def main():
+        s = await make_side()
+        reg = GatedRegistry(s.registry, async_only=not nowait)
+        sink = RecordingSink()
+        ledger = lora_ledger(make(reg, sink))
+        machine = bind_request(ledger)
+        req = Request(machine, RequestKey("r1"), prompt="p", lora="a")
+        req.fire(Submitted(acquire=True))
+        (lora_id,) = await reg.acquire(["a"])
+        ledger.acquire(req, LORA, lora_id)
+        req.fire(LoRAAcquired((lora_id,)))
+        req.fire(Validated())
+        req.fire(Finished("stop"))
+        assert req.state == "finished" and sink.outcome("r1") == "finished"
+        assert s.registry.count(lora_id) == (0 if sync else 1)
+        await ledger.drain()
+        assert s.registry.count(lora_id) == 0
+        assert not ledger.errors
+        ledger.assert_empty()
+        await s.finish_clean()
+
+    run(main())
