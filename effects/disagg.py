@@ -794,14 +794,16 @@ class DisaggPrefill:
         if terminal[chunk._s]:
             chunk.fire(_RESULT)  # a duplicate: ignored by the chunk
             return None
-        # (the list only when some chunk came before: the common first result builds none)
-        early = [i for i in range(k) if not terminal[chunks[i]._s]] if k else None
-        if early:
-            # A chunk computes on its predecessors' KV, so its result cannot precede
-            # theirs; settling it first would start the transfer with their KV missing.
-            raise ValueError(
-                f"result of chunk {k} of request {rid!r} arrived before that of chunk(s) "
-                f"{early}; deliver chunk results in launch order")
+        if k:  # (a loop, not a list: the list of the early ones only for the error)
+            for i in range(k):
+                if not terminal[chunks[i]._s]:
+                    # A chunk computes on its predecessors' KV, so its result cannot
+                    # precede theirs; settling it first would start the transfer with
+                    # their KV missing.
+                    early = [j for j in range(i, k) if not terminal[chunks[j]._s]]
+                    raise ValueError(
+                        f"result of chunk {k} of request {rid!r} arrived before that of "
+                        f"chunk(s) {early}; deliver chunk results in launch order")
         chunk.fire(_RESULT)
         if req._s == self._prefilling:
             ledger = self.ledger

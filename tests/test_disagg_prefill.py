@@ -602,6 +602,25 @@ def test_a_final_result_before_an_earlier_ones_is_refused_and_changes_nothing():
     e.finish()
 
 
+def test_an_early_result_names_every_earlier_chunk_still_in_flight():
+    e, t = engine()
+    req = started(e, prompt=12, chunks=3)  # chunks 0, 1 and 2 of the prompt launched
+    for k, early in ((2, "0, 1"), (1, "0")):
+        with pytest.raises(ValueError, match=rf"chunk {k} of request 'r' arrived before "
+                                             rf"that of chunk\(s\) \[{early}\];"):
+            e.result("r", k)
+    e.result("r", 0)
+    with pytest.raises(ValueError, match=r"arrived before that of chunk\(s\) \[1\];"):
+        e.result("r", 2)  # chunk 0 settled: only chunk 1 is early now
+    assert [c.terminal for c in req.chunks] == [True, False, False] and t.sends["r"] == 0
+    e.result("r", 1)
+    e.result("r", 2)
+    assert req.state == "transferring" and t.sends["r"] == 1
+    e.abort("r", "done with it")
+    e.poll_transfer("r")  # the sender confirms it stopped reading the KV
+    e.finish()
+
+
 def test_forget_drops_an_ended_request_and_refuses_a_live_one():
     e, _ = engine()
     started(e, "r", prompt=8, chunk=4, chunks=1)
