@@ -328,14 +328,8 @@ class FreeStack:
 
     def pop(self, n: int) -> torch.Tensor | None:
         """``n`` free ids, or None when fewer than ``n`` are free (nothing is taken then)."""
-        if n < 0:
-            raise ValueError(
-                f"{self.name}: cannot allocate a negative number ({n}); ask for n >= 0"
-            )
-        if n > self._top:
+        if not self._ready(n):
             return None
-        if self._synced < self._top:
-            self._sync()
         if self._stack_np is not None and n:
             got = self._pop_host(n)
             if got is not None:
@@ -349,19 +343,26 @@ class FreeStack:
         ``pop``; ValueError on a stack that is not on the CPU."""
         if self._stack_host is None:
             raise ValueError(f"{self.name}: pop_host needs a CPU free list; use pop()")
-        if n < 0:
-            raise ValueError(
-                f"{self.name}: cannot allocate a negative number ({n}); ask for n >= 0"
-            )
-        if n > self._top:
+        if not self._ready(n):
             return None
-        if self._synced < self._top:
-            self._sync()
         if self._stack_np is not None and n:
             got = self._pop_host(n)
             if got is not None:
                 return got
         return self._pop_tensor(n).numpy()
+
+    def _ready(self, n: int) -> bool:
+        """Whether ``n`` ids can be popped (refusing a negative ``n``), the counts synced
+        if so."""
+        if n < 0:
+            raise ValueError(
+                f"{self.name}: cannot allocate a negative number ({n}); ask for n >= 0"
+            )
+        if n > self._top:
+            return False
+        if self._synced < self._top:
+            self._sync()
+        return True
 
     def _pop_host(self, n: int) -> np.ndarray | None:
         """The top ``n`` ids (0 < n <= top, counts synced) checked and taken on the host,
