@@ -35,8 +35,9 @@ the next read.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from operator import itemgetter
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -89,6 +90,8 @@ class Batchable(Protocol):
 
 
 _INT = {int}
+_CONSUME = deque(maxlen=0).extend  # runs an iterator through, keeping nothing
+_KEEP_BASE = _BASE_MASK.__and__  # a packed cell's next row base
 _RESET = object()  # `step_runs`' own run of the reset rows
 
 
@@ -650,13 +653,25 @@ class Batch:
                 return self._runs_by_rounds(runs, reset)
             if e < 0:
                 continue
-            made = [work[r] + e for r in rows]
-            packs = [table[c] for c in made]
+            if k == 1:  # one row (common): no getters to build
+                r = rows[0]
+                c = work[r] + e
+                p = table[c]
+                if p < 0:  # refused: step_rows names it and records the errors
+                    return self._runs_by_rounds(runs, reset)
+                work[r] = p & _BASE_MASK
+                cells.append(c)
+                if p >> _NEWLY_SHIFT & 1:
+                    newly.append((r, (p >> _PLAN_SHIFT) - 1))
+                continue
+            # The run's cells, packs and new bases by C iterators (no opcode per row):
+            # the rows' bases plus e, their packed entries, the bases stored back.
+            made = list(map(e.__add__, itemgetter(*rows)(work)))
+            packs = itemgetter(*made)(table)
             lo, hi = min(packs), max(packs)
             if lo < 0:  # refused: step_rows names it and records the errors
                 return self._runs_by_rounds(runs, reset)
-            for r, p in zip(rows, packs, strict=True):
-                work[r] = p & _BASE_MASK
+            _CONSUME(map(work.__setitem__, rows, map(_KEEP_BASE, packs)))
             cells += made
             if hi >> _NEWLY_SHIFT:
                 newly += [(r, (p >> _PLAN_SHIFT) - 1) for r, p in zip(rows, packs, strict=True)
