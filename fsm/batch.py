@@ -90,7 +90,8 @@ class Batchable(Protocol):
 
 
 _INT = {int}
-_CONSUME = deque(maxlen=0).extend  # runs an iterator through, keeping nothing
+# Runs an iterator through, keeping nothing.
+_CONSUME: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend
 _KEEP_BASE = _BASE_MASK.__and__  # a packed cell's next row base
 _RESET = object()  # `step_runs`' own run of the reset rows
 

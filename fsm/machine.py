@@ -177,6 +177,7 @@ class Machine:
         # reference cycle keeps a dropped machine alive.
         n = len(self.states) * self._n_events
         self._runs = {}
+        self._rec = None
         self._on_watched = (None,) * n
         self._on_recorded = _lazy_table(n)
         self._on_unobserved = _lazy_table(n)
@@ -209,16 +210,16 @@ class Machine:
         elif a.decision == IGNORED:
             ignored = (self.states[s], self._enames[e])
             f = (_compile_ignore(self, ignored) if table is self._on_unobserved
-                 else _compile_recorded(s, s, e, ignored))
+                 else _compile_recorded(self, s, s, e, ignored))
         elif a.decision != TRANSITION:
             pass
         elif not self.terminal[a.target]:
             if table is self._on_recorded:  # unobserved, fire() does it itself
-                f = _compile_recorded(a.target, s, e, None)
+                f = _compile_recorded(self, a.target, s, e, None)
         elif a.plan is None or a.plan in self._plans or self._partial:
             f = _compile_terminal(self, self._terminal(s, a.target, a.plan))
             if table is self._on_recorded:
-                f = _compile_recorded_terminal(s, e, f)
+                f = _compile_recorded_terminal(self, s, e, f)
         table[cell] = f
         return f
 
@@ -236,16 +237,18 @@ class Machine:
             guards.append(None if a.guard is None else self._guards[a.guard])
             if a.decision == IGNORED:
                 ignored = (self.states[s], self._enames[e])
-                runs.append(_compile_recorded(s, s, e, ignored, k) if recorded
+                runs.append(_compile_recorded(self, s, s, e, ignored, k) if recorded
                             else _compile_ignore(self, ignored))
             elif a.decision != TRANSITION:
                 return None
             elif not self.terminal[a.target]:
                 # Unobserved, `fire_guarded` stores the target itself.
-                runs.append(_compile_recorded(a.target, s, e, None, k) if recorded else None)
+                runs.append(_compile_recorded(self, a.target, s, e, None, k) if recorded
+                            else None)
             elif a.plan is None or a.plan in self._plans or self._partial:
                 run = _compile_terminal(self, self._terminal(s, a.target, a.plan))
-                runs.append(_compile_recorded_terminal(s, e, run, k) if recorded else run)
+                runs.append(_compile_recorded_terminal(self, s, e, run, k) if recorded
+                            else run)
             else:
                 return None
         return _compile_guarded(cell, tuple(zip(guards, (a.target for a in alts), runs,
@@ -256,6 +259,10 @@ class Machine:
         observed = bool(self._sinks) or rec is not None
         self._observed = observed
         self._rows = self._slow_rows if observed else self._fast_rows
+        if rec is not self._rec and rec is not None:
+            # The recorded table's cells hold what the recorder they were compiled for
+            # gave them (`_tally`): a new recorder compiles them again, on first fire.
+            self._on_recorded = _lazy_table(len(self.states) * self._n_events)
         self._rec = rec
         if self._sinks:  # every decision goes through _step, which calls them
             self._on = self._on_watched
@@ -699,12 +706,38 @@ def _compile_ignore(m: Machine, ignored: tuple[str, str]) -> Callable[[Instance,
     return fire_ignored
 
 
-def _compile_recorded(target: int, s: int, e: int,
+def _tally(m: Machine, s: int, e: int, k: int) -> list[int] | None:
+    """The attached recorder's counter for alternative `k` of cell (s, e), when it
+    offers one (`observe.Recorder`'s optional `tally`): a one-slot list the compiled
+    cell adds 1 to instead of calling `record()`."""
+    tally = getattr(m._rec, "tally", None)
+    return None if tally is None else tally(m, s, e, k)
+
+
+def _compile_recorded(m: Machine, target: int, s: int, e: int,
                       ignored: tuple[str, str] | None, k: int = 0) -> _OnCell:
     """A plain transition (`ignored` None) or an ignore while only the process-wide
     recorder observes: the step, then `record()` (of alternative `k` of the cell), with
-    the instance busy meanwhile."""
+    the instance busy meanwhile; or, when the recorder gave the cell a counter
+    (`_tally`), the step and one add (no code of anyone else runs: nothing can fire at
+    the instance meanwhile, so it is not marked busy)."""
     busy = _STEPPING
+    tally = _tally(m, s, e, k)
+    if tally is not None:
+        if ignored is not None:
+            ignored_counts = m.stats.ignored
+
+            def fire_ignored_tallied(inst: Instance, event: Any) -> None:
+                ignored_counts[ignored] += 1
+                tally[0] += 1
+
+            return fire_ignored_tallied
+
+        def fire_tallied(inst: Instance, event: Any) -> None:
+            inst._s = target
+            tally[0] += 1
+
+        return fire_tallied
 
     def fire_recorded(inst: Instance, event: Any) -> None:
         m = inst._m
@@ -731,10 +764,20 @@ def _compile_recorded(target: int, s: int, e: int,
     return fire_recorded
 
 
-def _compile_recorded_terminal(s: int, e: int, run: _OnCell, k: int = 0) -> _OnCell:
+def _compile_recorded_terminal(m: Machine, s: int, e: int, run: _OnCell,
+                               k: int = 0) -> _OnCell:
     """A compiled terminal edge while only the recorder observes: `record()` (of
     alternative `k` of the cell), then the step; when `record()` raised, the plan still
-    runs (I1) and its error, if any, wins, as in `Machine._step`."""
+    runs (I1) and its error, if any, wins, as in `Machine._step`. With the recorder's
+    counter for the cell (`_tally`): one add, then the step."""
+    tally = _tally(m, s, e, k)
+    if tally is not None:
+
+        def fire_terminal_tallied(inst: Instance, event: Any) -> PlanReport | None:
+            tally[0] += 1
+            return run(inst, event)
+
+        return fire_terminal_tallied
 
     def fire_terminal_recorded(inst: Instance, event: Any) -> PlanReport | None:
         m = inst._m
