@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 __all__ = ["Instance", "Machine", "Stats", "Tables"]
 
 _OnCell = Callable[["Instance", Any], "PlanReport | None"]
-"""What `Instance.fire` calls for a cell whose code is < 0 (`Machine._on`)."""
+"""What `Instance.fire` calls for a cell whose code is < 0 (an entry of `Machine._on`)."""
 
 
 class Machine:
@@ -88,10 +88,10 @@ class Machine:
     _observed: bool
     _rec: Any
     _runs: dict[tuple[int, int, str | None], _Terminal]
-    _on: Sequence[_OnCell | None]
-    _on_watched: Sequence[_OnCell | None]
-    _on_recorded: list[_OnCell | None]
-    _on_unobserved: list[_OnCell | None]
+    _on: Sequence[_OnCell]
+    _on_watched: Sequence[_OnCell]
+    _on_recorded: list[_OnCell]
+    _on_unobserved: list[_OnCell]
 
     _frozen = False
 
@@ -131,12 +131,15 @@ class Machine:
         fast: list[dict[type, int]] = []
         slow: list[dict[type, int]] = []
         n_ev = len(spec.events)
+        n_cells = len(cells) * n_ev
         for s, row in enumerate(cells):
             nr, dr, pr = [], [], []
             frow: dict[type, int] = {}
             srow: dict[type, int] = {}
             for e, alts in enumerate(row):
-                slow_code = -1 - (s * n_ev + e)
+                # < 0: the cell's index less the number of cells, so that it indexes
+                # the cell's entry of a table of cells (`_on`) from its end.
+                slow_code = s * n_ev + e - n_cells
                 a = alts[0]
                 if len(alts) > 1 or a.guard is not None:
                     nr.append(-2)
@@ -178,7 +181,7 @@ class Machine:
         n = len(self.states) * self._n_events
         self._runs = {}
         self._rec = None
-        self._on_watched = (None,) * n
+        self._on_watched = tuple(_general_table(n))
         self._on_recorded = _lazy_table(n)
         self._on_unobserved = _lazy_table(n)
         _obs.register(self)
@@ -200,7 +203,7 @@ class Machine:
         a plain transition recorded (`_compile_recorded`), or None for the general
         path (guards, errors, unbound plans)."""
         table = self._on
-        assert isinstance(table, list)  # the watched table is all None
+        assert isinstance(table, list)  # the watched table is all general
         s, e = divmod(cell, self._n_events)
         alts = self.cells[s][e]
         a = alts[0]
@@ -220,7 +223,7 @@ class Machine:
             f = _compile_terminal(self, self._terminal(s, a.target, a.plan))
             if table is self._on_recorded:
                 f = _compile_recorded_terminal(self, s, e, f)
-        table[cell] = f
+        table[cell] = _general_table(cell + 1)[cell] if f is None else f
         return f
 
     def _compile_guarded(self, cell: int, s: int, alts: tuple[Alt, ...],
@@ -881,10 +884,26 @@ def _first_fire(cell: int, inst: Instance, event: Any) -> PlanReport | None:
     return m._fire_step(cell, inst, event) if f is None else f(inst, event)
 
 
-_LAZY: list[_OnCell | None] = []
+def _general_fire(cell: int, inst: Instance, event: Any) -> PlanReport | None:
+    """A cell on the general path (guards not compiled, errors, unbound plans, sinks
+    watching): `Machine._fire_step` told which cell it is."""
+    return inst._m._fire_step(cell, inst, event)
 
 
-def _lazy_table(n: int) -> list[_OnCell | None]:
+_LAZY: list[_OnCell] = []
+_GENERAL: list[_OnCell] = []
+
+
+def _general_table(n: int) -> list[_OnCell]:
+    """A table of `n` cells on the general path: entry `c` is
+    `partial(_general_fire, c)`, shared by every machine."""
+    while len(_GENERAL) < n:
+        _GENERAL.append(functools.partial(_general_fire, len(_GENERAL)))
+    return _GENERAL[:n]
+
+
+
+def _lazy_table(n: int) -> list[_OnCell]:
     """A table of `n` cells not compiled yet: entry `c` is `partial(_first_fire, c)`,
     shared by every machine (a cell's index is all it holds)."""
     while len(_LAZY) < n:
@@ -1265,12 +1284,10 @@ class Instance(Holder):
             if code >= 0:
                 self._s = code
                 return None
-            # The cell's code names (state, event): its compiled function, or the
-            # general path told which cell it is.
-            on = self._m._on[-1 - code]
-            if on is None:
-                return self._m._fire_step(-1 - code, self, event)
-            return on(self, event)
+            # The cell's code names (state, event) and indexes its entry from the end
+            # of the table in use: its compiled function, its first fire (which
+            # compiles it), or the general path told which cell it is.
+            return self._m._on[code](self, event)
         return self._m._fire_slow(self, event)
 
     @property

@@ -140,3 +140,24 @@ def test_simulate_counts_the_same_transitions_with_or_without_its_tally(monkeypa
     # record path as on the tally path.)
     for key in ("transitions", "transitions_by_machine", "terminal_states", "leaks"):
         assert tallied[key] == recorded[key], key
+
+
+def test_a_row_code_indexes_its_own_cell_in_every_table(kv):
+    # `Instance.fire` calls `_on[code]` for a code < 0: the code must name its own
+    # (state, event) cell from the end of each table, and a cell the general path takes
+    # must be told its own index.
+    from terminus.fsm import machine as machine_mod
+
+    m, _ = bound(kv)
+    n_ev = len(m.events)
+    n = len(m.states) * n_ev
+    for s, row in enumerate(m._slow_rows):
+        for cls, code in row.items():
+            cell = s * n_ev + m.events.index(cls)
+            assert code < 0 and code + n == cell
+            for table in (m._on_watched, m._on_recorded, m._on_unobserved):
+                assert len(table) == n and table[code] is table[cell]
+            assert m._on_watched[code].func is machine_mod._general_fire
+            assert m._on_watched[code].args == (cell,)
+        for cls, code in m._fast_rows[s].items():
+            assert code >= 0 or code == row[cls]
