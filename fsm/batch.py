@@ -35,9 +35,8 @@ the next read.
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from operator import itemgetter
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -90,9 +89,6 @@ class Batchable(Protocol):
 
 
 _INT = {int}
-# Runs an iterator through, keeping nothing.
-_CONSUME: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend
-_KEEP_BASE = _BASE_MASK.__and__  # a packed cell's next row base
 _RESET = object()  # `step_runs`' own run of the reset rows
 
 
@@ -654,7 +650,7 @@ class Batch:
                 return self._runs_by_rounds(runs, reset)
             if e < 0:
                 continue
-            if k == 1:  # one row (common): no getters to build
+            if k == 1:  # one row (common): no comprehension (a frame each) to run
                 r = rows[0]
                 c = work[r] + e
                 p = table[c]
@@ -665,14 +661,16 @@ class Batch:
                 if p >> _NEWLY_SHIFT & 1:
                     newly.append((r, (p >> _PLAN_SHIFT) - 1))
                 continue
-            # The run's cells, packs and new bases by C iterators (no opcode per row):
-            # the rows' bases plus e, their packed entries, the bases stored back.
-            made = list(map(e.__add__, itemgetter(*rows)(work)))
-            packs = itemgetter(*made)(table)
+            # (map over operator.itemgetter and list.__setitem__ runs fewer opcodes
+            # but takes longer: a slot wrapper's call per row costs more than a
+            # comprehension's loop.)
+            made = [work[r] + e for r in rows]
+            packs = [table[c] for c in made]
             lo, hi = min(packs), max(packs)
             if lo < 0:  # refused: step_rows names it and records the errors
                 return self._runs_by_rounds(runs, reset)
-            _CONSUME(map(work.__setitem__, rows, map(_KEEP_BASE, packs)))
+            for r, p in zip(rows, packs, strict=True):
+                work[r] = p & _BASE_MASK
             cells += made
             if hi >> _NEWLY_SHIFT:
                 newly += [(r, (p >> _PLAN_SHIFT) - 1) for r, p in zip(rows, packs, strict=True)
