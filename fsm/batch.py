@@ -650,6 +650,20 @@ class Batch:
                 return self._runs_by_rounds(runs, reset)
             if e < 0:
                 continue
+            if k == 1:  # one row (common): no comprehension (a frame each) to run
+                r = rows[0]
+                c = work[r] + e
+                p = table[c]
+                if p < 0:  # refused: step_rows names it and records the errors
+                    return self._runs_by_rounds(runs, reset)
+                work[r] = p & _BASE_MASK
+                cells.append(c)
+                if p >> _NEWLY_SHIFT & 1:
+                    newly.append((r, (p >> _PLAN_SHIFT) - 1))
+                continue
+            # (map over operator.itemgetter and list.__setitem__ runs fewer opcodes
+            # but takes longer: a slot wrapper's call per row costs more than a
+            # comprehension's loop.)
             made = [work[r] + e for r in rows]
             packs = [table[c] for c in made]
             lo, hi = min(packs), max(packs)

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 __all__ = ["Instance", "Machine", "Stats", "Tables"]
 
 _OnCell = Callable[["Instance", Any], "PlanReport | None"]
-"""What `Instance.fire` calls for a cell whose code is < 0 (`Machine._on`)."""
+"""What `Instance.fire` calls for a cell whose code is < 0 (an entry of `Machine._on`)."""
 
 
 class Machine:
@@ -88,10 +88,10 @@ class Machine:
     _observed: bool
     _rec: Any
     _runs: dict[tuple[int, int, str | None], _Terminal]
-    _on: Sequence[_OnCell | None]
-    _on_watched: Sequence[_OnCell | None]
-    _on_recorded: list[_OnCell | None]
-    _on_unobserved: list[_OnCell | None]
+    _on: Sequence[_OnCell]
+    _on_watched: Sequence[_OnCell]
+    _on_recorded: list[_OnCell]
+    _on_unobserved: list[_OnCell]
 
     _frozen = False
 
@@ -131,12 +131,15 @@ class Machine:
         fast: list[dict[type, int]] = []
         slow: list[dict[type, int]] = []
         n_ev = len(spec.events)
+        n_cells = len(cells) * n_ev
         for s, row in enumerate(cells):
             nr, dr, pr = [], [], []
             frow: dict[type, int] = {}
             srow: dict[type, int] = {}
             for e, alts in enumerate(row):
-                slow_code = -1 - (s * n_ev + e)
+                # < 0: the cell's index less the number of cells, so that it indexes
+                # the cell's entry of a table of cells (`_on`) from its end.
+                slow_code = s * n_ev + e - n_cells
                 a = alts[0]
                 if len(alts) > 1 or a.guard is not None:
                     nr.append(-2)
@@ -177,7 +180,8 @@ class Machine:
         # reference cycle keeps a dropped machine alive.
         n = len(self.states) * self._n_events
         self._runs = {}
-        self._on_watched = (None,) * n
+        self._rec = None
+        self._on_watched = tuple(_general_table(n))
         self._on_recorded = _lazy_table(n)
         self._on_unobserved = _lazy_table(n)
         _obs.register(self)
@@ -199,7 +203,7 @@ class Machine:
         a plain transition recorded (`_compile_recorded`), or None for the general
         path (guards, errors, unbound plans)."""
         table = self._on
-        assert isinstance(table, list)  # the watched table is all None
+        assert isinstance(table, list)  # the watched table is all general
         s, e = divmod(cell, self._n_events)
         alts = self.cells[s][e]
         a = alts[0]
@@ -209,17 +213,17 @@ class Machine:
         elif a.decision == IGNORED:
             ignored = (self.states[s], self._enames[e])
             f = (_compile_ignore(self, ignored) if table is self._on_unobserved
-                 else _compile_recorded(s, s, e, ignored))
+                 else _compile_recorded(self, s, s, e, ignored))
         elif a.decision != TRANSITION:
             pass
         elif not self.terminal[a.target]:
             if table is self._on_recorded:  # unobserved, fire() does it itself
-                f = _compile_recorded(a.target, s, e, None)
+                f = _compile_recorded(self, a.target, s, e, None)
         elif a.plan is None or a.plan in self._plans or self._partial:
             f = _compile_terminal(self, self._terminal(s, a.target, a.plan))
             if table is self._on_recorded:
-                f = _compile_recorded_terminal(s, e, f)
-        table[cell] = f
+                f = _compile_recorded_terminal(self, s, e, f)
+        table[cell] = _general_table(cell + 1)[cell] if f is None else f
         return f
 
     def _compile_guarded(self, cell: int, s: int, alts: tuple[Alt, ...],
@@ -236,16 +240,18 @@ class Machine:
             guards.append(None if a.guard is None else self._guards[a.guard])
             if a.decision == IGNORED:
                 ignored = (self.states[s], self._enames[e])
-                runs.append(_compile_recorded(s, s, e, ignored, k) if recorded
+                runs.append(_compile_recorded(self, s, s, e, ignored, k) if recorded
                             else _compile_ignore(self, ignored))
             elif a.decision != TRANSITION:
                 return None
             elif not self.terminal[a.target]:
                 # Unobserved, `fire_guarded` stores the target itself.
-                runs.append(_compile_recorded(a.target, s, e, None, k) if recorded else None)
+                runs.append(_compile_recorded(self, a.target, s, e, None, k) if recorded
+                            else None)
             elif a.plan is None or a.plan in self._plans or self._partial:
                 run = _compile_terminal(self, self._terminal(s, a.target, a.plan))
-                runs.append(_compile_recorded_terminal(s, e, run, k) if recorded else run)
+                runs.append(_compile_recorded_terminal(self, s, e, run, k) if recorded
+                            else run)
             else:
                 return None
         return _compile_guarded(cell, tuple(zip(guards, (a.target for a in alts), runs,
@@ -256,6 +262,10 @@ class Machine:
         observed = bool(self._sinks) or rec is not None
         self._observed = observed
         self._rows = self._slow_rows if observed else self._fast_rows
+        if rec is not self._rec and rec is not None:
+            # The recorded table's cells hold what the recorder they were compiled for
+            # gave them (`_tally`): a new recorder compiles them again, on first fire.
+            self._on_recorded = _lazy_table(len(self.states) * self._n_events)
         self._rec = rec
         if self._sinks:  # every decision goes through _step, which calls them
             self._on = self._on_watched
@@ -699,12 +709,38 @@ def _compile_ignore(m: Machine, ignored: tuple[str, str]) -> Callable[[Instance,
     return fire_ignored
 
 
-def _compile_recorded(target: int, s: int, e: int,
+def _tally(m: Machine, s: int, e: int, k: int) -> list[int] | None:
+    """The attached recorder's counter for alternative `k` of cell (s, e), when it
+    offers one (`observe.Recorder`'s optional `tally`): a one-slot list the compiled
+    cell adds 1 to instead of calling `record()`."""
+    tally = getattr(m._rec, "tally", None)
+    return None if tally is None else tally(m, s, e, k)
+
+
+def _compile_recorded(m: Machine, target: int, s: int, e: int,
                       ignored: tuple[str, str] | None, k: int = 0) -> _OnCell:
     """A plain transition (`ignored` None) or an ignore while only the process-wide
     recorder observes: the step, then `record()` (of alternative `k` of the cell), with
-    the instance busy meanwhile."""
+    the instance busy meanwhile; or, when the recorder gave the cell a counter
+    (`_tally`), the step and one add (no code of anyone else runs: nothing can fire at
+    the instance meanwhile, so it is not marked busy)."""
     busy = _STEPPING
+    tally = _tally(m, s, e, k)
+    if tally is not None:
+        if ignored is not None:
+            ignored_counts = m.stats.ignored
+
+            def fire_ignored_tallied(inst: Instance, event: Any) -> None:
+                ignored_counts[ignored] += 1
+                tally[0] += 1
+
+            return fire_ignored_tallied
+
+        def fire_tallied(inst: Instance, event: Any) -> None:
+            inst._s = target
+            tally[0] += 1
+
+        return fire_tallied
 
     def fire_recorded(inst: Instance, event: Any) -> None:
         m = inst._m
@@ -731,10 +767,20 @@ def _compile_recorded(target: int, s: int, e: int,
     return fire_recorded
 
 
-def _compile_recorded_terminal(s: int, e: int, run: _OnCell, k: int = 0) -> _OnCell:
+def _compile_recorded_terminal(m: Machine, s: int, e: int, run: _OnCell,
+                               k: int = 0) -> _OnCell:
     """A compiled terminal edge while only the recorder observes: `record()` (of
     alternative `k` of the cell), then the step; when `record()` raised, the plan still
-    runs (I1) and its error, if any, wins, as in `Machine._step`."""
+    runs (I1) and its error, if any, wins, as in `Machine._step`. With the recorder's
+    counter for the cell (`_tally`): one add, then the step."""
+    tally = _tally(m, s, e, k)
+    if tally is not None:
+
+        def fire_terminal_tallied(inst: Instance, event: Any) -> PlanReport | None:
+            tally[0] += 1
+            return run(inst, event)
+
+        return fire_terminal_tallied
 
     def fire_terminal_recorded(inst: Instance, event: Any) -> PlanReport | None:
         m = inst._m
@@ -838,10 +884,26 @@ def _first_fire(cell: int, inst: Instance, event: Any) -> PlanReport | None:
     return m._fire_step(cell, inst, event) if f is None else f(inst, event)
 
 
-_LAZY: list[_OnCell | None] = []
+def _general_fire(cell: int, inst: Instance, event: Any) -> PlanReport | None:
+    """A cell on the general path (guards not compiled, errors, unbound plans, sinks
+    watching): `Machine._fire_step` told which cell it is."""
+    return inst._m._fire_step(cell, inst, event)
 
 
-def _lazy_table(n: int) -> list[_OnCell | None]:
+_LAZY: list[_OnCell] = []
+_GENERAL: list[_OnCell] = []
+
+
+def _general_table(n: int) -> list[_OnCell]:
+    """A table of `n` cells on the general path: entry `c` is
+    `partial(_general_fire, c)`, shared by every machine."""
+    while len(_GENERAL) < n:
+        _GENERAL.append(functools.partial(_general_fire, len(_GENERAL)))
+    return _GENERAL[:n]
+
+
+
+def _lazy_table(n: int) -> list[_OnCell]:
     """A table of `n` cells not compiled yet: entry `c` is `partial(_first_fire, c)`,
     shared by every machine (a cell's index is all it holds)."""
     while len(_LAZY) < n:
@@ -1222,12 +1284,10 @@ class Instance(Holder):
             if code >= 0:
                 self._s = code
                 return None
-            # The cell's code names (state, event): its compiled function, or the
-            # general path told which cell it is.
-            on = self._m._on[-1 - code]
-            if on is None:
-                return self._m._fire_step(-1 - code, self, event)
-            return on(self, event)
+            # The cell's code names (state, event) and indexes its entry from the end
+            # of the table in use: its compiled function, its first fire (which
+            # compiles it), or the general path told which cell it is.
+            return self._m._on[code](self, event)
         return self._m._fire_slow(self, event)
 
     @property

@@ -198,7 +198,7 @@ def test_step_runs_is_step_rows_of_its_rounds(seed):
     by_rows, by_runs = sequence_batch(n, rows_log), sequence_batch(n, runs_log)
     w, e_count = by_rows._w, len(SEQUENCE.events)
     table = by_rows._packed_list
-    refused = ignored_seen = 0
+    refused = ignored_seen = single = 0
     for _ in range(40):
         base = by_rows._base.tolist()
         terminal = by_rows._terminal.tolist()
@@ -209,13 +209,15 @@ def test_step_runs_is_step_rows_of_its_rounds(seed):
         runs = []
         for _ in range(rng.randint(1, 6)):
             e = rng.randrange(e_count)
-            rows = [r for r in range(n) if rng.random() < 0.25
+            dense = rng.choice((0.25, 0.03))  # sparse runs: often one row (its own path)
+            rows = [r for r in range(n) if rng.random() < dense
                     and (table[cur[r] + e] >= 0 or rng.random() < 0.004)]
             rng.shuffle(rows)
             for r in rows:
                 if table[cur[r] + e] >= 0:
                     cur[r] = table[cur[r] + e] & batch_mod._BASE_MASK
             runs.append((rows, e))
+            single += len(rows) == 1
         odd = rng.random()
         if odd < 0.05 and runs[0][0]:
             runs.append(([runs[0][0][0], n], runs[0][1]))  # a row out of range
@@ -252,6 +254,7 @@ def test_step_runs_is_step_rows_of_its_rounds(seed):
         ignored_seen += sum(results[0][4].values())
     assert refused and len({name for name, _ in rows_log}) >= 2
     assert ignored_seen  # the ignored counts compared above were not all zero
+    assert single  # runs of one row were compared too
 
 
 def test_step_runs_of_an_unobserved_batch_counts_nothing_and_refuses_exactly():

@@ -74,6 +74,13 @@ class _Counting:
         entry = self._by[machine] = (t, [0])
         return entry
 
+    def tally(self, machine: Any, source: int, event: int, alt: int) -> list[int]:
+        """The counter a compiled cell adds 1 to instead of calling `record` (see
+        `observe.Recorder`): the machine's count for a transition, a scratch slot
+        nobody reads for an ignore."""
+        t, c = self._by.get(machine) or self._table(machine)
+        return c if t[source][event][alt] else [0]
+
     def record(self, machine: Any, source: int, event: int, alt: int) -> None:
         if alt >= 0:
             entry = self._by.get(machine) or self._table(machine)
