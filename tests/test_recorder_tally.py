@@ -136,9 +136,8 @@ def test_simulate_counts_the_same_transitions_with_or_without_its_tally(monkeypa
     monkeypatch.setattr(simulate._Counting, "tally", None)  # every decision via record
     recorded = simulate.run_simulation(wcfg)
     assert tallied["transitions"] > 0
-    # ("effects" is left out: a second run in one process counts more plan runs, on the
-    # record path as on the tally path.)
-    for key in ("transitions", "transitions_by_machine", "terminal_states", "leaks"):
+    for key in ("transitions", "transitions_by_machine", "terminal_states", "effects",
+                "leaks"):
         assert tallied[key] == recorded[key], key
 
 

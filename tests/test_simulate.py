@@ -309,3 +309,13 @@ def test_transitions_fired_agree_with_a_trace_of_every_decision():
     assert r["transitions_by_machine"] == dict(sorted(traced.items()))
     assert r["transitions"] == sum(traced.values()) > r["requests"]
     assert not any(r["leaks"].values())
+
+
+def test_a_second_run_in_one_process_reports_its_own_effects():
+    # The running batch's machine is the process's SEQUENCE, whose stats every batch of
+    # it adds to: each run's summary counts the plans that run ran, not the process's.
+    cfg = WorkloadConfig(requests=150, seed=8, n=3)
+    first, second = run_simulation(cfg), run_simulation(cfg)
+    assert first["effects"] > 0
+    for key in ("effects", "transitions", "terminal_states", "peak", "leaks"):
+        assert first[key] == second[key], key

@@ -203,6 +203,9 @@ def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu",
                            adapters=wcfg.adapters, trace=trace, progress=progress)
         if metrics is not None:
             watch_loop(metrics, loop)
+        # A machine may outlive the loop (the running batch's is the process's SEQUENCE,
+        # whose stats every batch of it adds to): count this run's plans only.
+        plans_before = [sum(m.stats.plans_run.values()) for m in loop.machines()]
         counter = _Counting()
         prev = observe.set_recorder(counter)
         with collector_for_run():
@@ -214,7 +217,7 @@ def run_simulation(wcfg: WorkloadConfig, *, device: str = "cpu",
         leaks = loop.leaks()
     finally:
         torch.set_num_threads(threads)
-    effects = sum(sum(m.stats.plans_run.values()) for m in loop.machines())
+    effects = sum(sum(m.stats.plans_run.values()) for m in loop.machines()) - sum(plans_before)
     return {
         "loop": loop.parts.loop,
         "requests": len(workload),
