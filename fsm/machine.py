@@ -14,7 +14,9 @@ observations, runs release plans, and queues events fired while it runs
 from __future__ import annotations
 
 import functools
+import linecache
 import sys
+import textwrap
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -939,7 +941,7 @@ def _compile_general(m: Machine, t: _Terminal) -> _OnCell:
 def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
     """`_compile_terminal` for a plan with actions over a ledger: `Ledger._run_steps`'s
     walk, unrolled into one function made for this plan (`_PLAN_BODY`, with one block a
-    step from `_ACTION_STEP` or `_RELEASE_STEP`), whose constants are bound here: no
+    step: an Action's `_CALL`, or `_RELEASE_STEP`), whose constants are bound here: no
     loop over the steps, no test of each step's type.
 
     Steps run in order, each even when an earlier one raised (the error goes to the
@@ -978,18 +980,33 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
             env[f"fn{i}"] = unwrapped(st.fn)
             shape.append("A")
     # Compiled once per shape (compiling costs milliseconds), named after the plan.
-    code = _named(_plan_code("".join(shape)), f"<plan {m.name}:{t.pname}>")
+    name, src = f"<plan {m.name}:{t.pname}>", _plan_source("".join(shape))
+    code = _named(_plan_code("".join(shape)), name)
+    # Tracebacks through the plan show its lines (a name in linecache's cache with no
+    # modification time is kept by `checkcache`).
+    linecache.cache[name] = (len(src), None, src.splitlines(True), name)
     exec(code, env)  # our own template, filled with step indices only
     return env["make"]()
 
 
 @functools.lru_cache(maxsize=256)
 def _plan_code(shape: str) -> CodeType:
-    """`_PLAN_BODY` with one block a step of `shape` (see `_compile_plan`), compiled."""
-    blocks = [_ACTION_STEP.format(i=i) if c == "A" else _RELEASE_STEP.format(
-        i=i, call=f"raw[kind{i}]" if c == "D" else f"fn{i}") for i, c in enumerate(shape)]
-    return compile(_PLAN_BODY.replace("                # STEPS\n", "".join(blocks)),
-                   "<plan>", "exec")
+    """`_plan_source(shape)`, compiled."""
+    return compile(_plan_source(shape), "<plan>", "exec")
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_source(shape: str) -> str:
+    """`_PLAN_BODY` with one block a step of `shape` (see `_compile_plan`)."""
+    blocks = []
+    for i, c in enumerate(shape):
+        if c == "A":  # an Action, called unwrapped
+            blocks.append(_call(f"fn{i}(ctx)", i, 16))
+        else:
+            fn = f"raw[kind{i}]" if c == "D" else f"fn{i}"
+            blocks.append(_RELEASE_STEP.format(i=i, call_h=_call(f"{fn}(ctx, h)", i, 28),
+                                               call_cur=_call(f"{fn}(ctx, cur)", i, 24)))
+    return _PLAN_BODY.replace("                # STEPS\n", "".join(blocks))
 
 
 @functools.lru_cache(maxsize=1024)  # (a loop binds machines of the same names again)
@@ -1051,16 +1068,23 @@ def make():
     return fire_terminal
 """
 
-# An Action: called unwrapped; every step runs, an error is reported.
-_ACTION_STEP = """\
-                try:
-                    res = fn{i}(ctx)
-                except Exception as e:
-                    step_failed(report, about{i}, e)
-                else:
-                    if res is not None:
-                        step_returned(ledger, res, report, about{i})
+# A step's call, at the indentation of the block it goes in: every step runs, an error
+# (or a returned value) is reported against the step.
+_CALL = """\
+try:
+    res = {call}
+except Exception as e:
+    step_failed(report, about{i}, e)
+else:
+    if res is not None:
+        step_returned(ledger, res, report, about{i})
 """
+
+
+def _call(call: str, i: int, indent: int) -> str:
+    """`_CALL` of step `i` calling `call`, indented by `indent` spaces."""
+    return textwrap.indent(_CALL.format(call=call, i=i), " " * indent)
+
 
 # A Release(kind): the one handle of the kind inline, marked first; of several, each
 # of the kind in order (`Ledger._release_kind`'s loop, inline with the kind bound), one
@@ -1090,14 +1114,7 @@ _RELEASE_STEP = """\
                                 done.append(h)
                             else:
                                 report._released = [done, h]
-                            try:
-                                res = {call}(ctx, h)
-                            except Exception as e:
-                                step_failed(report, about{i}, e)
-                            else:
-                                if res is not None:
-                                    step_returned(ledger, res, report, about{i})
-                    elif not cur.released and cur.kind == kind{i}:
+{call_h}                    elif not cur.released and cur.kind == kind{i}:
                         cur.released = True  # marked first: never released twice
                         inst._owns = None
                         if observers:
@@ -1107,14 +1124,7 @@ _RELEASE_STEP = """\
                             report._released = cur
                         else:
                             report.released.append(cur)
-                        try:
-                            res = {call}(ctx, cur)
-                        except Exception as e:
-                            step_failed(report, about{i}, e)
-                        else:
-                            if res is not None:
-                                step_returned(ledger, res, report, about{i})
-"""
+{call_cur}"""
 
 
 def _step_failed(report: PlanReport, about: tuple[str, bool], e: Exception) -> None:

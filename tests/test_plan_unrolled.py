@@ -165,3 +165,27 @@ def test_plans_of_one_shape_share_one_compiled_template_and_keep_their_names():
              if f is not None and getattr(f, "__code__", None) is not None}
     assert {"<plan lifecycle:release_aborted>", "<plan lifecycle:release_finished>"} <= files
     ledger.assert_empty()
+
+
+@pytest.mark.usefixtures("unobserved")
+def test_a_traceback_through_an_unrolled_plan_shows_the_plans_lines():
+    import traceback
+
+    @release_effect
+    def drop(ctx: Any, handle: Any) -> None:
+        pass
+
+    @release_effect
+    def broken(ctx: Any) -> None:
+        raise RuntimeError("the effect failed")
+
+    ledger = Ledger(dict.fromkeys(KINDS, drop))
+    m = LIFECYCLE.bind({"release_aborted": Plan(Action(broken), Release("a")),
+                        "release_finished": Plan(Release("a"))}, ledger)
+    job = Job(m, "r")
+    with pytest.raises(ReleaseFailed) as failed:
+        job.fire(Abort())
+    text = "".join(traceback.format_exception(failed.value))
+    assert 'File "<plan lifecycle:release_aborted>"' in text
+    assert "res = fn0(ctx)" in text  # the plan's own line, not a blank
+    ledger.assert_empty()
