@@ -29,11 +29,14 @@ from a request id, so the number of series is bounded):
     terminus_lora_references{registry, adapter}                     gauge
 
 Transitions, ignored and refused events are counted by a sink on each mounted machine
-(`Machine.add_sink`), from the moment it is mounted; plans, plan errors and the ledger's
-totals are the counters the engine keeps anyway, read at scrape time; gauges are read
-at scrape time too. Only `terminus.fsm` is imported: pools are anything with
-`available_size()` (or `available`) and optionally `capacity`, LoRA registries anything
-with `counts() -> {adapter id: references}`.
+(`Machine.add_sink`), from the moment it is mounted; plans and plan errors are the
+counters the engine keeps anyway, read at scrape time, less what they held when the
+machine was mounted (a machine may have run plans before: every `Batch` of the
+process's `SEQUENCE` adds to its counts), and so also from that moment; the ledger's
+totals are its own counters, read at scrape time; gauges are read at scrape time too.
+Only `terminus.fsm` is imported: pools are anything with `available_size()` (or
+`available`) and optionally `capacity`, LoRA registries anything with
+`counts() -> {adapter id: references}`.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = REGISTRY if registry is None else registry
         self._machines: dict[int, Machine] = {}
+        # Per machine: its plans run and plan errors when it was mounted.
+        self._plans_at: dict[int, tuple[dict[str, int], int]] = {}
         self._decisions: defaultdict[tuple[str, str, str, str, str], int] = defaultdict(int)
         self._ledgers: dict[str, Any] = {}
         self._kinds: dict[str, set[str]] = {}
@@ -95,6 +100,7 @@ class Metrics:
                                 "instances run on")
             if id(m) not in self._machines:
                 self._machines[id(m)] = m
+                self._plans_at[id(m)] = (dict(m.stats.plans_run), m.stats.effect_errors)
                 m.add_sink(self._sink)
         return self
 
@@ -136,6 +142,7 @@ class Metrics:
         for m in self._machines.values():
             m.remove_sink(self._sink)
         self._machines.clear()
+        self._plans_at.clear()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -169,10 +176,11 @@ class Metrics:
                 ref.add_metric([machine, src, ev], n)
         runs: Counter[tuple[str, str]] = Counter()
         errs: Counter[str] = Counter()
-        for m in list(self._machines.values()):
+        for key, m in list(self._machines.items()):
+            runs_at, errs_at = self._plans_at[key]
             for plan, n in dict(m.stats.plans_run).items():
-                runs[(m.name, plan)] += n
-            errs[m.name] += m.stats.effect_errors
+                runs[(m.name, plan)] += n - runs_at.get(plan, 0)
+            errs[m.name] += m.stats.effect_errors - errs_at
         for (machine, plan), n in sorted(runs.items()):
             plans.add_metric([machine, plan], n)
         for machine, n in sorted(errs.items()):

@@ -222,6 +222,41 @@ def test_each_series_counts_what_the_machine_did_and_unmount_detaches():
     lora.assert_full()
 
 
+def collected(metrics: Metrics) -> Samples:
+    """`metrics.collect()` as `scrape` gives it, without serving it."""
+    return {(x.name, tuple(sorted(x.labels.items()))): x.value
+            for f in metrics.collect() for x in f.samples}
+
+
+def test_plans_and_plan_errors_count_from_the_moment_a_machine_is_mounted():
+    # A machine that ran plans before it was mounted (a batch's machine is shared by
+    # every batch of it) counts only the plans run since, like its transitions.
+    kv = TokenKVAllocator(64)
+    ledger = Ledger({"kv": free_kv}, resources=kv)
+    m = SPEC.build().bind({"release": Plan(Action(flaky_notify, best_effort=True))}, ledger)
+    early = m.create("early")
+    early.fire(Go())
+    assert early.fire(Stop()) is not None  # a plan run and a plan error, unmounted
+    metrics = Metrics(CollectorRegistry()).watch_machine(m)
+    try:
+        s = collected(metrics)
+        assert s[("terminus_plans_run_total", (("machine", "metrics_probe"),
+                                               ("plan", "release")))] == 0
+        assert s[("terminus_plan_errors_total", (("machine", "metrics_probe"),))] == 0
+        later = m.create("later")
+        later.fire(Go())
+        later.fire(Stop())
+        s = collected(metrics)
+        assert s[("terminus_plans_run_total", (("machine", "metrics_probe"),
+                                               ("plan", "release")))] == 1
+        assert s[("terminus_plan_errors_total", (("machine", "metrics_probe"),))] == 1
+        assert sum(m.stats.plans_run.values()) == 2  # the machine's own: both
+    finally:
+        metrics.unmount()
+    ledger.assert_empty()
+    kv.assert_full()
+
+
 def test_lora_references_are_reported_by_adapter_id():
     import asyncio
 
