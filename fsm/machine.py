@@ -979,9 +979,11 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
             assert isinstance(st, Action)
             env[f"fn{i}"] = unwrapped(st.fn)
             shape.append("A")
-    # Compiled once per shape (compiling costs milliseconds), named after the plan.
-    name, src = f"<plan {m.name}:{t.pname}>", _plan_source("".join(shape))
-    code = _named(_plan_code("".join(shape)), name)
+    # Compiled once per shape (compiling costs milliseconds), named after the plan and
+    # its shape (one name, one source: machines of one name may bind other plans).
+    kinds = "".join(shape)
+    name, src = f"<plan {m.name}:{t.pname} {kinds}>", _plan_source(kinds)
+    code = _named(_plan_code(kinds), name)
     # Tracebacks through the plan show its lines (a name in linecache's cache with no
     # modification time is kept by `checkcache`).
     linecache.cache[name] = (len(src), None, src.splitlines(True), name)

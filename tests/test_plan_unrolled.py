@@ -131,7 +131,7 @@ def test_the_unrolled_function_is_named_after_its_plan():
     assert report.plan == "release_aborted" and not report.released
     cells = [f for f in m._on if f is not None and getattr(f, "__code__", None) is not None]
     files = {f.__code__.co_filename for f in cells}
-    assert "<plan lifecycle:release_aborted>" in files
+    assert "<plan lifecycle:release_aborted DAD>" in files
 
 
 @pytest.mark.usefixtures("unobserved")
@@ -163,7 +163,7 @@ def test_plans_of_one_shape_share_one_compiled_template_and_keep_their_names():
     assert after.misses - before.misses <= 1 and after.hits - before.hits >= 1
     files = {f.__code__.co_filename for f in m._on
              if f is not None and getattr(f, "__code__", None) is not None}
-    assert {"<plan lifecycle:release_aborted>", "<plan lifecycle:release_finished>"} <= files
+    assert {"<plan lifecycle:release_aborted DA>", "<plan lifecycle:release_finished DA>"} <= files
     ledger.assert_empty()
 
 
@@ -186,6 +186,6 @@ def test_a_traceback_through_an_unrolled_plan_shows_the_plans_lines():
     with pytest.raises(ReleaseFailed) as failed:
         job.fire(Abort())
     text = "".join(traceback.format_exception(failed.value))
-    assert 'File "<plan lifecycle:release_aborted>"' in text
+    assert 'File "<plan lifecycle:release_aborted AD>"' in text
     assert "res = fn0(ctx)" in text  # the plan's own line, not a blank
     ledger.assert_empty()
