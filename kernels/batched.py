@@ -308,9 +308,10 @@ def release_batch(
             # no torch call on the way (see FreeStack.push_host).
             if flat is not None:
                 kv._free.push_host(flat)
-        elif type(kv) is TokenKVAllocator:
-            # Our own paged pool: their pages found and pushed from numpy (free_host:
-            # the same pages in the same order as free of a tensor, no tensor made).
+        elif type(kv) is TokenKVAllocator and kv._free._stack_host is not None:
+            # Our own paged pool, its free list on the host: their pages found and
+            # pushed from numpy (free_host: the same pages in the same order as free of
+            # a tensor, no tensor made). One on a device takes free() below.
             if flat is not None:
                 kv.free_host(flat)
         else:

@@ -439,3 +439,20 @@ def test_any_batch_with_starts_frees_exactly_the_owned_columns(device, data):
     assert out.kv_tokens == sum(max(0, n - s) for n, s in zip(lengths, starts, strict=True))
     kv.assert_full()
     table.assert_full()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_cpu_table_over_a_kv_pool_whose_free_list_is_on_a_device_frees_through_free(
+        page_size):
+    # A CPU request table may sit over a KV pool on a GPU (`SchedulerPools` accepts it):
+    # that pool's free list has no host view (`FreeStack` leaves `_stack_host` None off
+    # the CPU), so the release frees through `free()`, which moves the ids to it. Here
+    # a CPU pool without its host view stands in for the device one.
+    kv, table, mamba, slots = setup([6, 5], "cpu", page_size=page_size)
+    kv._free._stack_host = None  # as on a device
+    res = release_batch(slots[:1], table, kv, mamba, req_slots=table)
+    assert (res.kv_tokens, res.requests) == (6, 1)
+    assert kv.available == 256 - (8 if page_size == 4 else 5)  # the second row's alone
+    release_batch(slots[1:], table, kv, mamba, req_slots=table)
+    for pool in (kv, table, mamba):
+        pool.assert_full()
