@@ -854,7 +854,9 @@ def _compile_guarded_else(cell: int, guard: Guard,
     def fire_guarded_else(inst: Instance, event: Any) -> PlanReport | None:
         inst._q = stepping
         try:
-            held = guard(inst, event)
+            # Its truth is taken here too: an object whose truth raises (a numpy array)
+            # is the guard's error, with the events it fired drained.
+            missed = not guard(inst, event)
         except Exception as exc:
             q = inst._q
             if q is stepping:
@@ -865,16 +867,16 @@ def _compile_guarded_else(cell: int, guard: Guard,
         q = inst._q
         inst._q = None
         if q is not stepping:  # a guard fired at it: the general path, told which held
-            return inst._m._fire_step(cell, inst, event, 0 if held else 1, q)
-        if held:
-            if run0 is None:
-                inst._s = target0
+            return inst._m._fire_step(cell, inst, event, 1 if missed else 0, q)
+        if missed:
+            if run1 is None:
+                inst._s = target1
                 return None
-            return run0(inst, event)
-        if run1 is None:
-            inst._s = target1
+            return run1(inst, event)
+        if run0 is None:
+            inst._s = target0
             return None
-        return run1(inst, event)
+        return run0(inst, event)
 
     return fire_guarded_else
 

@@ -133,6 +133,27 @@ def test_a_guard_that_fires_at_its_instance_then_raises_runs_the_queued_event_fi
     ledger.assert_empty()
 
 
+def test_a_guard_result_whose_truth_raises_is_the_guards_error_and_runs_what_it_fired(kv):
+    class Ambiguous:  # like a numpy array of two elements: no truth value
+        def __bool__(self):
+            raise ValueError("the truth value of this result is ambiguous")
+
+    def chunks_in_flight(inst, ev):
+        inst.fire(Chunk(last=True))  # queued behind the guard, as above
+        return Ambiguous()
+
+    m, ledger = machine(kv, variant(), {**GUARDS, "chunks_in_flight": chunks_in_flight})
+    job = Job(m, "r")
+    h = ledger.acquire(job, "kv", kv.alloc(4))
+    job.fire(Start())
+    with pytest.raises(ValueError, match="ambiguous"):
+        job.fire(Abort())  # the guard's result raises when tested, on every path
+    assert job.state == "decoding" and not job.busy and not h.released
+    job.fire(Abort())
+    assert job.state == "aborted" and h.released
+    ledger.assert_empty()
+
+
 def test_a_plan_with_actions_runs_every_step_in_order_inside_a_context_dead_after(kv):
     log: list[Any] = []
     kept = []
