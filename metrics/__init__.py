@@ -60,6 +60,9 @@ __all__ = ["Metrics", "mount"]
 _RETRIES = 8
 
 
+_NOTHING_HELD: tuple[dict[str, int], int] = ({}, 0)
+
+
 class Metrics:
     """A Prometheus collector over mounted machines, ledgers, pools and LoRA registries.
 
@@ -99,8 +102,9 @@ class Metrics:
                                 f"{type(m).__name__}; mount the bound machine your "
                                 "instances run on")
             if id(m) not in self._machines:
-                self._machines[id(m)] = m
+                # (what it held first: a scrape in another thread reads `_machines`)
                 self._plans_at[id(m)] = (dict(m.stats.plans_run), m.stats.effect_errors)
+                self._machines[id(m)] = m
                 m.add_sink(self._sink)
         return self
 
@@ -177,7 +181,8 @@ class Metrics:
         runs: Counter[tuple[str, str]] = Counter()
         errs: Counter[str] = Counter()
         for key, m in list(self._machines.items()):
-            runs_at, errs_at = self._plans_at[key]
+            # (`unmount` may have forgotten it since: then nothing held before is known)
+            runs_at, errs_at = self._plans_at.get(key, _NOTHING_HELD)
             for plan, n in dict(m.stats.plans_run).items():
                 runs[(m.name, plan)] += n - runs_at.get(plan, 0)
             errs[m.name] += m.stats.effect_errors - errs_at

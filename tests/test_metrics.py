@@ -257,6 +257,26 @@ def test_plans_and_plan_errors_count_from_the_moment_a_machine_is_mounted():
     kv.assert_full()
 
 
+def test_a_scrape_between_unmounts_two_clears_reads_the_machine_without_a_key_error():
+    # A scrape thread may read `_machines` after `unmount` forgot the machine's counts
+    # held at the mount (or before `watch_machine` wrote them): it reports what it reads.
+    kv = TokenKVAllocator(64)
+    ledger = Ledger({"kv": free_kv}, resources=kv)
+    m = SPEC.build().bind({"release": Plan(Action(flaky_notify, best_effort=True))}, ledger)
+    metrics = Metrics(CollectorRegistry()).watch_machine(m)
+    try:
+        job = m.create("r")
+        job.fire(Go())
+        job.fire(Stop())  # one plan run since the mount
+        metrics._plans_at.clear()  # unmount's second clear, run before its first
+        s = collected(metrics)
+        assert s[("terminus_plans_run_total", (("machine", "metrics_probe"),
+                                               ("plan", "release")))] == 1
+    finally:
+        metrics.unmount()
+    kv.assert_full()
+
+
 def test_lora_references_are_reported_by_adapter_id():
     import asyncio
 
