@@ -645,8 +645,8 @@ class Batch:
                 if e is not _RESET:
                     return self._runs_by_rounds(runs, reset)
                 e = self._reset_id
-            if len(set(rows)) != k or (not rows_checked and (
-                    set(map(type, rows)) != _INT or min(rows) < 0 or max(rows) >= n)):
+            if (not rows_checked and (set(map(type, rows)) != _INT or min(rows) < 0
+                                      or max(rows) >= n)) or len(set(rows)) != k:
                 return self._runs_by_rounds(runs, reset)
             if e < 0:
                 continue

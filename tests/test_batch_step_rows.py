@@ -287,4 +287,7 @@ def test_malformed_runs_and_rows_that_are_not_ints_get_errors_naming_them():
         b.step_rows([{np.int64(1): resume}])
     with pytest.raises(TypeError, match="a list of runs"):
         b.step(((0,), resume))
+    for rows in ([[1]], [np.array([1, 2])]):  # rows that cannot even be hashed
+        with pytest.raises(TypeError, match=r"run 0 is .*rows are a list of row ints"):
+            b.step_runs([(rows, resume)])
     assert b.states.tolist() == before
