@@ -713,10 +713,10 @@ def _compile_ignore(m: Machine, ignored: tuple[str, str]) -> Callable[[Instance,
 
 def _tally(m: Machine, s: int, e: int, k: int) -> list[int] | None:
     """The attached recorder's counter for alternative `k` of cell (s, e), when it
-    offers one (`observe.Recorder`'s optional `tally`): a one-slot list the compiled
+    offers one (`observe.Recorder`'s optional `cell_counter`): a one-slot list the compiled
     cell adds 1 to instead of calling `record()`."""
-    tally = getattr(m._rec, "tally", None)
-    return None if tally is None else tally(m, s, e, k)
+    counter = getattr(m._rec, "cell_counter", None)  # (only a method of that name)
+    return counter(m, s, e, k) if callable(counter) else None
 
 
 def _compile_recorded(m: Machine, target: int, s: int, e: int,

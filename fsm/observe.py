@@ -69,7 +69,7 @@ class Recorder(Protocol):
     `alt` is the index of the alternative taken in the (state, event) cell, or -1 when
     no guarded alternative held (an error).
 
-    A recorder that only counts may also define `tally(machine, source, event, alt)
+    A recorder that only counts may also define `cell_counter(machine, source, event, alt)
     -> list[int] | None`: asked once per compiled cell alternative while attached, it
     returns a one-slot list the engine adds 1 to for each such decision instead of
     calling `record` (None: call `record`). Decisions on the general path (errors,

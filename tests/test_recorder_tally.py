@@ -1,4 +1,4 @@
-"""A recorder's optional `tally` (`observe.Recorder`): compiled cells add 1 to the
+"""A recorder's optional `cell_counter` (`observe.Recorder`): compiled cells add 1 to the
 counter it gives instead of calling `record`. Differential: the same events under a
 recorder that only records and one that tallies make the same decisions, states,
 plans, ignores and the same counts per (state, event, alternative)."""
@@ -36,14 +36,14 @@ class Recording:
 
 
 class Tallying(Recording):
-    """The same counts, a compiled cell's through the counter `tally` gave it."""
+    """The same counts, a compiled cell's through the counter `cell_counter` gave it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.slots: dict[tuple[str, str, str, int], list[int]] = {}
         self.asked = 0
 
-    def tally(self, machine: Any, source: int, event: int, alt: int) -> list[int]:
+    def cell_counter(self, machine: Any, source: int, event: int, alt: int) -> list[int]:
         self.asked += 1
         key = (machine.name, machine.states[source], machine.event_names[event], alt)
         return self.slots.setdefault(key, [0])
@@ -127,13 +127,24 @@ def test_a_new_recorder_gets_its_own_counters(kv):
     assert first.all_counts == before + before and second.all_counts == before
 
 
+@pytest.mark.parametrize("attr", [Counter(), 3])
+def test_a_recorder_whose_cell_counter_is_not_a_method_records_every_decision(attr, kv):
+    # Only a callable `cell_counter` is the hook: a recorder that keeps data under that
+    # name (or any other) is a plain recorder, every decision through `record`.
+    plain, odd = Recording(), Recording()
+    odd.cell_counter = attr  # type: ignore[attr-defined]
+    odd.tally = Counter()  # type: ignore[attr-defined]  (a name recorders may use)
+    assert drive(plain, 0, kv) == drive(odd, 0, kv)
+    assert odd.counts == plain.counts and odd.counts
+
+
 def test_simulate_counts_the_same_transitions_with_or_without_its_tally(monkeypatch):
     from terminus.effects.sim import simulate
     from terminus.effects.sim.workload import WorkloadConfig
 
     wcfg = WorkloadConfig(requests=150, seed=5, n=3)
     tallied = simulate.run_simulation(wcfg)
-    monkeypatch.setattr(simulate._Counting, "tally", None)  # every decision via record
+    monkeypatch.setattr(simulate._Counting, "cell_counter", None)  # every decision via record
     recorded = simulate.run_simulation(wcfg)
     assert tallied["transitions"] > 0
     for key in ("transitions", "transitions_by_machine", "terminal_states", "effects",

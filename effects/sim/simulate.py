@@ -74,7 +74,7 @@ class _Counting:
         entry = self._by[machine] = (t, [0])
         return entry
 
-    def tally(self, machine: Any, source: int, event: int, alt: int) -> list[int]:
+    def cell_counter(self, machine: Any, source: int, event: int, alt: int) -> list[int]:
         """The counter a compiled cell adds 1 to instead of calling `record` (see
         `observe.Recorder`): the machine's count for a transition, a scratch slot
         nobody reads for an ignore."""
