@@ -112,16 +112,18 @@ def test_an_unrolled_plan_does_what_the_general_path_does(seed):
     assert compiled[4] == "aborted"
 
 
+@release_effect
+def drop(ctx: Any, handle: Any) -> None:
+    """A releaser that does nothing (the naming tests look at the compiled code)."""
+
+
+@release_effect
+def note(ctx: Any) -> None:
+    """An action that does nothing."""
+
+
 @pytest.mark.usefixtures("unobserved")
 def test_the_unrolled_function_is_named_after_its_plan():
-    @release_effect
-    def drop(ctx: Any, handle: Any) -> None:
-        pass
-
-    @release_effect
-    def note(ctx: Any) -> None:
-        pass
-
     ledger = Ledger(dict.fromkeys(KINDS, drop))
 
     m = LIFECYCLE.bind({"release_aborted": Plan(Release("a"), Action(note), Release("b")),
@@ -137,14 +139,6 @@ def test_the_unrolled_function_is_named_after_its_plan():
 @pytest.mark.usefixtures("unobserved")
 def test_plans_of_one_shape_share_one_compiled_template_and_keep_their_names():
     from terminus.fsm import machine as engine
-
-    @release_effect
-    def drop(ctx: Any, handle: Any) -> None:
-        pass
-
-    @release_effect
-    def note(ctx: Any) -> None:
-        pass
 
     ledger = Ledger(dict.fromkeys(KINDS, drop))
     shape = Plan(Release("a"), Action(note))
@@ -170,10 +164,6 @@ def test_plans_of_one_shape_share_one_compiled_template_and_keep_their_names():
 @pytest.mark.usefixtures("unobserved")
 def test_a_traceback_through_an_unrolled_plan_shows_the_plans_lines():
     import traceback
-
-    @release_effect
-    def drop(ctx: Any, handle: Any) -> None:
-        pass
 
     @release_effect
     def broken(ctx: Any) -> None:
