@@ -950,9 +950,8 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
     report). An `Action` calls its function unwrapped, since the context is the
     engine's own and live (I1). A `Release(kind)` step releases the one handle of that
     kind an instance owns inline, marked first (as `Ledger._release_owned` does), and
-    of several each of the kind in order (`Ledger._release_kind`'s loop, inline: the
-    sweep still calls it). Then what no step named is
-    released by its kind's default releaser. The instance is marked busy
+    of several each of the kind in order through `Ledger._release_kind`. Then what no
+    step named is released by its kind's default releaser. The instance is marked busy
     (`_BUSY`) meanwhile, which is also what makes a handle given to it during the plan
     the plan's (`Ledger._planning`), and the context is dead after the plan.
     """
@@ -1008,8 +1007,7 @@ def _plan_source(shape: str) -> str:
             blocks.append(_call(f"fn{i}(ctx)", i, 16))
         else:
             fn = f"raw[kind{i}]" if c == "D" else f"fn{i}"
-            blocks.append(_RELEASE_STEP.format(i=i, call_h=_call(f"{fn}(ctx, h)", i, 28),
-                                               call_cur=_call(f"{fn}(ctx, cur)", i, 24)))
+            blocks.append(_RELEASE_STEP.format(i=i, call_cur=_call(f"{fn}(ctx, cur)", i, 24)))
     return _PLAN_BODY.replace("                # STEPS\n", "".join(blocks))
 
 
@@ -1090,35 +1088,16 @@ def _call(call: str, i: int, indent: int) -> str:
     return textwrap.indent(_CALL.format(call=call, i=i), " " * indent)
 
 
-# A Release(kind): the one handle of the kind inline, marked first; of several, each
-# of the kind in order (`Ledger._release_kind`'s loop, inline with the kind bound), one
-# an earlier release effect moved or released skipped.
+# A Release(kind): the one handle of the kind inline, marked first; of several,
+# `Ledger._release_kind` (each of the kind in order, marked first, one an earlier release
+# effect moved or released skipped: the one copy of that loop).
 _RELEASE_STEP = """\
                 cur = inst._owns
                 if cur is not None:
                     if cur.__class__ is not Hd:  # several handles
-                        for h in tuple(cur):  # a snapshot: releases change the list
-                            if h.kind != kind{i} or h.released or h.owner is not inst:
-                                continue
-                            h.released = True  # marked first: never released twice
-                            now = inst._owns  # `Ledger._unlink`, on the owner's slot
-                            if now is h:
-                                inst._owns = None
-                            elif now.__class__ is list:
-                                now.remove(h)
-                                if len(now) == 1:
-                                    inst._owns = now[0]
-                            if observers:
-                                observers.pop(h, None)
-                            ledger._released += 1
-                            done = report._released
-                            if done is None:
-                                report._released = h
-                            elif done.__class__ is list:
-                                done.append(h)
-                            else:
-                                report._released = [done, h]
-{call_h}                    elif not cur.released and cur.kind == kind{i}:
+                        ledger._release_kind(ctx, inst, cur, kind{i}, fn{i}, report,
+                                             about{i})
+                    elif not cur.released and cur.kind == kind{i}:
                         cur.released = True  # marked first: never released twice
                         inst._owns = None
                         if observers:
