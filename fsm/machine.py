@@ -822,12 +822,10 @@ def _compile_guarded(cell: int,
             else:
                 k = -1
         except Exception as exc:
-            q = inst._q
-            if q is stepping:
+            if inst._q is stepping:  # it fired nothing: nothing changed
                 inst._q = None
                 raise
-            inst._q = q = list(q)
-            return inst._m._drain(inst, q, [exc])
+            return _guard_raised(inst, exc)
         q = inst._q
         if q is not stepping or k < 0:  # a guard fired at it, or none held: general path
             inst._q = None
@@ -841,6 +839,13 @@ def _compile_guarded(cell: int,
         return run(inst, event)
 
     return fire_guarded
+
+
+def _guard_raised(inst: Instance, exc: Exception) -> PlanReport | None:
+    """A compiled guarded cell's guard raised after firing events at its instance: those
+    events run (the step did not happen), then `exc` is raised (`Machine._drain`)."""
+    inst._q = q = list(inst._q)
+    return inst._m._drain(inst, q, [exc])
 
 
 def _compile_guarded_else(cell: int, guard: Guard,
@@ -858,12 +863,10 @@ def _compile_guarded_else(cell: int, guard: Guard,
             # is the guard's error, with the events it fired drained.
             missed = not guard(inst, event)
         except Exception as exc:
-            q = inst._q
-            if q is stepping:
+            if inst._q is stepping:  # it fired nothing: nothing changed
                 inst._q = None
                 raise
-            inst._q = q = list(q)
-            return inst._m._drain(inst, q, [exc])
+            return _guard_raised(inst, exc)
         q = inst._q
         inst._q = None
         if q is not stepping:  # a guard fired at it: the general path, told which held
