@@ -844,7 +844,9 @@ def _compile_guarded(cell: int,
 def _guard_raised(inst: Instance, exc: Exception) -> PlanReport | None:
     """A compiled guarded cell's guard raised after firing events at its instance: those
     events run (the step did not happen), then `exc` is raised (`Machine._drain`)."""
-    inst._q = q = list(inst._q)
+    fired = inst._q
+    assert fired is not None  # the guard's events, in a list of their own
+    inst._q = q = list(fired)
     return inst._m._drain(inst, q, [exc])
 
 
