@@ -15,6 +15,7 @@ from terminus.effects.sequence import RunningBatch, SchedulerPools
 from terminus.fsm import TransitionNotAllowed, observe
 from terminus.fsm.batch import _BASE_MASK, _CheckedRuns, dense_rounds, rounds_of
 from terminus.states.sequence import SEQUENCE, Admit, ChunkDone, SequenceAbort
+from tests.test_batch_step_rows import sequence_batch
 
 
 def dense_of_rounds(runs, n):
@@ -144,20 +145,9 @@ def test_runs_of_checked_rows_step_as_the_public_step_runs(seed):
     # run included, and refused cells) step as the public, checking `step_runs` does.
     from collections import Counter as C
 
-    from terminus.fsm import Plan, release_effect
-    from terminus.fsm.plan import Action
-
     rng = random.Random(seed)
     n = 32
     logs: list[list] = [[], []]
-
-    def batch(log):
-        def plan_for(name):
-            @release_effect
-            def release(ctx):
-                log.append((name, ctx.rows.tolist()))
-            return Plan(Action(release))
-        return SEQUENCE.batch(n, plans={p: plan_for(p) for p in SEQUENCE.plan_names})
 
     class Rec:
         def __init__(self):
@@ -169,7 +159,7 @@ def test_runs_of_checked_rows_step_as_the_public_step_runs(seed):
         def record_counts(self, machine, counts):
             self.counts.update(counts)
 
-    pub, fast = batch(logs[0]), batch(logs[1])
+    pub, fast = sequence_batch(n, logs[0]), sequence_batch(n, logs[1])
     w, table = pub._w, pub._packed_list
     refused = 0
     for _ in range(50):
