@@ -134,6 +134,7 @@ def test_the_unrolled_function_is_named_after_its_plan():
     cells = [f for f in m._on if f is not None and getattr(f, "__code__", None) is not None]
     files = {f.__code__.co_filename for f in cells}
     assert "<plan lifecycle:release_aborted DAD>" in files
+    ledger.assert_empty()
 
 
 @pytest.mark.usefixtures("unobserved")

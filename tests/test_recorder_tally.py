@@ -150,6 +150,7 @@ def test_simulate_counts_the_same_transitions_with_or_without_its_tally(monkeypa
     for key in ("transitions", "transitions_by_machine", "terminal_states", "effects",
                 "leaks"):
         assert tallied[key] == recorded[key], key
+    assert tallied["leaks"] == dict.fromkeys(tallied["leaks"], 0)  # pools full, LoRA 0
 
 
 def test_a_row_code_indexes_its_own_cell_in_every_table(kv):

@@ -319,3 +319,4 @@ def test_a_second_run_in_one_process_reports_its_own_effects():
     assert first["effects"] > 0
     for key in ("effects", "transitions", "terminal_states", "peak", "leaks"):
         assert first[key] == second[key], key
+    assert first["leaks"] == dict.fromkeys(first["leaks"], 0)  # pools full, LoRA 0
