@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -140,6 +140,15 @@ _HOST_ROWS = 64
 _TERMINAL_OF_PLAN = {"release_finished": "finished", "release_aborted": "aborted",
                      "release_failed": "failed"}
 
+
+
+def _reset_of(ev: torch.Tensor | _CheckedRuns, reset: torch.Tensor | None,
+              ) -> torch.Tensor | None:
+    """The rows a step starts anew: `reset`, or the ints a CPU batch's runs carry."""
+    if ev.__class__ is _CheckedRuns:
+        ids = cast("_CheckedRuns", ev).reset
+        return host_ints(ids) if ids else None
+    return reset
 
 class RunningBatch:
     """SEQUENCE instances, one per request slot, stepped and released in batches."""
@@ -687,7 +696,8 @@ class RunningBatch:
             # per queued run (`Batch.step_runs`, the admitted rows' resets as ints): the
             # same step, without a dense tensor of every row's events and a few dozen
             # small torch calls.
-            return self._deliver_runs(runs, ids)
+            # (the rows are ints of the batch: queue() and admit() made them so)
+            return self._deliver(_CheckedRuns(runs, ids), None, None)
         # Built on the host by a fixed number of numpy calls (`dense_rounds`: no
         # per-row Python work; the rows were checked by queue()), then handed to the
         # batch's device.
@@ -717,16 +727,17 @@ class RunningBatch:
             raise
         self._unchecked_admits.clear()
 
-    def _deliver(self, ev: torch.Tensor, known: set[int] | None,
+    def _deliver(self, ev: torch.Tensor | _CheckedRuns, known: set[int] | None,
                  reset: torch.Tensor | None) -> BatchStep:
-        """`Batch.step` of a tensor, keeping track of admissions a deferred refusal may
-        undo (`_deliver_runs`: the same for a CPU batch's runs)."""
+        """`Batch.step` of a tensor (or of a CPU batch's runs, whose admitted rows they
+        carry as ints: a tensor of them is built only when the step is refused or left
+        unread), keeping track of admissions a deferred refusal may undo."""
         refused = False
         try:
             return self.batch.step(ev, known=known, reset=reset)
         except TransitionNotAllowed:
             refused = True
-            self._readmit(reset)
+            self._readmit(_reset_of(ev, reset))
             raise
         finally:
             # Applied (a plan that raised does not undo a step): if it was read back,
@@ -734,27 +745,10 @@ class RunningBatch:
             if not refused:
                 if not self.batch.unchecked:
                     self._unchecked_admits.clear()
-                elif reset is not None:
-                    self._unchecked_admits.append(reset)
-
-    def _deliver_runs(self, runs: list[tuple[list[int], int]], ids: list[int]) -> BatchStep:
-        """`_deliver` of a CPU batch's runs (`Batch.step_runs`), the rows `ids` admitted
-        with `queued=True` starting anew first: their tensor is built only when the step
-        is refused (to admit them again) or leaves a quiet step unread."""
-        refused = False
-        try:
-            # The rows are ints of the batch (queue() and admit() made them so).
-            return self.batch.step(_CheckedRuns(runs, ids))
-        except TransitionNotAllowed:
-            refused = True
-            self._readmit(host_ints(ids) if ids else None)
-            raise
-        finally:
-            if not refused:
-                if not self.batch.unchecked:
-                    self._unchecked_admits.clear()
-                elif ids:
-                    self._unchecked_admits.append(host_ints(ids))
+                else:
+                    rows = _reset_of(ev, reset)
+                    if rows is not None:
+                        self._unchecked_admits.append(rows)
 
     def _readmit(self, reset: torch.Tensor | None) -> None:
         """After a refused step: admit again every row admitted by a refused step (one
