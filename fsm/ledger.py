@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from itertools import compress
+from operator import attrgetter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -78,6 +80,9 @@ class QueuedInPlan(list[Any]):
 
 
 _HIDS = itertools.count(1)
+
+_KIND = attrgetter("kind")
+"""A handle's kind, read in C (`Ledger._release_kind`)."""
 
 
 class Handle(msgspec.Struct, eq=False):
@@ -497,11 +502,22 @@ class Ledger:
         earlier release effect moved or released is skipped. `about` is the step's name
         (None: "release <kind>") and best_effort, read when a release raised or returned
         something."""
+        if kind is None:  # the sweep: every handle, in order
+            todo: Sequence[Handle] = tuple(cur)  # a snapshot: releases change `cur`
+        else:
+            # The step's handles, found in C (most handles a step passes over are of
+            # another kind, and most steps find one or none): a snapshot of them.
+            kinds = list(map(_KIND, cur))
+            n = kinds.count(kind)
+            if n == 1:
+                todo = (cur[kinds.index(kind)],)
+            elif n:
+                todo = list(compress(cur, map(kind.__eq__, kinds)))
+            else:
+                return
         raw, observers = self._raw, self._observers
-        for h in tuple(cur):  # a snapshot: releases change `cur`
-            # The kind first: a step's kind is never None (only the sweep's is), and most
-            # handles a step passes over are of another kind.
-            if (h.kind != kind and kind is not None) or h.released or h.owner is not owner:
+        for h in todo:
+            if h.released or h.owner is not owner:  # moved or released by an earlier effect
                 continue
             h.released = True  # marked first: never released twice
             now: Any = owner._owns  # `_unlink`, on the owner's slot

@@ -1007,12 +1007,18 @@ def _plan_code(shape: str) -> CodeType:
 def _plan_source(shape: str) -> str:
     """`_PLAN_BODY` with one block a step of `shape` (see `_compile_plan`)."""
     blocks = []
+    first = True  # no Release step before this one: the report has released nothing
     for i, c in enumerate(shape):
         if c == "A":  # an Action, called unwrapped
             blocks.append(_call(f"fn{i}(ctx)", i, 16))
         else:
             fn = f"raw[kind{i}]" if c == "D" else f"fn{i}"
-            blocks.append(_RELEASE_STEP.format(i=i, call_cur=_call(f"{fn}(ctx, cur)", i, 24)))
+            step = _RELEASE_STEP.format(i=i, call_cur=_call(f"{fn}(ctx, cur)", i, 24))
+            if first:  # (an Action cannot reach the report: only Release steps add to it)
+                assert _REPORT_APPEND in step
+                step = step.replace(_REPORT_APPEND, _REPORT_FIRST)
+                first = False
+            blocks.append(step)
     return _PLAN_BODY.replace("                # STEPS\n", "".join(blocks))
 
 
@@ -1113,6 +1119,16 @@ _RELEASE_STEP = """\
                         else:
                             report.released.append(cur)
 {call_cur}"""
+
+_REPORT_APPEND = """\
+                        if report._released is None:
+                            report._released = cur
+                        else:
+                            report.released.append(cur)
+"""
+_REPORT_FIRST = """\
+                        report._released = cur  # the plan's first release
+"""
 
 
 def _step_failed(report: PlanReport, about: tuple[str, bool], e: Exception) -> None:
@@ -1277,11 +1293,11 @@ class Instance(Holder):
         if self._q is None:
             try:
                 code = self._m._rows[self._s][event.__class__]
+                if code >= 0:  # (in the try: nothing here raises, and no jump over
+                    self._s = code  # the handler on the way out)
+                    return None
             except KeyError:
                 return self._m._fire_slow(self, event)
-            if code >= 0:
-                self._s = code
-                return None
             # The cell's code names (state, event) and indexes its entry from the end
             # of the table in use: its compiled function, its first fire (which
             # compiles it), or the general path told which cell it is.
