@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import compress
 from operator import attrgetter
-from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import msgspec
