@@ -35,7 +35,7 @@ def _run(seed: int, observed: bool) -> tuple[Any, ...]:
 
     def releaser(kind: str) -> Any:
         @release_effect
-        def free(ctx: Any, handle: Any) -> None:
+        def free(ctx: Any, handle: Any) -> Any:
             log.append(("default", kind, handle.value.numel()))
             ctx.resources.free(handle.value)
             what = rng.random()
@@ -46,6 +46,9 @@ def _run(seed: int, observed: bool) -> tuple[Any, ...]:
                 ctx.ledger.transfer(moved, jobs["peer"])
             elif what < 0.22:
                 raise RuntimeError(f"default release of {kind} failed")
+            elif what < 0.3:
+                return what  # a value (not awaitable): ignored, as on the general path
+            return None
 
         return free
 
@@ -86,7 +89,9 @@ def _run(seed: int, observed: bool) -> tuple[Any, ...]:
     job, peer = Job(m, "r"), Job(m, "peer")
     jobs["peer"] = peer
     for _ in range(rng.choice((0, 1, 2, 3, 5, 7))):
-        ledger.acquire(job, rng.choice(KINDS), kv.alloc(rng.randint(1, 4)))
+        h = ledger.acquire(job, rng.choice(KINDS), kv.alloc(rng.randint(1, 4)))
+        if rng.random() < 0.2:  # watched by the peer: forgotten when released
+            ledger.observe(h, peer)
     try:
         report = job.fire(Abort())
         raised = None
@@ -102,6 +107,7 @@ def _run(seed: int, observed: bool) -> tuple[Any, ...]:
         pass
     ledger.assert_empty()
     kv.assert_full()
+    assert not ledger._observers
     return out
 
 
@@ -174,3 +180,14 @@ def test_a_report_lists_every_handle_a_plan_released_in_order():
     h = ledger.acquire(job, "b", 9)
     assert job.fire(Abort()).released == [h]
     ledger.assert_empty()
+
+
+def test_runs_of_release_steps_dispatch_once_for_an_owner_of_several_handles():
+    from terminus.fsm.machine import _release_runs
+
+    assert _release_runs("ARADDDDDA") == [(3, 8)]
+    assert _release_runs("DDADRA") == [(0, 2), (3, 5)]
+    assert _release_runs("DA") == [] and _release_runs("ADA") == []
+    src = _plan_source("DDADRA")
+    assert src.count("ledger._release_run(") == 2
+    assert "run0, report" in src and "run3, report" in src
