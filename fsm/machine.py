@@ -857,6 +857,8 @@ def _compile_guarded_else(cell: int, guard: Guard,
     alternative's target and compiled cell bound as constants of its branch."""
     stepping = _STEPPING
     (target0, run0), (target1, run1) = outs
+    if run0 is None and run1 is None:  # two plain transitions: one store, known here
+        return _compile_guarded_else_plain(cell, guard, target0, target1)
 
     def fire_guarded_else(inst: Instance, event: Any) -> PlanReport | None:
         inst._q = stepping
@@ -869,10 +871,10 @@ def _compile_guarded_else(cell: int, guard: Guard,
                 inst._q = None
                 raise
             return _guard_raised(inst, exc)
-        q = inst._q
-        inst._q = None
-        if q is not stepping:  # a guard fired at it: the general path, told which held
+        if inst._q is not stepping:  # a guard fired at it: the general path, told which
+            q, inst._q = inst._q, None  # held
             return inst._m._fire_step(cell, inst, event, 1 if missed else 0, q)
+        inst._q = None
         if missed:
             if run1 is None:
                 inst._s = target1
@@ -884,6 +886,32 @@ def _compile_guarded_else(cell: int, guard: Guard,
         return run0(inst, event)
 
     return fire_guarded_else
+
+
+def _compile_guarded_else_plain(cell: int, guard: Guard, target0: int,
+                                target1: int) -> _OnCell:
+    """`_compile_guarded_else` when both alternatives are plain transitions (neither
+    terminal nor recorded): the guard, then the target it picks stored."""
+    stepping = _STEPPING
+
+    def fire_guarded_else_plain(inst: Instance, event: Any) -> PlanReport | None:
+        inst._q = stepping
+        try:
+            # Its truth is taken here too (see `_compile_guarded_else`).
+            missed = not guard(inst, event)
+        except Exception as exc:
+            if inst._q is stepping:  # it fired nothing: nothing changed
+                inst._q = None
+                raise
+            return _guard_raised(inst, exc)
+        if inst._q is not stepping:  # a guard fired at it: the general path, told which
+            q, inst._q = inst._q, None  # held
+            return inst._m._fire_step(cell, inst, event, 1 if missed else 0, q)
+        inst._q = None
+        inst._s = target1 if missed else target0
+        return None
+
+    return fire_guarded_else_plain
 
 
 def _first_fire(cell: int, inst: Instance, event: Any) -> PlanReport | None:
