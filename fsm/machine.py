@@ -1014,9 +1014,6 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
             env[f"fn{i}"] = unwrapped(st.fn)
             shape.append("A")
     kinds = "".join(shape)
-    for i, j in _release_runs(kinds):  # (kind, function or None, about) of each step
-        env[f"run{i}"] = tuple((env[f"kind{k}"], env[f"fn{k}"], env[f"about{k}"])
-                               for k in range(i, j))
     # Compiled once per shape (compiling costs milliseconds), named after the plan and
     # its shape (one name, one source: machines of one name may bind other plans).
     name, src = f"<plan {m.name}:{t.pname} {kinds}>", _plan_source(kinds)
@@ -1050,25 +1047,7 @@ def _plan_source(shape: str) -> str:
                 step = step.replace(_REPORT_APPEND, _REPORT_FIRST)
                 first = False
             blocks.append(step)
-    for i, j in reversed(_release_runs(shape)):
-        # A run of Release steps over an instance that owns several handles at its start:
-        # one call (`Ledger._release_run`) does what the run's blocks would, step by step.
-        run = textwrap.indent("".join(blocks[i:j]), "    ")
-        blocks[i:j] = [_RELEASE_RUN.format(i=i, j=j - 1, blocks=run)]
     return _PLAN_BODY.replace("                # STEPS\n", "".join(blocks))
-
-
-def _release_runs(shape: str) -> list[tuple[int, int]]:
-    """The runs of two or more consecutive Release steps of `shape`: [start, end)."""
-    runs, i = [], 0
-    while i < len(shape):
-        j = i
-        while j < len(shape) and shape[j] != "A":
-            j += 1
-        if j - i >= 2:
-            runs.append((i, j))
-        i = j + 1
-    return runs
 
 
 @functools.lru_cache(maxsize=1024)  # (a loop binds machines of the same names again)
@@ -1168,12 +1147,6 @@ _RELEASE_STEP = """\
                         else:
                             report.released.append(cur)
 {call_cur}"""
-
-_RELEASE_RUN = """\
-                if inst._owns.__class__ is list:  # several handles: steps {i}-{j} in one call
-                    ledger._release_run(ctx, inst, run{i}, report)
-                else:
-{blocks}"""
 
 _REPORT_APPEND = """\
                         if report._released is None:

@@ -1,12 +1,12 @@
 """A compiled plan over an instance that owns several handles: each `Release(kind)` step
-finds the handles of its kind in C (`Ledger._release_kind`: one of the kind, several,
-none), and the plan's first inline release stores the report's handle directly
-(`machine._REPORT_FIRST`). Differential, on random plans and ownerships with several
-handles of a kind, and release effects that move a handle to another instance, give
-the instance a new one (an Action, or a step's own function; never a default releaser,
-which the final sweep also calls: a handle acquired then is left owned, on both paths),
-or raise: the compiled path does what the general path (`Ledger._run_steps`, taken
-while a sink observes the machine) does, step for step."""
+releases the handles of its kind the instance owns at that moment (`Ledger._release_kind`:
+one of the kind, several, none), and the plan's first inline release stores the report's
+handle directly (`machine._REPORT_FIRST`). Differential, on random plans and ownerships
+with several handles of a kind, observers, and release effects that move a handle to
+another instance, give the instance a new one (an Action, or a step's own function; never
+a default releaser, which the final sweep also calls: a handle acquired then is left
+owned, on both paths), return a value, or raise: the compiled path does what the general
+path (`Ledger._run_steps`, taken while a sink observes the machine) does, step for step."""
 
 from __future__ import annotations
 
@@ -181,13 +181,3 @@ def test_a_report_lists_every_handle_a_plan_released_in_order():
     assert job.fire(Abort()).released == [h]
     ledger.assert_empty()
 
-
-def test_runs_of_release_steps_dispatch_once_for_an_owner_of_several_handles():
-    from terminus.fsm.machine import _release_runs
-
-    assert _release_runs("ARADDDDDA") == [(3, 8)]
-    assert _release_runs("DDADRA") == [(0, 2), (3, 5)]
-    assert _release_runs("DA") == [] and _release_runs("ADA") == []
-    src = _plan_source("DDADRA")
-    assert src.count("ledger._release_run(") == 2
-    assert "run0, report" in src and "run3, report" in src
