@@ -39,6 +39,13 @@ from .plan import (
 _COMPACT_MIN = 4096
 """`Ledger._all` is compacted no more often than every this many acquires."""
 
+_SWEEPS = 16
+"""Passes of a plan's last step over what its instance still owns (`Ledger._sweep`)."""
+
+_SWEPT: tuple[None, bool] = (None, False)
+"""`Ledger._release_kind`'s `about` for the handles no step of a plan named: each is
+"release <kind>", not best-effort."""
+
 
 class Owner(Protocol):
     """What the ledger reads of an owner (an `fsm.Instance`)."""
@@ -423,10 +430,38 @@ class Ledger:
                 else:
                     assert isinstance(step, Action)
                     self._call(step.fn, (ctx,), report, step.name, step.best_effort)
-            if get(owner) is not None:  # the handles the plan did not name
-                self._release_owned(ctx, owner, None, None, report, None, False)
+            cur = get(owner)
+            if cur is not None:  # the handles the plan did not name
+                self._sweep(ctx, owner, cur, report)
         finally:
             self._exit_plan(prev)
+
+    def _sweep(self, ctx: ReleaseContext, owner: Any, cur: Any,
+               report: PlanReport) -> None:
+        """A plan's last step: release by their kinds' default releasers the handles
+        `owner` still owns (`cur`, not None), and again those a releaser gave it
+        meanwhile (they are the plan's, `_planning`), until it owns nothing. A releaser
+        that gives it another handle every time it runs would never end: after
+        `_SWEEPS` passes what is left stays owned (the leak audit shows it) and the plan
+        reports an error naming it."""
+        holder = isinstance(owner, Holder)
+        for _ in range(_SWEEPS):
+            if holder:
+                self._release_kind(ctx, owner, cur if cur.__class__ is list else (cur,),
+                                   None, None, report, _SWEPT)
+            else:  # an owner the ledger keeps in its own table
+                self._release_owned(ctx, owner, None, None, report, None, False)
+            cur = self._get(owner)
+            if cur is None:
+                return
+        left = cur if cur.__class__ is list else [cur]
+        report.errors.append(EffectError(
+            report.machine, report.plan, "release what no step named", False,
+            RuntimeError(
+                f"after {_SWEEPS} passes {owner!r} still owns {len(left)} handle(s) "
+                f"({', '.join(sorted({h.kind for h in left}))}): a default releaser "
+                "gives the instance it releases a new handle each time it runs; acquire "
+                "for another owner, or release without acquiring")))
 
     def _mark_released(self, handle: Handle) -> None:
         if handle.released:

@@ -659,10 +659,6 @@ _BUSY = PLAN_RUNNING
 appended to: the first queued event replaces it with a `QueuedInPlan` of its own,
 which the step turns into a plain list before it drains it, its plan done)."""
 
-_SWEPT: tuple[None, bool] = (None, False)
-"""`Ledger._release_kind`'s `about` for the handles no step of a plan named: each is
-"release <kind>", not best-effort."""
-
 _NONE_HELD = -2
 """`Machine._step`'s `chosen` when a compiled guarded cell found that no guard held."""
 
@@ -999,7 +995,7 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
         "mname": m.name, "runs": m.stats._runs, "ledger": ledger,
         "observers": ledger._observers, "raw": ledger._raw, "new": _new,
         "Context": ReleaseContext, "Report": PlanReport, "Hd": Handle, "busy": _BUSY,
-        "refs": _refs, "SWEPT": _SWEPT, "step_failed": _step_failed,
+        "refs": _refs, "step_failed": _step_failed,
         "step_returned": _step_returned,
     }
     shape: list[str] = []  # per step: "A" (Action), "R" (Release, own function), "D"
@@ -1083,8 +1079,7 @@ def make():
                 # STEPS
                 cur = inst._owns
                 if cur is not None:  # the handles no step named, by their default releasers
-                    ledger._release_kind(ctx, inst, cur if cur.__class__ is list else (cur,),
-                                         None, None, report, SWEPT)
+                    ledger._sweep(ctx, inst, cur, report)
             finally:
                 ctx._live = False
                 if refs(ctx) == 2:  # ours and the call's: nobody kept it

@@ -3,9 +3,9 @@ releases the handles of its kind the instance owns at that moment (`Ledger._rele
 one of the kind, several, none), and the plan's first inline release stores the report's
 handle directly (`machine._REPORT_FIRST`). Differential, on random plans and ownerships
 with several handles of a kind, observers, and release effects that move a handle to
-another instance, give the instance a new one (an Action, or a step's own function; never
-a default releaser, which the final sweep also calls: a handle acquired then is left
-owned, on both paths), return a value, or raise: the compiled path does what the general
+another instance, give the instance a new one (an Action, a step's own function, or a
+default releaser, which the final sweep also calls: released by its next pass,
+`Ledger._sweep`), return a value, or raise: the compiled path does what the general
 path (`Ledger._run_steps`, taken while a sink observes the machine) does, step for step."""
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ def _run(seed: int, observed: bool) -> tuple[Any, ...]:
                 raise RuntimeError(f"default release of {kind} failed")
             elif what < 0.3:
                 return what  # a value (not awaitable): ignored, as on the general path
+            elif what < 0.36:  # a new one, the plan's: a later step or sweep pass takes it
+                ctx.ledger.acquire(ctx.instance, rng.choice(KINDS), ctx.resources.alloc(1))
             return None
 
         return free
