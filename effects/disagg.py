@@ -789,7 +789,6 @@ class DisaggPrefill:
             raise ValueError(f"request {rid!r} has no chunk {k} in flight "
                              f"({len(chunks)} scheduled)")
         chunk = chunks[k]
-        assert isinstance(chunk, Chunk)
         terminal = self._chunk_terminal  # (`c.terminal`, without the property)
         if terminal[chunk._s]:
             chunk.fire(_RESULT)  # a duplicate: ignored by the chunk
