@@ -24,6 +24,7 @@ resource, with `register_call_site`).
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -181,11 +182,16 @@ class FaultPlan:
 
     `calls` counts every call made through a proxy, by (resource, method); `fired` the
     faults raised. `strict`: a call no registered site names raises
-    `UnregisteredCallSite`.
+    `UnregisteredCallSite`. `count=False` (a simulation that only injects faults): no
+    call is counted (`calls` stays empty), and a proxied method of a registered site
+    that is not armed is the resource's own, called without a wrapper in between;
+    `arm` puts the recording wrapper back for that site until its faults have fired.
+    A call no registered site names is still checked (and refused when `strict`).
     """
 
-    def __init__(self, strict: bool = True) -> None:
+    def __init__(self, strict: bool = True, *, count: bool = True) -> None:
         self.strict = strict
+        self.count = count
         self.calls: Counter[tuple[str, str]] = Counter()
         self.fired: list[CallSite] = []
         self.fired_calls: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
@@ -193,16 +199,32 @@ class FaultPlan:
         frees what a refused free did not."""
         self._armed: dict[tuple[str, str], int] = {}
         self._known = {(s.resource, s.method): s for s in call_sites()}
+        self._proxies: weakref.WeakSet[_Proxy] = weakref.WeakSet()
+        """The proxies made over this plan (`count=False`: `_rebind` reaches them)."""
 
     def arm(self, site: CallSite, times: int = 1) -> None:
         """Make `site` raise on its next `times` calls."""
-        self._armed[(site.resource, site.method)] = times
+        key = (site.resource, site.method)
+        self._armed[key] = times
+        self._rebind(key)
+
+    def _rebind(self, key: tuple[str, str]) -> None:
+        """`count=False`: the method of `key` is read again at its next call through any
+        proxy of this plan (the recording wrapper while the site is armed, the
+        resource's own method once it is not)."""
+        if self.count:
+            return  # every known method keeps its recording wrapper
+        resource, method = key
+        for p in list(self._proxies):
+            if p._resource == resource:
+                p.__dict__.pop(method, None)
 
     def call(self, resource: str, method: str, args: tuple[Any, ...] = (),
              fn: Callable[..., Any] | None = None) -> None:
         """Record one call; raise the injected fault when that site is armed."""
         key = (resource, method)
-        self.calls[key] += 1
+        if self.count:
+            self.calls[key] += 1
         site = self._known.get(key)
         if site is None:
             self._known = {(s.resource, s.method): s for s in call_sites()}
@@ -218,6 +240,7 @@ class FaultPlan:
         if left > 0:
             if left == 1:  # used up: a proxy's fast path finds no entry for it
                 del self._armed[key]
+                self._rebind(key)
             else:
                 self._armed[key] = left - 1
             self.fired.append(site)
@@ -231,7 +254,11 @@ class _Proxy:
     # __dict__ (later calls find it without `__getattr__`); setting an attribute
     # through the proxy drops them all, so a method replaced that way is read again
     # (replace a method through the proxy, not on the object behind it).
-    __slots__ = ("__dict__", "_plan", "_resource", "_target", "_wrap")
+    # A plan that does not count (`FaultPlan(count=False)`) keeps the resource's own
+    # method there for a registered site that is not armed: nothing to record, nothing
+    # to raise (`FaultPlan._rebind` drops it when the site is armed, and again when its
+    # faults have fired).
+    __slots__ = ("__dict__", "__weakref__", "_plan", "_resource", "_target", "_wrap")
 
     def __init__(self, target: Any, resource: str, plan: FaultPlan,
                  wrap: dict[str, str]) -> None:
@@ -239,6 +266,7 @@ class _Proxy:
         object.__setattr__(self, "_resource", resource)
         object.__setattr__(self, "_plan", plan)
         object.__setattr__(self, "_wrap", wrap)
+        plan._proxies.add(self)
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._target, name)
@@ -247,25 +275,30 @@ class _Proxy:
         plan, resource = self._plan, self._resource
         inner = self._wrap.get(name)
         key = (resource, name)
-        calls, armed = plan.calls, plan._armed
+        armed = plan._armed  # (changed in place, never replaced)
         # Registered sites are never dropped (`call_sites` only adds), so one known
         # now stays known; an unknown one always takes `FaultPlan.call`, which looks
         # again (and raises in a strict plan).
         known = key in plan._known
 
-        if known and inner is None:
+        if known and inner is None and plan.count:
             def call(*args: Any, **kwargs: Any) -> Any:
                 # The common case in a few dict operations: a known site, not armed
-                # (what `FaultPlan.call` does for it); else `FaultPlan.call`.
-                if key in armed or calls is not plan.calls:
+                # (what `FaultPlan.call` does for it: counted in the plan's `calls` of
+                # now); else `FaultPlan.call`.
+                if key in armed:
                     plan.call(resource, name, args, value)
                 else:
-                    calls[key] += 1
+                    plan.calls[key] += 1
                 return value(*args, **kwargs)
+        elif known and inner is None and key not in armed:  # counting nothing
+            self.__dict__[name] = value  # the resource's own: nothing to record
+            return value
         else:
             def call(*args: Any, **kwargs: Any) -> Any:
                 # An unknown site (`FaultPlan.call` looks again, and raises in a strict
-                # plan), or a method whose result is proxied too.
+                # plan), a method whose result is proxied too, or an armed site of a
+                # plan that counts nothing (until its faults fired: `_rebind`).
                 plan.call(resource, name, args, value)
                 out = value(*args, **kwargs)
                 if inner is not None and out is not None:

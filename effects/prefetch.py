@@ -49,7 +49,16 @@ from typing import Any, NamedTuple
 import msgspec
 import torch
 
-from terminus.fsm import Ledger, Machine, Plan, PlanReport, Release, ReleaseContext, release_effect
+from terminus.fsm import (
+    Handle,
+    Ledger,
+    Machine,
+    Plan,
+    PlanReport,
+    Release,
+    ReleaseContext,
+    release_effect,
+)
 from terminus.kernels.collective import CollectiveError, CollectiveTimeout, RankCollectives
 from terminus.kernels.host import HostPagePool, Prefetch
 from terminus.states.prefetch import (
@@ -258,6 +267,17 @@ _TIMED_OUT = ("stalled", "abort_requested", "broken", "draining")
 # -- one rank ------------------------------------------------------------------------------
 
 
+class _SitePrefetch(PrefetchReq):
+    """A prefetch a site made, and the ledger handle of the host pages its I/O writes
+    (`handle`: None until `start` acquired them; the ledger still says who owns it)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, machine: Machine, key: object = None) -> None:
+        PrefetchReq.__init__(self, machine, key)
+        self.handle: Handle | None = None
+
+
 class PrefetchSite:
     """One rank's storage prefetches: its host pool, ledger, bound machine and instances.
 
@@ -280,15 +300,20 @@ class PrefetchSite:
         self.ledger = Ledger({"host_pages": free_completed_pages, "host_lock": unlock_anchor},
                              resources=self)
         self.machine: Machine = PREFETCH.bind(PREFETCH_PLANS, self.ledger)
-        self.requests: dict[Any, PrefetchReq] = {}
+        self.requests: dict[Any, _SitePrefetch] = {}
+        # State ids the hot paths compare (`inst._s`) instead of reading the `state`
+        # and `terminal` properties (as effects.tokenizer and effects.disagg do).
+        self._ids = {name: i for i, name in enumerate(self.machine.states)}
+        self._abortable = frozenset(self._ids[s] for s in _ABORTABLE)
+        self._terminal = self.machine.terminal
         self.trace: list[tuple[Any, ...]] = []
         self._stalled: dict[Any, tuple[int, Any]] = {}
 
     # -- the normal lifecycle --------------------------------------------------------------
 
-    def _live(self, rid: Any, state: str) -> PrefetchReq:
+    def _live(self, rid: Any, state: str) -> _SitePrefetch:
         inst = self.requests.get(rid)
-        if inst is None or inst.state != state:
+        if inst is None or inst._s != self._ids[state]:  # (`inst.state != state`)
             now = "none" if inst is None else inst.state
             raise ValueError(f"rank {self.rank}: request {rid!r} has no {state} prefetch "
                              f"(it is {now!r}); nothing was changed")
@@ -300,7 +325,7 @@ class PrefetchSite:
         for one never queued); raises ValueError, changing nothing, unless it is
         terminal."""
         inst = self.requests.get(rid)
-        if inst is None or not inst.terminal:
+        if inst is None or not self._terminal[inst._s]:  # (`inst.terminal`)
             now = "none" if inst is None else inst.state
             raise ValueError(f"rank {self.rank}: request {rid!r} has no ended prefetch to "
                              f"forget (it is {now!r}); nothing was changed")
@@ -313,7 +338,7 @@ class PrefetchSite:
         if old is not None and not old.terminal:
             raise ValueError(f"rank {self.rank}: request {rid!r} already has a prefetch in "
                              f"state {old.state!r}; abort or complete it first")
-        inst = PrefetchReq(self.machine, rid)
+        inst = _SitePrefetch(self.machine, rid)
         inst.fire(_QUEUE)
         self.requests[rid] = inst
         if anchor is not None and anchor.numel():
@@ -328,7 +353,7 @@ class PrefetchSite:
         p = self.host.prefetch(n_pages)
         if p is None:
             return None
-        self.ledger.acquire(inst, "host_pages", p)
+        inst.handle = self.ledger.acquire(inst, "host_pages", p)  # (read by transfer)
         inst.fire(_START)
         return p
 
@@ -344,6 +369,9 @@ class PrefetchSite:
     def transfer(self, rid: Any, pages: int) -> int:
         """The I/O wrote ``pages`` more pages of ``rid``; returns the completed count."""
         inst = self.requests.get(rid)  # (`prefetch_of`, inline: a call a step)
+        h = inst.handle if inst is not None else None
+        if h is not None and h.owner is inst and not h.released:
+            return h.value.advance(pages)  # the host pages `start` acquired, still owned
         held = self.ledger.owned(inst, "host_pages") if inst is not None else None
         if not held:
             raise ValueError(f"rank {self.rank}: request {rid!r} has no running transfer")
@@ -357,7 +385,7 @@ class PrefetchSite:
         is late: it is absorbed (None), and the abort releases what the I/O completed.
         """
         inst = self.requests.get(rid)
-        if inst is not None and inst.state not in _ABORTABLE:
+        if inst is not None and inst._s not in self._abortable:  # (`inst.state`)
             return inst.fire(_COMPLETE)  # declared ignore in every such state
         if self.insert is None:
             raise ValueError("PrefetchSite(insert=...) is needed to complete a prefetch: "
@@ -399,7 +427,7 @@ class PrefetchSite:
         if inst is None or inst.terminal:
             # No prefetch here (or it already finished): this rank is the missing class,
             # and it still takes part in every collective.
-            inst = PrefetchReq(self.machine, rid)
+            inst = _SitePrefetch(self.machine, rid)
             self.requests[rid] = inst
         inst.abort()
         value = int(inst.local)

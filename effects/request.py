@@ -126,10 +126,8 @@ def terminal_output(rid: Any, outcome: str, event: Any) -> TerminalOutput:
 def stream_terminal(ctx: Any) -> None:
     """Stream the instance's terminal output; internal requests (warm-ups) stream none."""
     inst = ctx.instance
-    if inst.__class__ is Request:  # its `stream` without getattr
-        if not inst.stream:
-            return
-    elif not getattr(inst, "stream", True):
+    # (a Request's `stream` without getattr)
+    if not (inst.stream if inst.__class__ is Request else getattr(inst, "stream", True)):
         return
     key = inst.key
     # `key.rid`; a request of its own's without the property
@@ -137,11 +135,10 @@ def stream_terminal(ctx: Any) -> None:
            else client_rid(key))
     event = ctx.event
     outcome = ctx.target
-    if event.__class__ is Finished and outcome == "finished":  # `terminal_output`'s
-        out = TerminalOutput(rid, outcome, 200, "", event.reason)  # common case, inline
-    else:
-        out = terminal_output(rid, outcome, event)
-    ctx.resources.sink.put(out)
+    ctx.resources.sink.put(
+        TerminalOutput(rid, outcome, 200, "", event.reason)  # `terminal_output`'s
+        if event.__class__ is Finished and outcome == "finished"  # common case, inline
+        else terminal_output(rid, outcome, event))
 
 
 @release_effect

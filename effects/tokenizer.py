@@ -647,9 +647,16 @@ class TokenizerSide:
         return self._deliver(rid, DispatchFailed(message))
 
     def _deliver(self, rid: Any, event: Any) -> bool:
-        # `get`, with its common case first: the key of a live instance.
-        live = self._live
-        inst = live.get(rid)  # a client id is no key: never found here
+        # `get`, with its common case first: the key of a live request (a client id is
+        # no key: never found there; None, for no live instance, is no Request).
+        inst = self._live.get(rid)
+        if inst.__class__ is Request:  # `_fire`, inline: this runs for every result
+            try:
+                inst.fire(event)
+            finally:
+                if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
+                    self._retired(inst, event)
+            return True
         if inst is None:
             # A request of its own that ended (an abort echo): `get` and `_not_created`
             # without the calls. Its id is its group; no group reserves a key of this role.
@@ -662,13 +669,6 @@ class TokenizerSide:
                 self._not_created(rid)
                 self.unknown_events += 1
                 return False
-        if inst.__class__ is Request:  # `_fire`, inline: this runs for every result
-            try:
-                inst.fire(event)
-            finally:
-                if inst._m.terminal[inst._s] and live.get(inst.key) is inst:
-                    self._retired(inst, event)
-            return True
         if isinstance(inst, SamplingGroup):
             warm, child = (RequestKey(inst.key.group, r, 0).rid for r in ("warmup", "child"))
             raise ValueError(

@@ -51,6 +51,8 @@ from typing import Any
 
 from terminus.fsm import ANY, ERROR, IGNORE, Event, Instance, Machine, Spec, State, go
 
+from .chunk import Chunk
+
 __all__ = [
     "DISAGG_PREFILL",
     "BootstrapFailed",
@@ -130,7 +132,7 @@ class DisaggReq(Instance):
 
     def __init__(self, machine: Machine, key: Any = None) -> None:
         Instance.__init__(self, machine, key)  # not super(): one lookup less per request
-        self.chunks: list[Instance] = []
+        self.chunks: list[Chunk] = []
         self.reason = ""
 
 
@@ -147,7 +149,7 @@ def drained(inst: DisaggReq, ev: Any) -> bool:
 def last_chunk(inst: DisaggReq, ev: Any) -> bool:
     """The chunk that settled was the prompt's final one (results come in launch order,
     so every earlier chunk has settled too)."""
-    return bool(ev.last)
+    return ev.last  # a bool field (no bool() call: the engine takes its truth)
 
 
 _RELEASE_ABORTED = go("aborted", plan="release_aborted")
