@@ -393,14 +393,12 @@ _LOCAL = (Release("metadata"), Release("hicache"), Release("kv"), Release(PREFIX
           Release("mamba"), Release("req_slot"))
 
 REQUEST_PLANS: dict[str, Plan] = {
-    # What it owns besides its KV (its prefix lock, Mamba state, request slot, metadata
-    # slot and host pages) goes back after the stream, by each kind's default releaser,
-    # in the ledger's one pass over what a plan did not name: a Release step a kind
-    # would walk the several handles it owns once a kind.
     "release_succeeded": Plan(
         Action(insert_kv_into_cache),
         Release("kv", free_kv_not_cached),
         Action(forget_insert),
+        Release(PREFIX_LOCK),
+        Release("mamba"), Release("req_slot"), Release("metadata"), Release("hicache"),
         Action(stream_terminal, best_effort=True),
     ),
     "release_aborted": Plan(
