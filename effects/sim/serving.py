@@ -727,9 +727,14 @@ class SimPrefetch:
         return self.ranks.abort(rid, fail=rid in self.failing)
 
     def evict(self) -> None:
-        """The host cache drops every prefix it holds."""
+        """The host cache drops every prefix it holds: one free per rank, of its pages
+        in the order they were cached (the free list ends as one free per prefix
+        leaves it, without a validation and a torch call per prefix)."""
+        by_rank: dict[int, list[torch.Tensor]] = {}
         for (rank, _), pages in self.cache.items():
-            self.sites[rank].host.free(pages)
+            by_rank.setdefault(rank, []).append(pages)
+        for rank, held in by_rank.items():
+            self.sites[rank].host.free(held[0] if len(held) == 1 else torch.cat(held))
         self.cache.clear()
 
     @property
