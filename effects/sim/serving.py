@@ -1140,10 +1140,9 @@ class ServingLoop:
         out["lora_refs"] = sum(abs(c) for c in self.registry.counts().values())
         for k, v in self.parts.leaks().items():
             out[k] += v
-        streams = self.stream_counts()
-        out["missing_streams"] = sum(1 for rid in self._expected_streams()
-                                     if not self._streamed(rid, streams))
-        out["duplicate_streams"] = sum(max(0, c - 1) for c in streams.values())
+        streams = self.sink.counts  # read only here (`stream_counts` is a copy)
+        out["missing_streams"] = self._missing_streams(streams)
+        out["duplicate_streams"] = sum(c - 1 for c in streams.values() if c > 1)
         out["collective_deadlocks"] = self.prefetch.deadlocks
         self.violations = self.pool_violations()
         out["pool_violations"] = len(self.violations)
@@ -1186,9 +1185,18 @@ class ServingLoop:
         # A sampling group streams through its children once it fanned out.
         return streams[rid] > 0 or any(streams[c] for c in self._children(self.specs[rid]))
 
+    def _missing_streams(self, streams: Counter[Any]) -> int:
+        """Client requests that streamed nothing (`_streamed` false): `_streamed` of each
+        of `_expected_streams()`, with one dict read for a request that streamed itself
+        and no children looked up for one of a single sample."""
+        get, specs = streams.get, self.specs
+        return sum(1 for rid in self._expected_streams()
+                   if get(rid, 0) <= 0 and (specs[rid].n <= 1
+                                        or not self._streamed(rid, streams)))
+
     def max_streams_per_request(self) -> int:
         """The most terminal outputs any one request id streamed (1 is right)."""
-        return max(self.stream_counts().values(), default=0)
+        return max(self.sink.counts.values(), default=0)
 
     def terminal_states(self) -> Counter[str]:
         """One outcome per client request (the values sum to the workload's size).
@@ -1199,16 +1207,17 @@ class ServingLoop:
         all counts as `NO_OUTPUT`.
         """
         first = self.sink.first()
-        out: Counter[str] = Counter()
+        get = first.get
+        outcomes: list[str] = []
         for spec in self.workload:
-            own = first.get(spec.rid)
+            own = get(spec.rid)
             if own is not None:
-                out[own.outcome] += 1
-            elif any(c in first for c in self._children(spec)):
-                out["fanned_out"] += 1
+                outcomes.append(own.outcome)
+            elif spec.n > 1 and any(c in first for c in self._children(spec)):
+                outcomes.append("fanned_out")
             else:
-                out[NO_OUTPUT] += 1
-        return out
+                outcomes.append(NO_OUTPUT)
+        return Counter(outcomes)  # (counted in C, in the order first seen)
 
     def child_terminal_states(self) -> Counter[str]:
         """Sampling children by the outcome of their first terminal output."""
