@@ -252,25 +252,29 @@ class SimScheduler:
         done: list[int] = []
         last: list[int] = []
         prefilled: list[int] = []
-        for seq in self.prefilling.values():
-            if seq.in_flight:
-                if seq.in_flight.popleft():
+        prefilling = self.prefilling
+        for seq in prefilling.values():
+            in_flight = seq.in_flight
+            if in_flight:
+                if in_flight.popleft():
                     last.append(seq.row)
                     if not seq.aborted:
                         self._start_decoding(seq)
                 else:
                     done.append(seq.row)
-                if not seq.in_flight and not seq.chunks_left:
+                if not in_flight and not seq.chunks_left:
                     prefilled.append(seq.row)
         for r in prefilled:
-            del self.prefilling[r]
+            del prefilling[r]
         rb.queue(done, ChunkDone)
         rb.queue(last, LastChunkDone)
-        # Launch chunks: up to two in flight per row (the next overlapped).
+        # Launch chunks: up to two in flight per row (the next overlapped). A second
+        # chunk can only go to a row the first pass launched one to (nothing else
+        # changes a row between the passes), so the second pass reads only those.
         c = self.cfg.chunk_size
+        seqs = [seq for seq in prefilling.values()
+                if seq.chunks_left and not seq.aborted and len(seq.in_flight) < 2]
         for _ in range(2):
-            seqs = [seq for seq in self.prefilling.values()
-                    if seq.chunks_left and not seq.aborted and len(seq.in_flight) < 2]
             if not seqs:
                 break
             rows = [seq.row for seq in seqs]
@@ -281,6 +285,7 @@ class SimScheduler:
                 seq.chunks_left -= 1
                 seq.in_flight.append(seq.chunks_left == 0)
             rb.queue(rows, ChunkLaunched)
+            seqs = [seq for seq in seqs if seq.chunks_left and len(seq.in_flight) < 2]
         # Decode: every decoding row gets one token (one KV slot each, one alloc), in
         # row order; a row the scheduler fails halfway fails before its token.
         decoders = self.decoders
@@ -409,18 +414,21 @@ class SimScheduler:
             self._seat(batch, rows)
 
     def _seat(self, batch: list[_Seq], rows: torch.Tensor) -> None:
-        rb = self.running
+        matched = self.running.matched
+        by_row, prefilling = self.by_row, self.prefilling
         c = self.cfg.chunk_size
         for seq, r in zip(batch, rows.tolist(), strict=True):
             seq.row = r
-            seq.prompt -= rb.matched(r)  # the cached prefix is not prefilled again
-            k = -(-seq.prompt // c)
-            seq.chunks_left = max(1, k)
+            # The cached prefix is not prefilled again.
+            seq.prompt = prompt = seq.prompt - matched(r)
+            k = -(-prompt // c)
+            seq.chunks_left = k if k > 1 else 1
             # Its final chunk: what the whole chunks before it leave (a prompt the
             # cache holds entirely still prefills one whole chunk).
-            seq.tail = max(1, min(c, seq.prompt - (k - 1) * c))
-            self.by_row[r] = seq
-            self.prefilling[r] = seq
+            tail = prompt - (k - 1) * c
+            seq.tail = 1 if tail < 1 else c if tail > c else tail
+            by_row[r] = seq
+            prefilling[r] = seq
 
     def _apply_aborts(self) -> None:
         rows = []
