@@ -355,6 +355,9 @@ class SimScheduler:
         if reply is None:
             reply = seq.reply = self._reply(seq)
         n = max(seq.max_new, 1)
+        if len(reply) == n:  # (as `reply_tokens` makes it, unless max_new is 0)
+            toks += reply
+            return
         toks += reply[:n]
         if len(reply) < n:
             toks += [1] * (n - len(reply))
@@ -362,8 +365,11 @@ class SimScheduler:
     def _reply(self, seq: _Seq) -> list[int]:
         """`seq`'s reply tokens (`workload.reply_tokens`, a pure function of the request
         and the count): one list, read only, for the samples of a request, which
-        decode at about the same steps; the most recent few hundred are kept."""
+        decode at about the same steps; the most recent few hundred are kept. A request
+        of one sample has no other to share it: its reply is made and not kept."""
         spec = self.spec_of(seq.rid)
+        if spec.n == 1:
+            return reply_tokens(spec, seq.max_new)
         key = (spec.rid, seq.max_new)
         got = self._replies.get(key)
         if got is None:
