@@ -653,10 +653,11 @@ class SimPrefetch:
                                    insert=self._inserter(r)) for r in range(cfg.ranks)]
         self.ranks = SimulatedRanks(self.sites, grid_partitions(cfg.ranks, cfg.tp))
         self.live: dict[Any, tuple[int, int]] = {}  # rid -> (start step, pages)
-        self._waiting: dict[Any, list[PrefetchSite]] = {}
+        self._waiting: dict[Any, list[tuple[PrefetchSite, int, tuple[Any, int]]]] = {}
         """rid -> the ranks whose prefetch of it has not ended, each in `pending`
         until `_active` holds it (what `step` did to it: only `step` moves a live
-        prefetch, so it reads no state back)."""
+        prefetch, so it reads no state back): (site, its rank, its `_active` key),
+        made once when the prefetch is added, not at every step."""
         self._active: set[tuple[Any, int]] = set()  # (rid, rank) whose I/O runs
         self.deadlocks = 0
         self.aborts = 0
@@ -674,7 +675,7 @@ class SimPrefetch:
         for s in self.sites:
             s.queue(rid)
         self.live[rid] = (now, pages)
-        self._waiting[rid] = list(self.sites)
+        self._waiting[rid] = [(s, s.rank, (rid, s.rank)) for s in self.sites]
 
     def step(self, now: int) -> None:
         """Start (rank r waits r steps), transfer one page a step, complete."""
@@ -684,19 +685,19 @@ class SimPrefetch:
         for rid, (t0, pages) in self.live.items():
             ranks = waiting[rid]
             ended = False
-            for s in ranks:
-                key = (rid, s.rank)
+            due = now - t0  # rank r starts once r steps passed
+            for s, rank, key in ranks:
                 if key in active:
                     if s.transfer(rid, 1) >= pages:
                         s.complete(rid)
                         if s.requests[rid].terminal:
                             active.discard(key)
                             ended = True
-                elif now >= t0 + s.rank and s.start(rid, pages) is not None:
+                elif due >= rank and s.start(rid, pages) is not None:
                     active.add(key)  # (None: host pages short, still pending)
             if ended:
-                ranks = waiting[rid] = [s for s in ranks if (rid, s.rank) in active
-                                        or not s.requests[rid].terminal]
+                ranks = waiting[rid] = [e for e in ranks if e[2] in active
+                                        or not e[0].requests[rid].terminal]
                 if not ranks:
                     done.append(rid)
         for rid in done:
@@ -717,8 +718,8 @@ class SimPrefetch:
         if rid not in self.live:
             return
         del self.live[rid]
-        for s in self._waiting.pop(rid):
-            self._active.discard((rid, s.rank))
+        for _, _, key in self._waiting.pop(rid):
+            self._active.discard(key)
         self.aborts += 1
         outcomes = self.abort_on_ranks(rid)
         errors = [o for o in outcomes if isinstance(o, BaseException)]
