@@ -252,25 +252,29 @@ class SimScheduler:
         done: list[int] = []
         last: list[int] = []
         prefilled: list[int] = []
-        for seq in self.prefilling.values():
-            if seq.in_flight:
-                if seq.in_flight.popleft():
+        prefilling = self.prefilling
+        for seq in prefilling.values():
+            in_flight = seq.in_flight
+            if in_flight:
+                if in_flight.popleft():
                     last.append(seq.row)
                     if not seq.aborted:
                         self._start_decoding(seq)
                 else:
                     done.append(seq.row)
-                if not seq.in_flight and not seq.chunks_left:
+                if not in_flight and not seq.chunks_left:
                     prefilled.append(seq.row)
         for r in prefilled:
-            del self.prefilling[r]
+            del prefilling[r]
         rb.queue(done, ChunkDone)
         rb.queue(last, LastChunkDone)
-        # Launch chunks: up to two in flight per row (the next overlapped).
+        # Launch chunks: up to two in flight per row (the next overlapped). A second
+        # chunk can only go to a row the first pass launched one to (nothing else
+        # changes a row between the passes), so the second pass reads only those.
         c = self.cfg.chunk_size
+        seqs = [seq for seq in prefilling.values()
+                if seq.chunks_left and not seq.aborted and len(seq.in_flight) < 2]
         for _ in range(2):
-            seqs = [seq for seq in self.prefilling.values()
-                    if seq.chunks_left and not seq.aborted and len(seq.in_flight) < 2]
             if not seqs:
                 break
             rows = [seq.row for seq in seqs]
@@ -281,6 +285,7 @@ class SimScheduler:
                 seq.chunks_left -= 1
                 seq.in_flight.append(seq.chunks_left == 0)
             rb.queue(rows, ChunkLaunched)
+            seqs = [seq for seq in seqs if seq.chunks_left and len(seq.in_flight) < 2]
         # Decode: every decoding row gets one token (one KV slot each, one alloc), in
         # row order; a row the scheduler fails halfway fails before its token.
         decoders = self.decoders
@@ -350,6 +355,9 @@ class SimScheduler:
         if reply is None:
             reply = seq.reply = self._reply(seq)
         n = max(seq.max_new, 1)
+        if len(reply) == n:  # (as `reply_tokens` makes it, unless max_new is 0)
+            toks += reply
+            return
         toks += reply[:n]
         if len(reply) < n:
             toks += [1] * (n - len(reply))
@@ -357,8 +365,11 @@ class SimScheduler:
     def _reply(self, seq: _Seq) -> list[int]:
         """`seq`'s reply tokens (`workload.reply_tokens`, a pure function of the request
         and the count): one list, read only, for the samples of a request, which
-        decode at about the same steps; the most recent few hundred are kept."""
+        decode at about the same steps; the most recent few hundred are kept. A request
+        of one sample has no other to share it: its reply is made and not kept."""
         spec = self.spec_of(seq.rid)
+        if spec.n == 1:
+            return reply_tokens(spec, seq.max_new)
         key = (spec.rid, seq.max_new)
         got = self._replies.get(key)
         if got is None:
@@ -409,18 +420,21 @@ class SimScheduler:
             self._seat(batch, rows)
 
     def _seat(self, batch: list[_Seq], rows: torch.Tensor) -> None:
-        rb = self.running
+        matched = self.running.matched
+        by_row, prefilling = self.by_row, self.prefilling
         c = self.cfg.chunk_size
         for seq, r in zip(batch, rows.tolist(), strict=True):
             seq.row = r
-            seq.prompt -= rb.matched(r)  # the cached prefix is not prefilled again
-            k = -(-seq.prompt // c)
-            seq.chunks_left = max(1, k)
+            # The cached prefix is not prefilled again.
+            seq.prompt = prompt = seq.prompt - matched(r)
+            k = -(-prompt // c)
+            seq.chunks_left = k if k > 1 else 1
             # Its final chunk: what the whole chunks before it leave (a prompt the
             # cache holds entirely still prefills one whole chunk).
-            seq.tail = max(1, min(c, seq.prompt - (k - 1) * c))
-            self.by_row[r] = seq
-            self.prefilling[r] = seq
+            tail = prompt - (k - 1) * c
+            seq.tail = 1 if tail < 1 else c if tail > c else tail
+            by_row[r] = seq
+            prefilling[r] = seq
 
     def _apply_aborts(self) -> None:
         rows = []
@@ -639,10 +653,11 @@ class SimPrefetch:
                                    insert=self._inserter(r)) for r in range(cfg.ranks)]
         self.ranks = SimulatedRanks(self.sites, grid_partitions(cfg.ranks, cfg.tp))
         self.live: dict[Any, tuple[int, int]] = {}  # rid -> (start step, pages)
-        self._waiting: dict[Any, list[PrefetchSite]] = {}
+        self._waiting: dict[Any, list[tuple[PrefetchSite, int, tuple[Any, int]]]] = {}
         """rid -> the ranks whose prefetch of it has not ended, each in `pending`
         until `_active` holds it (what `step` did to it: only `step` moves a live
-        prefetch, so it reads no state back)."""
+        prefetch, so it reads no state back): (site, its rank, its `_active` key),
+        made once when the prefetch is added, not at every step."""
         self._active: set[tuple[Any, int]] = set()  # (rid, rank) whose I/O runs
         self.deadlocks = 0
         self.aborts = 0
@@ -660,7 +675,7 @@ class SimPrefetch:
         for s in self.sites:
             s.queue(rid)
         self.live[rid] = (now, pages)
-        self._waiting[rid] = list(self.sites)
+        self._waiting[rid] = [(s, s.rank, (rid, s.rank)) for s in self.sites]
 
     def step(self, now: int) -> None:
         """Start (rank r waits r steps), transfer one page a step, complete."""
@@ -670,19 +685,19 @@ class SimPrefetch:
         for rid, (t0, pages) in self.live.items():
             ranks = waiting[rid]
             ended = False
-            for s in ranks:
-                key = (rid, s.rank)
+            due = now - t0  # rank r starts once r steps passed
+            for s, rank, key in ranks:
                 if key in active:
                     if s.transfer(rid, 1) >= pages:
                         s.complete(rid)
                         if s.requests[rid].terminal:
                             active.discard(key)
                             ended = True
-                elif now >= t0 + s.rank and s.start(rid, pages) is not None:
+                elif due >= rank and s.start(rid, pages) is not None:
                     active.add(key)  # (None: host pages short, still pending)
             if ended:
-                ranks = waiting[rid] = [s for s in ranks if (rid, s.rank) in active
-                                        or not s.requests[rid].terminal]
+                ranks = waiting[rid] = [e for e in ranks if e[2] in active
+                                        or not e[0].requests[rid].terminal]
                 if not ranks:
                     done.append(rid)
         for rid in done:
@@ -703,8 +718,8 @@ class SimPrefetch:
         if rid not in self.live:
             return
         del self.live[rid]
-        for s in self._waiting.pop(rid):
-            self._active.discard((rid, s.rank))
+        for _, _, key in self._waiting.pop(rid):
+            self._active.discard(key)
         self.aborts += 1
         outcomes = self.abort_on_ranks(rid)
         errors = [o for o in outcomes if isinstance(o, BaseException)]
@@ -727,9 +742,14 @@ class SimPrefetch:
         return self.ranks.abort(rid, fail=rid in self.failing)
 
     def evict(self) -> None:
-        """The host cache drops every prefix it holds."""
+        """The host cache drops every prefix it holds: one free per rank, of its pages
+        in the order they were cached (the free list ends as one free per prefix
+        leaves it, without a validation and a torch call per prefix)."""
+        by_rank: dict[int, list[torch.Tensor]] = {}
         for (rank, _), pages in self.cache.items():
-            self.sites[rank].host.free(pages)
+            by_rank.setdefault(rank, []).append(pages)
+        for rank, held in by_rank.items():
+            self.sites[rank].host.free(held[0] if len(held) == 1 else torch.cat(held))
         self.cache.clear()
 
     @property
@@ -1135,10 +1155,9 @@ class ServingLoop:
         out["lora_refs"] = sum(abs(c) for c in self.registry.counts().values())
         for k, v in self.parts.leaks().items():
             out[k] += v
-        streams = self.stream_counts()
-        out["missing_streams"] = sum(1 for rid in self._expected_streams()
-                                     if not self._streamed(rid, streams))
-        out["duplicate_streams"] = sum(max(0, c - 1) for c in streams.values())
+        streams = self.sink.counts  # read only here (`stream_counts` is a copy)
+        out["missing_streams"] = self._missing_streams(streams)
+        out["duplicate_streams"] = sum(c - 1 for c in streams.values() if c > 1)
         out["collective_deadlocks"] = self.prefetch.deadlocks
         self.violations = self.pool_violations()
         out["pool_violations"] = len(self.violations)
@@ -1181,9 +1200,18 @@ class ServingLoop:
         # A sampling group streams through its children once it fanned out.
         return streams[rid] > 0 or any(streams[c] for c in self._children(self.specs[rid]))
 
+    def _missing_streams(self, streams: Counter[Any]) -> int:
+        """Client requests that streamed nothing (`_streamed` false): `_streamed` of each
+        of `_expected_streams()`, with one dict read for a request that streamed itself
+        and no children looked up for one of a single sample."""
+        get, specs = streams.get, self.specs
+        return sum(1 for rid in self._expected_streams()
+                   if get(rid, 0) <= 0 and (specs[rid].n <= 1
+                                        or not self._streamed(rid, streams)))
+
     def max_streams_per_request(self) -> int:
         """The most terminal outputs any one request id streamed (1 is right)."""
-        return max(self.stream_counts().values(), default=0)
+        return max(self.sink.counts.values(), default=0)
 
     def terminal_states(self) -> Counter[str]:
         """One outcome per client request (the values sum to the workload's size).
@@ -1194,16 +1222,17 @@ class ServingLoop:
         all counts as `NO_OUTPUT`.
         """
         first = self.sink.first()
-        out: Counter[str] = Counter()
+        get = first.get
+        outcomes: list[str] = []
         for spec in self.workload:
-            own = first.get(spec.rid)
+            own = get(spec.rid)
             if own is not None:
-                out[own.outcome] += 1
-            elif any(c in first for c in self._children(spec)):
-                out["fanned_out"] += 1
+                outcomes.append(own.outcome)
+            elif spec.n > 1 and any(c in first for c in self._children(spec)):
+                outcomes.append("fanned_out")
             else:
-                out[NO_OUTPUT] += 1
-        return out
+                outcomes.append(NO_OUTPUT)
+        return Counter(outcomes)  # (counted in C, in the order first seen)
 
     def child_terminal_states(self) -> Counter[str]:
         """Sampling children by the outcome of their first terminal output."""

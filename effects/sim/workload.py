@@ -134,6 +134,10 @@ _getrandbits = _random.Random.getrandbits
 _IDS = numpy.array(range(1, 32001), dtype=object)[numpy.arange(1 << 16) % 32000]
 """Token id of each 16-bit draw: the int objects themselves (an object array), so
 a draw's `tolist()` shares them instead of making an int per token."""
+_take = _IDS.take
+_frombuffer = numpy.frombuffer
+_from_bytes = int.from_bytes
+_U16 = numpy.dtype(numpy.uint16)  # native order (a dtype object: no lookup per call)
 
 
 def _draw(key: str, n: int) -> list[int]:
@@ -144,30 +148,40 @@ def _draw(key: str, n: int) -> list[int]:
     The draws are `random.Random(key).randbytes(2 * n)`'s, made without building a
     generator per segment: the seed is the integer `Random.seed` makes of a str (its
     UTF-8 bytes followed by their SHA-512), given to one reused generator's C seed,
-    and `randbytes` is `getrandbits` as little-endian bytes.
+    and `randbytes` is `getrandbits` as little-endian bytes. (The seed and the first
+    draw, which twists the new state, are most of a draw's ~6 µs: MT19937's own
+    cost; everything else is bound once at import.)
     """
     if n == 0:
         return []
     b = key.encode()
-    _seed(_MT, int.from_bytes(b + _sha512(b).digest(), "big"))
-    raw = numpy.frombuffer(_getrandbits(_MT, 16 * n).to_bytes(2 * n, "little"),
-                           dtype=numpy.uint16)
-    return _IDS.take(raw).tolist()
+    _seed(_MT, _from_bytes(b + _sha512(b).digest(), "big"))
+    return _take(_frombuffer(_getrandbits(_MT, 16 * n).to_bytes(2 * n, "little"),
+                             _U16)).tolist()
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1 << 16)
 def _segment(key: str, n: int) -> tuple[int, ...]:
     """`_draw(key, n)`, kept: the segments that recur (system prompts, conversation
     turns and replies). A request's own segments (the rest of its prompt, a reply
     that no later turn repeats) are drawn by `_draw` uncached: tens of thousands of
     them would push out the few hundred that recur, each then drawn again (a new
-    seed each: the draw's main cost)."""
+    seed each: the draw's main cost).
+
+    The simulator makes the disaggregated requests' prompts before its run and the
+    others' during it: two passes over the conversations, so a segment made in the
+    first is read in the second a workload later. 65,536 segments (a conversation
+    turn or reply each, ~20 ids, ~400 B with its cache entry: ~26 MB at most) hold
+    every one of 100,000 requests' (59,660); 4,096 held a third of 20,000 requests'
+    (11,736), and 3,952 of them were drawn twice (10 % of the run's draws)."""
     return tuple(_draw(key, n))
 
 
-@functools.lru_cache(maxsize=1024)
-def _prompt(spec: RequestSpec, seed: int) -> tuple[int, ...]:
+def _build(spec: RequestSpec, seed: int) -> list[int]:
+    """The prompt's token ids, a new list (see `prompt_tokens`)."""
     head = f"{seed}/"
+    if spec.system < 0 and spec.conv < 0:  # only its own segment (most requests)
+        return _draw(head + spec.rid, spec.prompt_len) if spec.prompt_len > 0 else []
     out: list[int] = []
     if spec.system >= 0:
         out += _segment(f"{head}system/{spec.system}", spec.system_len)
@@ -180,12 +194,21 @@ def _prompt(spec: RequestSpec, seed: int) -> tuple[int, ...]:
         out += _draw(head + spec.rid, rest)
     elif rest < 0:
         del out[spec.prompt_len:]
-    return tuple(out)
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _prompt(spec: RequestSpec, seed: int) -> tuple[int, ...]:
+    return tuple(_build(spec, seed))
 
 
 def prompt_tokens(spec: RequestSpec, seed: int = 0) -> list[int]:
-    """The prompt's token ids (`spec.prompt_len` of them); see the module docstring.
-    (A request's group asks for them once per member: recent prompts are kept.)"""
+    """The prompt's token ids (`spec.prompt_len` of them), a new list; see the module
+    docstring. (A sampling request's group asks for them once per member: the recent
+    ones of such requests are kept; a request of one sample draws its own once, with
+    no copy into the cache and back.)"""
+    if spec.n == 1:
+        return _build(spec, seed)
     return list(_prompt(spec, seed))
 
 

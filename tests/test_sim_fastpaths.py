@@ -1,0 +1,141 @@
+"""The simulator skeleton's fast paths against the general paths they stand beside.
+
+Each fast path must give exactly what the general one gives (the simulator's summaries
+are compared byte for byte against earlier runs): a one-sample request's prompt drawn
+straight into its list against the cached group path, and the prefetch host cache's
+one free per rank against one free per cached prefix, and the end-of-run stream
+audits against the per-request loops they replace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+from terminus.effects.sim import workload as wl
+from terminus.effects.sim.naive import naive_parts
+from terminus.effects.sim.serving import (
+    NO_OUTPUT,
+    ServingLoop,
+    SimConfig,
+    SimPrefetch,
+    machine_parts,
+)
+from terminus.effects.sim.workload import WorkloadConfig, generate, prompt_tokens
+
+
+def test_a_one_sample_prompt_is_the_cached_paths_prompt():
+    specs = generate(WorkloadConfig(requests=400, seed=9, n=3))
+    shapes = {(s.n > 1, s.system >= 0, s.conv >= 0) for s in specs}
+    assert {(False, False, False), (False, True, False), (False, True, True),
+            (True, False, False)} <= shapes  # every shape of prompt is exercised
+    wl._prompt.cache_clear()
+    for spec in specs:
+        for seed in (0, 9):
+            got = prompt_tokens(spec, seed)
+            assert got == list(wl._prompt(spec, seed))  # the general (cached) path
+            assert len(got) == spec.prompt_len
+            got.append(-1)  # the caller's own list: the next call is unchanged
+            assert prompt_tokens(spec, seed) == got[:-1]
+    ones = [s for s in specs if s.n == 1]
+    wl._prompt.cache_clear()
+    for spec in ones:
+        prompt_tokens(spec)
+    assert wl._prompt.cache_info().currsize == 0  # one-sample prompts are not kept
+    group = next(s for s in specs if s.n > 1)
+    prompt_tokens(group)
+    prompt_tokens(group)
+    assert wl._prompt.cache_info().hits == 1  # a group's members share theirs
+
+
+def test_an_empty_one_sample_prompt_is_empty():
+    spec = generate(WorkloadConfig(requests=1, seed=0, system_fraction=0.0,
+                                   conversation_fraction=0.0))[0]
+    import msgspec
+
+    empty = msgspec.structs.replace(spec, prompt_len=0, n=1)
+    assert prompt_tokens(empty) == [] == list(wl._prompt(empty, 0))
+
+
+def _fill(prefetch: SimPrefetch) -> None:
+    """Cache prefixes of different sizes on every rank, interleaved as a run does."""
+    for k, n in enumerate((3, 1, 4, 1, 5, 9, 2, 6)):
+        for s in prefetch.sites:
+            pages = s.host.alloc(n + s.rank)
+            assert pages is not None
+            prefetch.cache[(s.rank, f"r{k}")] = pages
+
+
+def test_evicting_the_host_cache_frees_as_one_free_per_prefix_did():
+    cfg = SimConfig(ranks=4, tp=2, host_pages=64)
+    new, ref = SimPrefetch(cfg), SimPrefetch(cfg)
+    _fill(new)
+    _fill(ref)
+    new.evict()
+    for (rank, _), pages in ref.cache.items():  # the per-prefix reference
+        ref.sites[rank].host.free(pages)
+    ref.cache.clear()
+    assert not new.cache
+    for a, b in zip(new.sites, ref.sites, strict=True):
+        assert a.host.occupied == b.host.occupied == 0
+        # The free lists are in the same order: the next pages handed out are the same.
+        got, want = a.host.alloc(64), b.host.alloc(64)
+        assert got is not None and want is not None and torch.equal(got, want)
+        a.host.free(got)
+        b.host.free(want)
+        a.host.assert_full()
+        b.host.assert_full()
+    new.evict()  # an empty cache frees nothing
+    assert all(s.host.occupied == 0 for s in new.sites)
+    assert new.leaks() == {"host_pages": 0, "prefetch_tokens": 0, "ledger_handles": 0}
+
+
+def _reference_audit(loop: ServingLoop) -> dict[str, Any]:
+    """The stream audits as they were written first: every request through
+    `_streamed` and `_children`, outcomes counted one by one."""
+    streams = loop.stream_counts()
+    first = loop.sink.first()
+    outcomes: Counter[str] = Counter()
+    for spec in loop.workload:
+        own = first.get(spec.rid)
+        if own is not None:
+            outcomes[own.outcome] += 1
+        elif any(c in first for c in loop._children(spec)):
+            outcomes["fanned_out"] += 1
+        else:
+            outcomes[NO_OUTPUT] += 1
+    return {
+        "missing_streams": sum(1 for rid in loop._expected_streams()
+                               if not loop._streamed(rid, streams)),
+        "duplicate_streams": sum(max(0, c - 1) for c in streams.values()),
+        "max_streams": max(streams.values(), default=0),
+        "terminal_states": outcomes,
+    }
+
+
+@pytest.mark.parametrize("naive", [False, True], ids=["machines", "naive"])
+def test_the_stream_audits_count_as_the_per_request_reference(naive):
+    # The naive loop streams some requests twice and some not at all (its seeds'
+    # leaks): both counts are exercised, and sampling groups (n=3) fan out.
+    workload = generate(WorkloadConfig(requests=300, seed=6, n=3, abort_rate=0.3,
+                                       fault_rate=0.2))
+    loop = ServingLoop(workload, SimConfig(page_size=16),
+                       parts=naive_parts if naive else machine_parts)
+    asyncio.run(loop.run())
+    ref = _reference_audit(loop)
+    leaks = loop.leaks()
+    got = {"missing_streams": leaks["missing_streams"],
+           "duplicate_streams": leaks["duplicate_streams"],
+           "max_streams": loop.max_streams_per_request(),
+           "terminal_states": loop.terminal_states()}
+    assert got == ref
+    assert ref["terminal_states"]["fanned_out"] > 0
+    if naive:
+        assert ref["missing_streams"] > 0 and ref["duplicate_streams"] > 0
+        assert ref["terminal_states"][NO_OUTPUT] > 0
+    else:
+        assert leaks == dict.fromkeys(leaks, 0)  # the machines: nothing left over
