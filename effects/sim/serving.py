@@ -543,7 +543,7 @@ class SimDisagg:
                                  host_pages=cfg.host_pages,
                                  max_context_len=cfg.max_context_len, device=cfg.device,
                                  strict=cfg.strict, page_size=cfg.page_size)
-        self.faults = FaultPlan(strict=False)
+        self.faults = FaultPlan(strict=False, count=False)  # it injects, it counts nothing
         self._kv = pools.kv
         pools.kv = proxy(pools.kv, "kv", self.faults)  # an allocator fault raises here
         self.cache = _RefusingCache(self._kv)
