@@ -364,7 +364,8 @@ class RunningBatch:
                 if ln:
                     locks[r] = lock_of(m)
                     if host is not None:
-                        host[2][r, :ln] = m.indices.cpu().numpy()
+                        ind = m.indices
+                        host[2][r, :ln] = ind.numpy() if ind.is_cpu else ind.cpu().numpy()
                         host[0][r] = ln
                     else:
                         table.req_to_token[r, :ln] = m.indices.to(
@@ -478,7 +479,7 @@ class RunningBatch:
         got = self._alloc(n_pages * ps) if n_pages else None
         if n_pages and got is None:
             return False
-        new = got.cpu().numpy() if got is not None else None
+        new = None if got is None else got.numpy() if got.is_cpu else got.cpu().numpy()
         at = 0
         for r, ln, c, f, pg in zip(rs, lens, cs, fills, pages, strict=True):
             if f:  # the rest of the row's last page (a partial page: ln > 0)
@@ -488,7 +489,13 @@ class RunningBatch:
                 assert new is not None
                 r2t[r, ln + f:ln + c] = new[at:at + c - f]
             at += pg * ps
-        table._np[0][rs] += np.array(cs, dtype=np.int32)
+        # The new lengths are the ends _check_append read (nothing wrote them since):
+        # set, not added (no array of the counts, no gather-add-scatter).
+        lens_np = table._np[0]
+        if len(rs) == 1:
+            lens_np[rs[0]] = ends[0]
+        else:
+            lens_np[rs] = ends
         return True
 
     def _append_one_each(self, rows: torch.Tensor | None, counts: torch.Tensor | None,
@@ -509,7 +516,7 @@ class RunningBatch:
                 got = self._alloc(n)
                 if got is None:
                     return False
-                idx_np = got.cpu().numpy()
+                idx_np = got.numpy() if got.is_cpu else got.cpu().numpy()
             else:
                 # A row whose last page is full (or that has none) takes a new page; the
                 # others write the slot after their last token.
@@ -519,7 +526,7 @@ class RunningBatch:
                     return False
                 idx_np = flat_np[np.maximum(pos_np - 1, rs_np * w)].astype(np.int64) + 1
                 if got is not None:
-                    idx_np[need_np] = got.cpu().numpy()[::ps]
+                    idx_np[need_np] = (got.numpy() if got.is_cpu else got.cpu().numpy())[::ps]
             flat_np[pos_np] = idx_np
             lens_np[rs_np] += 1  # the rows are distinct (`_check_append`)
             return True

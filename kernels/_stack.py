@@ -336,17 +336,21 @@ class FreeStack:
                 return torch.from_numpy(got)
         return self._pop_tensor(n)
 
-    def pop_host(self, n: int) -> np.ndarray | None:
+    def pop_host(self, n: int, *, copy: bool = True) -> np.ndarray | None:
         """``pop(n)`` of a CPU stack as a numpy array of its own (int64), or None when
         fewer than ``n`` are free: for a pool that works on the ids with numpy, a tensor
         and its ``.numpy()`` view less per call. The same checks and the same ids as
-        ``pop``; ValueError on a stack that is not on the CPU."""
+        ``pop``; ValueError on a stack that is not on the CPU.
+
+        ``copy=False``: the ids may come as a view of the stack's free end, valid only
+        until the next push (for a caller that reads them at once, e.g. to gather
+        from them, and keeps nothing of the view)."""
         if self._stack_host is None:
             raise ValueError(f"{self.name}: pop_host needs a CPU free list; use pop()")
         if not self._ready(n):
             return None
         if self._stack_np is not None and n:
-            got = self._pop_host(n)
+            got = self._pop_host(n, copy)
             if got is not None:
                 return got
         return self._pop_tensor(n).numpy()
@@ -364,10 +368,11 @@ class FreeStack:
             self._sync()
         return True
 
-    def _pop_host(self, n: int) -> np.ndarray | None:
+    def _pop_host(self, n: int, copy: bool = True) -> np.ndarray | None:
         """The top ``n`` ids (0 < n <= top, counts synced) checked and taken on the host,
-        as a copy; None (nothing taken) when one of them is out of range or its count is
-        not exactly 1, for ``_pop_tensor`` to take and flag."""
+        as a copy (``copy=False``: a view of the stack, see ``pop_host``); None (nothing
+        taken) when one of them is out of range or its count is not exactly 1, for
+        ``_pop_tensor`` to take and flag."""
         stack_np = self._stack_np
         assert stack_np is not None
         # CPU: checked and taken on the host (see __init__). Every id in range with a
@@ -388,7 +393,7 @@ class FreeStack:
             for v in vals:
                 mv[v + off] = 0
             self._top = self._synced = old - n
-            return seg.copy()  # (as a tensor ~1.5 us; torch.tensor(vals): ~6)
+            return seg.copy() if copy else seg  # (a tensor: ~1.5 us; torch.tensor: ~6)
         if n <= _HOST_POP:
             vals = seg.tolist()
             if (self.lo <= min(vals) and max(vals) < self.hi
@@ -397,7 +402,7 @@ class FreeStack:
                 # exactly the scatter of -1 in _pop_tensor.
                 counts_np[seg] = 0
                 self._top = self._synced = old - n
-                return seg.copy()
+                return seg.copy() if copy else seg
         elif n <= _HOST_POP_BYTES and _LITTLE_ENDIAN and (
                 seg - self.lo if self.lo else seg).tobytes()[7::8].isascii():
             # Many ids, none below lo (no int64's top byte has its sign bit set): one
@@ -411,7 +416,7 @@ class FreeStack:
             if taken == b"\x01" * n:
                 counts_np[seg] = 0
                 self._top = self._synced = old - n
-                return seg.copy()
+                return seg.copy() if copy else seg
         return None
 
     def _pop_tensor(self, n: int) -> torch.Tensor:

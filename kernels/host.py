@@ -243,7 +243,8 @@ class Prefetch:
         """
         if not self.terminated:
             self.stopped = True
-            self.pool.free_when_unlocked(self.pages[self.completed :])
+            if self.completed < self._n_pages:  # (all written: no tail, nothing to cut)
+                self.pool.free_when_unlocked(self.pages[self.completed :])
             self.terminated = True
         return self.completed
 
