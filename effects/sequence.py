@@ -267,7 +267,8 @@ class RunningBatch:
                         kv = torch.from_numpy(kv_np)
                     else:
                         kv = r2t[r, :n].to(torch.int64)
-                    res = insert(r, toks[:n], kv, owned_from=start if start < n else n)
+                    res = insert(r, toks if n == len(toks) else toks[:n], kv,
+                                 owned_from=start if start < n else n)
                     taken = res.taken_count
                     if taken:
                         # The tree took kv[prefix_len:end]; the row still owns the

@@ -316,7 +316,8 @@ class RadixTree:
         Raises ValueError (nothing changed) when the lengths differ, `owned_from` is out
         of range, or the tree no longer holds the caller's matched prefix.
         """
-        if kv_indices.dim() != 1 or kv_indices.numel() != len(tokens):
+        shape = kv_indices.shape  # (one attribute read: dim() and numel() are two calls)
+        if len(shape) != 1 or shape[0] != len(tokens):
             raise ValueError(
                 f"RadixTree.insert: {len(tokens)} tokens but kv_indices of shape "
                 f"{tuple(kv_indices.shape)}; pass one KV index per token (a 1-D tensor)")
