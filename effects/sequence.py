@@ -335,14 +335,14 @@ class RunningBatch:
                 pools.table.free(rows)  # not admitted yet: nobody else can free them
                 raise
             assert slots is not None
-            if pools.table._np is not None and slots.device.type == "cpu":
+            if pools.table._np is not None and slots.is_cpu:
                 pools.table._np[1][rows.numpy()] = slots.numpy()  # the table's own memory
             else:
                 pools.table.mamba_slots.index_copy_(0, rows, slots.to(torch.int64))
         ids = rows.tolist()
         if queued:
             self._admitted_ids += ids
-            if rows.device.type != "cpu":
+            if not rows.is_cpu:
                 self._admitted.append(rows.clone())  # the caller's tensor is the caller's
             self._enqueue(ids, self.event[Admit])
         else:

@@ -89,7 +89,8 @@ def as_ids(ids: IdsLike, device: torch.device, pool: str = "indices") -> torch.T
     if isinstance(ids, torch.Tensor):
         if ids.dtype not in _INT_DTYPES:
             raise not_ids(pool, ids, ids.dtype)
-        if ids.device != device:
+        # (is_cpu is an attribute read; .device makes a device object to compare)
+        if not (ids.is_cpu and device.type == "cpu") and ids.device != device:
             ids = ids.to(device)
         if ids.dim() != 1:
             ids = ids.reshape(-1)
@@ -479,7 +480,7 @@ class FreeStack:
         if self._snap_top >= 0 and self._top < self._saved_lo:
             self._save_for_snapshot()
         if self.strict and n <= _HOST_POP and self._stack_np is not None \
-                and ids.device.type == "cpu":
+                and ids.is_cpu:
             # Validated above (in range, distinct, none free; the counts synced): a few
             # ids of a CPU pool are written and counted (0 -> 1) through numpy views.
             assert self._by_id_np is not None and self._count_mv is not None
@@ -492,7 +493,7 @@ class FreeStack:
                 self._by_id_np[ids.numpy()] = 1
             self._top = self._synced = self._top + n
             return
-        if self._stack_host is not None and ids.device.type == "cpu":
+        if self._stack_host is not None and ids.is_cpu:
             # A CPU stack: written through its numpy view (one numpy op, widening int32
             # as copy_ does; after a Python-heavy step the cold dispatch of narrow and
             # copy_ costs more than the copy: 1.2 us against 2.6 warm for one id).
@@ -543,7 +544,7 @@ class FreeStack:
             # A few ids of a CPU pool (a strict pool's every free): checked in Python,
             # their counts read through the memoryview (one numpy gather past
             # _HOST_FOLD ids), in a few microseconds instead of a dozen torch ops.
-            if ids.device.type != "cpu" or ids.dtype not in _INT_DTYPES:
+            if not ids.is_cpu or ids.dtype not in _INT_DTYPES:
                 ids = ids.to(self._device).long()
             vals = (ids if ids.dim() == 1 else ids.reshape(-1)).tolist()
             lo, hi, off = self.lo, self.hi, self._off

@@ -257,7 +257,8 @@ class Prefetch:
             )
         if self.retired:
             raise DoubleFree("Prefetch", self.pages[: self.completed].tolist())
-        return self.pages[: self.completed]
+        # (all of them: the tensor itself, a slice is a torch call)
+        return self.pages if self.completed == self._n_pages else self.pages[: self.completed]
 
     def release(self) -> int:
         """Abort path: free only the completed prefix ``pages[:completed]``; returns its size.

@@ -151,7 +151,7 @@ class TokenKVAllocator(StackPool):
         if ids.numel() == 0:
             return
         if self.page_size > 1:
-            cpu = ids.device.type == "cpu"
+            cpu = ids.is_cpu
             if cpu and ids.numel() <= _HOST_PAGES:
                 # A request's tokens on a CPU: its pages, sorted and once each, as
                 # torch.unique gives them (3-9 us here; div and unique cost ~11).
