@@ -142,7 +142,8 @@ class PrefixCache:
         when the tree refuses; the caller's pages are then all still its own."""
         tree = self.tree
         res = tree.insert(tokens, kv_indices, owned_from=owned_from)
-        self.inserts[rid] += 1
+        inserts = self.inserts  # (a Counter's += on a new key calls its __missing__)
+        inserts[rid] = inserts.get(rid, 0) + 1
         self.inserted_tokens += res.taken_count
         self.duplicate_tokens += res.duplicate_count
         held = tree.total_size()

@@ -267,7 +267,8 @@ class RunningBatch:
                         kv = torch.from_numpy(kv_np)
                     else:
                         kv = r2t[r, :n].to(torch.int64)
-                    res = insert(r, toks[:n], kv, owned_from=start if start < n else n)
+                    res = insert(r, toks if n == len(toks) else toks[:n], kv,
+                                 owned_from=start if start < n else n)
                     taken = res.taken_count
                     if taken:
                         # The tree took kv[prefix_len:end]; the row still owns the
@@ -334,14 +335,14 @@ class RunningBatch:
                 pools.table.free(rows)  # not admitted yet: nobody else can free them
                 raise
             assert slots is not None
-            if pools.table._np is not None and slots.device.type == "cpu":
+            if pools.table._np is not None and slots.is_cpu:
                 pools.table._np[1][rows.numpy()] = slots.numpy()  # the table's own memory
             else:
                 pools.table.mamba_slots.index_copy_(0, rows, slots.to(torch.int64))
         ids = rows.tolist()
         if queued:
             self._admitted_ids += ids
-            if rows.device.type != "cpu":
+            if not rows.is_cpu:
                 self._admitted.append(rows.clone())  # the caller's tensor is the caller's
             self._enqueue(ids, self.event[Admit])
         else:
@@ -364,7 +365,8 @@ class RunningBatch:
                 if ln:
                     locks[r] = lock_of(m)
                     if host is not None:
-                        host[2][r, :ln] = m.indices.cpu().numpy()
+                        ind = m.indices
+                        host[2][r, :ln] = ind.numpy() if ind.is_cpu else ind.cpu().numpy()
                         host[0][r] = ln
                     else:
                         table.req_to_token[r, :ln] = m.indices.to(
@@ -478,7 +480,7 @@ class RunningBatch:
         got = self._alloc(n_pages * ps) if n_pages else None
         if n_pages and got is None:
             return False
-        new = got.cpu().numpy() if got is not None else None
+        new = None if got is None else got.numpy() if got.is_cpu else got.cpu().numpy()
         at = 0
         for r, ln, c, f, pg in zip(rs, lens, cs, fills, pages, strict=True):
             if f:  # the rest of the row's last page (a partial page: ln > 0)
@@ -488,7 +490,13 @@ class RunningBatch:
                 assert new is not None
                 r2t[r, ln + f:ln + c] = new[at:at + c - f]
             at += pg * ps
-        table._np[0][rs] += np.array(cs, dtype=np.int32)
+        # The new lengths are the ends _check_append read (nothing wrote them since):
+        # set, not added (no array of the counts, no gather-add-scatter).
+        lens_np = table._np[0]
+        if len(rs) == 1:
+            lens_np[rs[0]] = ends[0]
+        else:
+            lens_np[rs] = ends
         return True
 
     def _append_one_each(self, rows: torch.Tensor | None, counts: torch.Tensor | None,
@@ -509,7 +517,7 @@ class RunningBatch:
                 got = self._alloc(n)
                 if got is None:
                     return False
-                idx_np = got.cpu().numpy()
+                idx_np = got.numpy() if got.is_cpu else got.cpu().numpy()
             else:
                 # A row whose last page is full (or that has none) takes a new page; the
                 # others write the slot after their last token.
@@ -519,7 +527,7 @@ class RunningBatch:
                     return False
                 idx_np = flat_np[np.maximum(pos_np - 1, rs_np * w)].astype(np.int64) + 1
                 if got is not None:
-                    idx_np[need_np] = got.cpu().numpy()[::ps]
+                    idx_np[need_np] = (got.numpy() if got.is_cpu else got.cpu().numpy())[::ps]
             flat_np[pos_np] = idx_np
             lens_np[rs_np] += 1  # the rows are distinct (`_check_append`)
             return True

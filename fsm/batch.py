@@ -90,6 +90,14 @@ class Batchable(Protocol):
 
 _INT = {int}
 _RESET = object()  # `step_runs`' own run of the reset rows
+# `step_runs` of a step with a run of more than _NP_RUN rows keeps the rows' bases in a
+# numpy copy of the batch's (not a list of every row's), and takes each run of more than
+# _NP_VEC rows with a few numpy operations (a gather, a table lookup, one OR-reduction
+# that tells a refused or a terminal cell, a scatter) instead of a few dozen opcodes a
+# row: a scheduler's decode step is one run of a few hundred rows. None: never (tests
+# set both low, to run every run through them).
+_NP_RUN: int | None = 64
+_NP_VEC = 32
 
 
 def rounds_of(runs: Sequence[tuple[Sequence[int], int]]) -> list[dict[int, int]]:
@@ -626,6 +634,13 @@ class Batch:
         n, e_max = self.n, self._w - 3
         table = self._packed_list
         base_np = self._base.numpy()
+        if _NP_RUN is not None:
+            try:
+                big = any(len(rows) > _NP_RUN for rows, _ in runs)
+            except TypeError:  # not runs of rows: named by the loop below
+                big = False
+            if big:
+                return self._step_runs_np(runs, reset, rows_checked, base_np)
         work: list[int] = base_np.tolist()  # every row's base, as the runs move them
         cells: list[int] = []  # every cell made (counted when observed)
         newly: list[tuple[int, int]] = []
@@ -680,6 +695,70 @@ class Batch:
         if cells:
             base_np[:] = work
         # A row turns terminal once in a step at most (a terminal state has no way out).
+        return self._retire_rows(newly)
+
+    def _step_runs_np(self, runs: Sequence[tuple[Sequence[int], int]], reset: Sequence[int],
+                      rows_checked: bool, base_np: np.ndarray) -> BatchStep:
+        """`_step_runs` of a step with a long run (see `_NP_RUN`): the same checks, cells,
+        terminal rows and refusals, the rows' bases moved in a numpy copy of the batch's
+        (a long run's with numpy operations, a short run's row by row), written back
+        once the whole step is decided."""
+        m = self.machine
+        n, e_max = self.n, self._w - 3
+        table = self._packed_list
+        table_np = self._packed.numpy()  # (a CPU batch: the same table as the list)
+        work = base_np.copy()
+        cells: list[int] = []
+        newly: list[tuple[int, int]] = []
+        todo: Iterable[tuple[Sequence[int], Any]] = runs
+        if reset:
+            todo = [(reset, _RESET), *runs]
+        for rows, e in todo:
+            try:
+                k = len(rows)
+            except TypeError:
+                return self._runs_by_rounds(runs, reset)
+            if not k:
+                continue
+            if e.__class__ is not int or not -1 <= e <= e_max:
+                if e is not _RESET:
+                    return self._runs_by_rounds(runs, reset)
+                e = self._reset_id
+            if (not rows_checked and (set(map(type, rows)) != _INT or min(rows) < 0
+                                      or max(rows) >= n)) or len(set(rows)) != k:
+                return self._runs_by_rounds(runs, reset)
+            if e < 0:
+                continue
+            if k <= _NP_VEC:
+                for r in rows:
+                    c = work.item(r) + e
+                    p = table[c]
+                    if p < 0:  # refused: step_rows names it and records the errors
+                        return self._runs_by_rounds(runs, reset)
+                    work[r] = p & _BASE_MASK
+                    cells.append(c)
+                    if p >> _NEWLY_SHIFT & 1:
+                        newly.append((r, (p >> _PLAN_SHIFT) - 1))
+                continue
+            at = np.array(rows, dtype=np.int64)  # distinct rows in range (checked above)
+            made = work[at]
+            made += e
+            packs = table_np[made]
+            # One reduction tells both: a refused cell is negative (its sign bit set in
+            # the OR), a terminal one has its newly bit set.
+            acc = int(np.bitwise_or.reduce(packs))
+            if acc < 0:  # refused: step_rows names it and records the errors
+                return self._runs_by_rounds(runs, reset)
+            work[at] = packs & _BASE_MASK
+            cells += made.tolist()
+            if acc >> _NEWLY_SHIFT & 1:
+                hit = np.flatnonzero((packs >> _NEWLY_SHIFT) & 1)
+                newly += zip(at[hit].tolist(), ((packs[hit] >> _PLAN_SHIFT) - 1).tolist(),
+                             strict=True)
+        if m.observed and cells:
+            self._record(Counter(cells).items())
+        if cells:
+            base_np[:] = work
         return self._retire_rows(newly)
 
     def _runs_by_rounds(self, runs: Sequence[tuple[Sequence[int], int]],

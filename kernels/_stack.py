@@ -89,7 +89,8 @@ def as_ids(ids: IdsLike, device: torch.device, pool: str = "indices") -> torch.T
     if isinstance(ids, torch.Tensor):
         if ids.dtype not in _INT_DTYPES:
             raise not_ids(pool, ids, ids.dtype)
-        if ids.device != device:
+        # (is_cpu is an attribute read; .device makes a device object to compare)
+        if not (ids.is_cpu and device.type == "cpu") and ids.device != device:
             ids = ids.to(device)
         if ids.dim() != 1:
             ids = ids.reshape(-1)
@@ -336,17 +337,21 @@ class FreeStack:
                 return torch.from_numpy(got)
         return self._pop_tensor(n)
 
-    def pop_host(self, n: int) -> np.ndarray | None:
+    def pop_host(self, n: int, *, copy: bool = True) -> np.ndarray | None:
         """``pop(n)`` of a CPU stack as a numpy array of its own (int64), or None when
         fewer than ``n`` are free: for a pool that works on the ids with numpy, a tensor
         and its ``.numpy()`` view less per call. The same checks and the same ids as
-        ``pop``; ValueError on a stack that is not on the CPU."""
+        ``pop``; ValueError on a stack that is not on the CPU.
+
+        ``copy=False``: the ids may come as a view of the stack's free end, valid only
+        until the next push (for a caller that reads them at once, e.g. to gather
+        from them, and keeps nothing of the view)."""
         if self._stack_host is None:
             raise ValueError(f"{self.name}: pop_host needs a CPU free list; use pop()")
         if not self._ready(n):
             return None
         if self._stack_np is not None and n:
-            got = self._pop_host(n)
+            got = self._pop_host(n, copy)
             if got is not None:
                 return got
         return self._pop_tensor(n).numpy()
@@ -364,10 +369,11 @@ class FreeStack:
             self._sync()
         return True
 
-    def _pop_host(self, n: int) -> np.ndarray | None:
+    def _pop_host(self, n: int, copy: bool = True) -> np.ndarray | None:
         """The top ``n`` ids (0 < n <= top, counts synced) checked and taken on the host,
-        as a copy; None (nothing taken) when one of them is out of range or its count is
-        not exactly 1, for ``_pop_tensor`` to take and flag."""
+        as a copy (``copy=False``: a view of the stack, see ``pop_host``); None (nothing
+        taken) when one of them is out of range or its count is not exactly 1, for
+        ``_pop_tensor`` to take and flag."""
         stack_np = self._stack_np
         assert stack_np is not None
         # CPU: checked and taken on the host (see __init__). Every id in range with a
@@ -388,7 +394,7 @@ class FreeStack:
             for v in vals:
                 mv[v + off] = 0
             self._top = self._synced = old - n
-            return seg.copy()  # (as a tensor ~1.5 us; torch.tensor(vals): ~6)
+            return seg.copy() if copy else seg  # (a tensor: ~1.5 us; torch.tensor: ~6)
         if n <= _HOST_POP:
             vals = seg.tolist()
             if (self.lo <= min(vals) and max(vals) < self.hi
@@ -397,7 +403,7 @@ class FreeStack:
                 # exactly the scatter of -1 in _pop_tensor.
                 counts_np[seg] = 0
                 self._top = self._synced = old - n
-                return seg.copy()
+                return seg.copy() if copy else seg
         elif n <= _HOST_POP_BYTES and _LITTLE_ENDIAN and (
                 seg - self.lo if self.lo else seg).tobytes()[7::8].isascii():
             # Many ids, none below lo (no int64's top byte has its sign bit set): one
@@ -411,7 +417,7 @@ class FreeStack:
             if taken == b"\x01" * n:
                 counts_np[seg] = 0
                 self._top = self._synced = old - n
-                return seg.copy()
+                return seg.copy() if copy else seg
         return None
 
     def _pop_tensor(self, n: int) -> torch.Tensor:
@@ -474,7 +480,7 @@ class FreeStack:
         if self._snap_top >= 0 and self._top < self._saved_lo:
             self._save_for_snapshot()
         if self.strict and n <= _HOST_POP and self._stack_np is not None \
-                and ids.device.type == "cpu":
+                and ids.is_cpu:
             # Validated above (in range, distinct, none free; the counts synced): a few
             # ids of a CPU pool are written and counted (0 -> 1) through numpy views.
             assert self._by_id_np is not None and self._count_mv is not None
@@ -487,7 +493,7 @@ class FreeStack:
                 self._by_id_np[ids.numpy()] = 1
             self._top = self._synced = self._top + n
             return
-        if self._stack_host is not None and ids.device.type == "cpu":
+        if self._stack_host is not None and ids.is_cpu:
             # A CPU stack: written through its numpy view (one numpy op, widening int32
             # as copy_ does; after a Python-heavy step the cold dispatch of narrow and
             # copy_ costs more than the copy: 1.2 us against 2.6 warm for one id).
@@ -538,7 +544,7 @@ class FreeStack:
             # A few ids of a CPU pool (a strict pool's every free): checked in Python,
             # their counts read through the memoryview (one numpy gather past
             # _HOST_FOLD ids), in a few microseconds instead of a dozen torch ops.
-            if ids.device.type != "cpu" or ids.dtype not in _INT_DTYPES:
+            if not ids.is_cpu or ids.dtype not in _INT_DTYPES:
                 ids = ids.to(self._device).long()
             vals = (ids if ids.dim() == 1 else ids.reshape(-1)).tolist()
             lo, hi, off = self.lo, self.hi, self._off

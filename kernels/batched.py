@@ -85,7 +85,8 @@ def _out_of_range(rows: list[int], capacity: int) -> IndexError:
 
 def _starts(kv_start: torch.Tensor, n: int) -> list[int]:
     """``kv_start`` as a list of ``n`` ints >= 0 (ValueError naming what is wrong)."""
-    starts = kv_start.reshape(-1).tolist()
+    # (a 1-D tensor, what a driver passes, is read as it is: a reshape is a torch call)
+    starts = (kv_start if kv_start.dim() == 1 else kv_start.reshape(-1)).tolist()
     if len(starts) != n or (starts and min(starts) < 0):
         raise _bad_starts(starts, n)
     return starts

@@ -243,7 +243,8 @@ class Prefetch:
         """
         if not self.terminated:
             self.stopped = True
-            self.pool.free_when_unlocked(self.pages[self.completed :])
+            if self.completed < self._n_pages:  # (all written: no tail, nothing to cut)
+                self.pool.free_when_unlocked(self.pages[self.completed :])
             self.terminated = True
         return self.completed
 
@@ -256,7 +257,8 @@ class Prefetch:
             )
         if self.retired:
             raise DoubleFree("Prefetch", self.pages[: self.completed].tolist())
-        return self.pages[: self.completed]
+        # (all of them: the tensor itself, a slice is a torch call)
+        return self.pages if self.completed == self._n_pages else self.pages[: self.completed]
 
     def release(self) -> int:
         """Abort path: free only the completed prefix ``pages[:completed]``; returns its size.

@@ -92,18 +92,23 @@ class MambaStatePool(StackPool):
 
     def alloc(self, n: int = 1) -> torch.Tensor | None:
         """``n`` slots with zeroed states, or None when short (never partial)."""
+        views = (self._host_views() if 0 < n <= _HOST_ZERO and self._free._stack_host
+                 is not None else None)
+        if views is not None:
+            # A few slots on a CPU: popped as numpy (the same checks and ids as pop) and
+            # zeroed through byte views (~0.4 us a tensor and slot; index_fill_ costs
+            # ~2 us a tensor).
+            got = self._free.pop_host(n)
+            if got is None:
+                return None
+            for s in got.tolist():
+                for v in views:
+                    v[:, s] = 0
+            return torch.from_numpy(got)
         slots = self._free.pop(n)
         if slots is not None and n:
-            views = self._host_views() if n <= _HOST_ZERO else None
-            if views is not None:
-                # A few slots on a CPU: zeroed through byte views (~0.4 us a tensor and
-                # slot; index_fill_ costs ~2 us a tensor).
-                for s in slots.tolist():
-                    for v in views:
-                        v[:, s] = 0
-            else:
-                for t in self._tensors():
-                    t.index_fill_(1, slots, 0)
+            for t in self._tensors():
+                t.index_fill_(1, slots, 0)
         return slots
 
     def available_size(self) -> int:

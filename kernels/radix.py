@@ -200,21 +200,20 @@ class RadixTree:
     # -- lookups --------------------------------------------------------------------------
 
     def _aligned(self, tokens: Sequence[int] | torch.Tensor,
-                 limit: int | None = None) -> tuple[int, ...]:
-        """`tokens[:limit]` as a tuple cut to whole pages (no copy of a tuple kept whole;
-        else one slice and one tuple of what is kept)."""
+                 limit: int | None = None) -> tuple[Sequence[int], int]:
+        """`tokens` (a tensor as a list) and the length of `tokens[:limit]` cut to whole
+        pages: the lookups read the tokens where they are, so a match or an insert copies
+        only what it compares or keeps, never the whole sequence into a tuple first."""
         cls = tokens.__class__
         if cls is not list and cls is not tuple and isinstance(tokens, torch.Tensor):
             tokens = tokens.tolist()
-        whole = n = len(tokens)
+        n = len(tokens)
         if limit is not None and limit < n:
             n = limit if limit > 0 else 0
         page = self.page_size
         if page != 1:
             n -= n % page
-        if cls is tuple:
-            return tokens if n == whole else tokens[:n]  # type: ignore[return-value]
-        return tuple(tokens if n == whole else tokens[:n])
+        return tokens, n  # type: ignore[return-value]
 
     def _tick(self) -> int:
         self._clock += 1
@@ -246,27 +245,32 @@ class RadixTree:
         parent.children[self._child_key(head.key)] = head
         return head
 
-    def _descend(self, key: tuple[int, ...]) -> tuple[list[RadixNode], int, int]:
-        """Follow `key` from the root without changing anything: (the nodes it matches
-        in order, tokens matched, and where the match ends inside the last node, or 0
-        when it matches that node whole)."""
+    def _descend(self, tokens: Sequence[int], end: int,
+                 ) -> tuple[list[RadixNode], int, int]:
+        """Follow `tokens[:end]` (`end` whole pages; `tokens` a tuple, or any sequence
+        whose slices are made tuples) from the root without changing anything: (the
+        nodes it matches in order, tokens matched, and where the match ends inside the
+        last node, or 0 when it matches that node whole)."""
         path: list[RadixNode] = []
         node, done = self.root, 0
         page = self.page_size
-        end = len(key)
+        tup = tokens.__class__ is tuple
         while done < end:
-            child = node.children.get(key[done:done + page])
+            head = tokens[done:done + page]
+            child = node.children.get(head if tup else tuple(head))  # type: ignore[call-overload]
             if child is None:
                 break
             ck = child.key
-            m = len(ck)
-            if key[done:done + m] == ck:  # the whole node matches (one compare, in C)
-                path.append(child)
-                done += m
-                node = child
-                continue
+            stop = done + len(ck)
+            if stop <= end:
+                seg = tokens[done:stop]
+                if (seg if tup else tuple(seg)) == ck:  # the whole node (one compare, in C)
+                    path.append(child)
+                    done = stop
+                    node = child
+                    continue
             # The match ends inside `child` (its first page matched, so n >= page).
-            n = _common(ck, key, page, done)
+            n = _common(ck, tuple(tokens[done:end]), page)
             if n == 0:
                 break
             path.append(child)
@@ -296,7 +300,7 @@ class RadixTree:
         The match may split a node at the page where it ends (the cached data is
         unchanged). Lock the returned node before anything can evict it.
         """
-        path, done, cut = self._descend(self._aligned(tokens, limit))
+        path, done, cut = self._descend(*self._aligned(tokens, limit))
         node = self._touch(path, cut)
         if not path:
             return RadixMatch(self._empty, node, 0)
@@ -316,7 +320,8 @@ class RadixTree:
         Raises ValueError (nothing changed) when the lengths differ, `owned_from` is out
         of range, or the tree no longer holds the caller's matched prefix.
         """
-        if kv_indices.dim() != 1 or kv_indices.numel() != len(tokens):
+        shape = kv_indices.shape  # (one attribute read: dim() and numel() are two calls)
+        if len(shape) != 1 or shape[0] != len(tokens):
             raise ValueError(
                 f"RadixTree.insert: {len(tokens)} tokens but kv_indices of shape "
                 f"{tuple(kv_indices.shape)}; pass one KV index per token (a 1-D tensor)")
@@ -327,10 +332,9 @@ class RadixTree:
         if not 0 <= owned_from <= len(tokens):
             raise ValueError(f"RadixTree.insert: owned_from={owned_from} is outside "
                              f"0..{len(tokens)} (the length of the sequence)")
-        key = self._aligned(tokens)
-        end = len(key)
+        seq, end = self._aligned(tokens)
         # Read-only pass first: decide, then mutate.
-        path, prefix_len, cut = self._descend(key)
+        path, prefix_len, cut = self._descend(seq, end)
         if prefix_len < owned_from and prefix_len < end:
             raise ValueError(
                 f"RadixTree.insert: the caller's matched prefix ({owned_from} tokens) is "
@@ -342,9 +346,12 @@ class RadixTree:
         if prefix_len < end:
             # One dispatched op (narrow + clone is two, ~2.5x the time on a CPU).
             taken = values.narrow_copy(0, prefix_len, end - prefix_len)
-            new = RadixNode(key[prefix_len:], taken, node)
+            key = seq[prefix_len:end]  # (a tuple kept whole is not copied)
+            if key.__class__ is not tuple:
+                key = tuple(key)
+            new = RadixNode(key, taken, node)
             self._clock = new.last_access = self._clock + 1
-            node.children[key[prefix_len:prefix_len + self.page_size]] = new
+            node.children[key[:self.page_size]] = new
             self._evictable += end - prefix_len
             self._leaves.pop(node, None)  # a leaf no more
             self._leaf(new)

@@ -257,6 +257,18 @@ def test_step_runs_is_step_rows_of_its_rounds(seed):
     assert single  # runs of one row were compared too
 
 
+@pytest.mark.parametrize("vec", [0, 10_000])
+@pytest.mark.parametrize("seed", range(6))
+def test_step_runs_with_the_bases_in_numpy_is_step_rows_of_its_rounds(seed, vec,
+                                                                      monkeypatch):
+    # The path a step with a long run takes (`_NP_RUN`: the bases in a numpy copy), on
+    # every step here: each run vectorized (vec 0) or taken row by row (vec 10,000);
+    # the same comparison as above (the list path keeps it: 48 rows, no long run).
+    monkeypatch.setattr(batch_mod, "_NP_RUN", 0)
+    monkeypatch.setattr(batch_mod, "_NP_VEC", vec)
+    test_step_runs_is_step_rows_of_its_rounds(seed)
+
+
 def test_step_runs_of_an_unobserved_batch_counts_nothing_and_refuses_exactly():
     m, b = built([])
     resume, finish = m.event_id(Resume), m.event_id(Finish)

@@ -332,3 +332,26 @@ def test_a_release_refused_as_a_double_free_changes_nothing(device):
     assert p.release() == 2
     h.free(anchor)
     h.assert_full()
+
+
+@pytest.mark.parametrize("done", [0, 2, 4])
+def test_a_prefetch_written_whole_or_in_part_retires_the_same_pages(device, done):
+    # terminate(), release() and take() of a prefetch whose I/O wrote every page (no
+    # tail: no free; its pages whole, not a slice) and of one it wrote in part: the
+    # tail goes back at terminate, the written prefix at release, or to the taker.
+    for how in ("release", "take"):
+        h = HostPagePool(6, device)
+        p = h.prefetch(4)
+        assert p is not None
+        p.advance(done)
+        assert p.terminate() == done and h.available == 2 + 4 - done
+        if how == "release":
+            assert p.release() == done and h.available == 6
+        else:
+            kept = p.take()
+            assert kept.tolist() == p.pages[:done].tolist() and h.occupied == done
+            h.free(kept)
+        with pytest.raises(DoubleFree):
+            p.release()
+        assert h.prefetch_occupied == 0
+        h.assert_full()

@@ -537,3 +537,60 @@ def test_free_host_refuses_what_is_not_a_1d_integer_array():
         kv.free_host(np.array([4.0]))
     kv.free_host(np.array([], dtype=np.int64))  # nothing to free
     kv.assert_full()
+
+
+@pytest.mark.parametrize("page_size", [2, 4, 16])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_paged_alloc_gathers_from_its_token_table_what_the_broadcast_builds(
+        page_size, seed, monkeypatch):
+    # Two pools under the same random allocs and frees: one builds an alloc's tokens by
+    # gathering its pages' rows from the token table, the other (_TOKEN_TABLE_SLOTS 0:
+    # no table) by the broadcast multiply-add. Same tokens, same free lists and counts;
+    # a caller that writes into what alloc returned never touches the pool's table.
+    import numpy as np
+
+    from terminus.kernels import kv as kv_mod
+
+    rng = np.random.default_rng(seed)
+    a = TokenKVAllocator(512, page_size=page_size)
+    monkeypatch.setattr(kv_mod, "_TOKEN_TABLE_SLOTS", 0)
+    b = TokenKVAllocator(512, page_size=page_size)
+    assert a._page_tokens is not None and b._page_tokens is None
+    table = a._page_tokens.copy()
+    held: list[torch.Tensor] = []
+    for _ in range(60):
+        if rng.random() < 0.6 or not held:
+            n = int(rng.integers(0, 200))
+            ga, gb = a.alloc(n), b.alloc(n)
+            assert (ga is None) == (gb is None)
+            if ga is not None:
+                assert gb is not None and torch.equal(ga, gb) and ga.numel() == n
+                held.append(ga)
+                ga.fill_(-1)  # the caller's own memory: the pool's table is untouched
+                held[-1] = gb.clone()
+        else:
+            ids = held.pop(int(rng.integers(len(held))))
+            a.free(ids)
+            b.free(ids)
+        top = a._free._top
+        assert top == b._free._top
+        assert torch.equal(a._free._stack[:top], b._free._stack[:top])
+        assert torch.equal(a._free._count, b._free._count)
+    assert np.array_equal(a._page_tokens, table)
+    for ids in held:
+        a.free(ids)
+        b.free(ids)
+    a.assert_full()
+    b.assert_full()
+
+
+def test_pop_host_without_a_copy_takes_the_same_ids_as_with_one():
+    from terminus.kernels._stack import FreeStack
+
+    a, b = FreeStack("a", 1, 64), FreeStack("b", 1, 64)
+    for n in (1, 3, 8, 9, 30, 0):
+        ga, gb = a.pop_host(n, copy=False), b.pop_host(n)
+        assert ga is not None and gb is not None and ga.tolist() == gb.tolist()
+        assert torch.equal(a._count, b._count) and a.available == b.available
+    assert a.pop_host(64, copy=False) is None  # short: nothing taken
+    assert a.available == b.available

@@ -162,3 +162,42 @@ def test_any_sequence_keeps_accounting_and_never_hands_out_twice(device, ops):
         assert p.available + len(held) == p.capacity
     p.free(held)
     p.assert_full()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_host_alloc_takes_the_ids_and_zeroes_what_index_fill_does(monkeypatch, seed):
+    # Two CPU pools under the same random allocs and frees: one pops a few slots as numpy
+    # and zeroes them through byte views, the other (_HOST_ZERO 0) pops a tensor and
+    # zeroes with index_fill_. Same ids, same states, same free lists; a short pool
+    # hands out nothing on either path.
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    a, b = pool(), pool()
+    held: list[torch.Tensor] = []
+    for _ in range(40):
+        if rng.random() < 0.6 or not held:
+            n = int(rng.integers(0, 4))
+            monkeypatch.setattr(mamba, "_HOST_ZERO", 4)
+            ga = a.alloc(n)
+            monkeypatch.setattr(mamba, "_HOST_ZERO", 0)
+            gb = b.alloc(n)
+            assert (ga is None) == (gb is None)
+            if ga is not None:
+                assert gb is not None and torch.equal(ga, gb)
+                held.append(ga)
+        else:
+            ids = held.pop(int(rng.integers(len(held))))
+            a.free(ids)
+            b.free(ids)
+        for ta, tb in zip([*a.conv, a.temporal], [*b.conv, b.temporal], strict=True):
+            assert torch.equal(ta, tb)
+            ta.fill_(3)  # stale state, for the next alloc to zero
+            tb.fill_(3)
+        assert a.available == b.available
+        assert torch.equal(a._free._count, b._free._count)
+    for ids in held:
+        a.free(ids)
+        b.free(ids)
+    a.assert_full()
+    b.assert_full()

@@ -370,3 +370,68 @@ def test_eviction_pops_the_least_recent_unlocked_leaf_under_random_operations():
     tree.evict(tree.evictable_size())
     tree.check()
     assert tree.total_size() == 0
+
+
+def _shape(tree: RadixTree) -> list[tuple]:
+    """Every node as (key, value, lock_ref, last_access), in a canonical order."""
+    out = []
+    stack = [((), tree.root)]
+    while stack:
+        at, n = stack.pop()
+        for ck in sorted(n.children):
+            c = n.children[ck]
+            out.append((at, c.key, c.value.tolist(), c.lock_ref, c.last_access))
+            stack.append((at + c.key, c))
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(4))
+def test_lookups_read_lists_tensors_and_tuples_alike(page_size, seed):
+    # The lookups read the caller's tokens where they are (a tuple's slices as they are,
+    # a list's made tuples): three trees fed the same operations, one with tuples, one
+    # with lists and one with tensors, match, insert, split, lock and evict alike.
+    rng = random.Random(seed)
+    trees = [RadixTree(page_size) for _ in range(3)]
+    kinds = (tuple, list, lambda t: torch.tensor(t, dtype=torch.int64))
+    seqs: list[list[int]] = []
+    locked: list[list] = []
+    nxt = 0
+    for _ in range(120):
+        op = rng.random()
+        if op < 0.45 or not seqs:
+            base = list(rng.choice(seqs)) if seqs and rng.random() < 0.7 else []
+            seq = base[: rng.randrange(len(base) + 1)] + [rng.randrange(6)
+                                                          for _ in range(rng.randrange(1, 14))]
+            seqs.append(seq)
+            kv = torch.arange(nxt, nxt + len(seq))
+            nxt += len(seq)
+            got = [t.insert(k(seq), kv.clone()) for t, k in zip(trees, kinds, strict=True)]
+            assert len({(g.prefix_len, tuple(g.taken.tolist()), g.duplicate_count, g.node.key)
+                        for g in got}) == 1
+        elif op < 0.8:
+            seq = rng.choice(seqs)
+            limit = rng.choice([None, rng.randrange(len(seq) + 2)])
+            got = [t.match_prefix(k(seq), limit=limit)
+                   for t, k in zip(trees, kinds, strict=True)]
+            assert len({(m.length, tuple(m.indices.tolist()), m.node.key) for m in got}) == 1
+            if rng.random() < 0.5 and got[0].length:
+                for t, m in zip(trees, got, strict=True):
+                    t.inc_lock_ref(m.node)
+                locked.append([m.node for m in got])
+        elif op < 0.9 and locked:
+            for t, n in zip(trees, locked.pop(rng.randrange(len(locked))), strict=True):
+                t.dec_lock_ref(n)
+        else:
+            k = rng.randrange(1, 12)
+            assert len({tuple(t.evict(k).tolist()) for t in trees}) == 1
+        shapes = [_shape(t) for t in trees]
+        assert shapes[0] == shapes[1] == shapes[2]
+        for t in trees:
+            t.check()
+    for nodes in locked:
+        for t, n in zip(trees, nodes, strict=True):
+            t.dec_lock_ref(n)
+    for t in trees:
+        t.evict(t.evictable_size())
+        assert t.total_size() == 0
