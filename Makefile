@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[test,dev]"
+	# An editable install writes no bytecode (nor does Python where PYTHONDONTWRITEBYTECODE
+	# is set): compiled here, as pip does for a wheel, each command does not compile
+	# the package again (~0.3 s of every `terminus simulate`). A stale file is ignored.
+	$(BIN)/python -m compileall -q __init__.py fsm states effects kernels metrics
 	touch $(STAMP)
 
 setup: $(STAMP)
