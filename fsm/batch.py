@@ -613,8 +613,11 @@ class Batch:
         names a row out of range, an id out of range or one row twice in a run, or
         whose machine has sinks (records in round order), is `step_rows` of those rounds
         itself: the same error naming the same instance, the same records, nothing
-        changed.
+        changed. `runs` may be any iterable of pairs (it is read once, into a list, when
+        it is not a list or tuple).
         """
+        if runs.__class__ is not list and runs.__class__ is not tuple:
+            runs = list(runs)  # a generator's runs: the step reads them more than once
         return Batch._step_runs(self, runs, reset, False)
 
     def _step_runs(self, runs: Sequence[tuple[Sequence[int], int]], reset: Sequence[int],

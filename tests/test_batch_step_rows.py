@@ -303,3 +303,22 @@ def test_malformed_runs_and_rows_that_are_not_ints_get_errors_naming_them():
         with pytest.raises(TypeError, match=r"run 0 is .*rows are a list of row ints"):
             b.step_runs([(rows, resume)])
     assert b.states.tolist() == before
+
+
+@pytest.mark.parametrize("np_run", [batch_mod._NP_RUN, 0], ids=["list path", "numpy path"])
+def test_step_runs_reads_a_generator_of_runs_as_it_reads_a_list(np_run, monkeypatch):
+    # A one-shot iterable of runs (a generator, a zip) was read once by the check for a
+    # long run, and the step then saw no runs: every event dropped, no error (I4).
+    monkeypatch.setattr(batch_mod, "_NP_RUN", np_run)
+    resume, finish = None, None
+    states = []
+    for how in ("list", "generator", "zip"):
+        m, b = built([])
+        resume, finish = m.event_id(Resume), m.event_id(Finish)
+        runs = [([0, 1, 2], resume), ([3], resume), ([3], finish)]
+        arg = {"list": runs, "generator": (r for r in runs),
+               "zip": zip([r for r, _ in runs], [e for _, e in runs], strict=True)}[how]
+        step = b.step_runs(arg)
+        states.append((b.states.tolist(), step.terminal.tolist()))
+    assert states[0] == states[1] == states[2]
+    assert states[0][1] == [3] and states[0][0][:3] != [0, 0, 0]
