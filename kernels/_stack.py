@@ -356,6 +356,22 @@ class FreeStack:
                 return got
         return self._pop_tensor(n).numpy()
 
+    def pop_view(self, n: int) -> tuple[np.ndarray, bool] | None:
+        """``pop_host(n, copy=False)`` of a CPU stack, with whether every id passed the
+        host's checks (in range, counted exactly once): False when one did not and the
+        ids took the general path, which flagged it (``check()`` names it), so that a
+        caller does not index its own tables with an id that may be foreign. None when
+        fewer than ``n`` are free."""
+        if self._stack_host is None:
+            raise ValueError(f"{self.name}: pop_view needs a CPU free list; use pop()")
+        if not self._ready(n):
+            return None
+        if self._stack_np is not None and n:
+            got = self._pop_host(n, False)
+            if got is not None:
+                return got, True
+        return self._pop_tensor(n).numpy(), False
+
     def _ready(self, n: int) -> bool:
         """Whether ``n`` ids can be popped (refusing a negative ``n``), the counts synced
         if so."""

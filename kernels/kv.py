@@ -123,15 +123,19 @@ class TokenKVAllocator(StackPool):
             if table is not None:
                 # The pages' rows of the token table, gathered into a new array (the
                 # popped ids are read before anything is pushed over them: no copy).
-                pages_np = self._free.pop_host(k, copy=False)
-                if pages_np is None:
+                popped = self._free.pop_view(k)
+                if popped is None:
                     return None
-                got = table.take(pages_np, axis=0).reshape(-1)
+                pages_np, checked = popped
+                if checked:
+                    got = table.take(pages_np, axis=0).reshape(-1)
+                else:  # a page id that may be foreign (flagged): computed, never indexed
+                    got = (pages_np[:, None] * self.page_size + self._offsets_np).reshape(-1)
             else:
-                pages_np = self._free.pop_host(k)
-                if pages_np is None:
+                host = self._free.pop_host(k)
+                if host is None:
                     return None
-                got = (pages_np[:, None] * self.page_size + self._offsets_np).reshape(-1)
+                got = (host[:, None] * self.page_size + self._offsets_np).reshape(-1)
             return torch.from_numpy(got if got.shape[0] == n else got[:n])
         pages = self._free.pop(-(-n // self.page_size))
         if pages is None:

@@ -594,3 +594,26 @@ def test_pop_host_without_a_copy_takes_the_same_ids_as_with_one():
         assert torch.equal(a._count, b._count) and a.available == b.available
     assert a.pop_host(64, copy=False) is None  # short: nothing taken
     assert a.available == b.available
+
+
+@pytest.mark.parametrize("foreign", [10_000, -8, 0])
+def test_a_paged_alloc_after_a_foreign_free_computes_its_tokens_never_indexes_them(foreign):
+    # Non-strict: a foreign free is recorded and named by check(). The alloc that pops it
+    # must not index the pool's page-token table with it (an id above range raised a bare
+    # numpy IndexError after popping; a negative one wrapped onto a live page's tokens):
+    # the tokens are computed from the page, as the pool without the table does.
+    out = []
+    for table in (True, False):
+        a = TokenKVAllocator(64, page_size=4, strict=False)
+        if not table:
+            a._page_tokens = None  # the broadcast path: the reference
+        held = a.alloc(60)
+        a.free(torch.tensor([foreign]))
+        got = a.alloc(4)
+        again = a.alloc(4)
+        with pytest.raises(ForeignIndex, match=r"foreign index"):
+            a.check()
+        out.append((got.tolist(), again.tolist(), a.available))
+        assert not set(got.tolist()) & set(held.tolist())
+    assert out[0] == out[1]
+    assert out[0][0] == [foreign // 4 * 4 + i for i in range(4)] or foreign == 0
