@@ -337,31 +337,29 @@ class FreeStack:
                 return torch.from_numpy(got)
         return self._pop_tensor(n)
 
-    def pop_host(self, n: int, *, copy: bool = True) -> np.ndarray | None:
+    def pop_host(self, n: int) -> np.ndarray | None:
         """``pop(n)`` of a CPU stack as a numpy array of its own (int64), or None when
         fewer than ``n`` are free: for a pool that works on the ids with numpy, a tensor
         and its ``.numpy()`` view less per call. The same checks and the same ids as
-        ``pop``; ValueError on a stack that is not on the CPU.
-
-        ``copy=False``: the ids may come as a view of the stack's free end, valid only
-        until the next push (for a caller that reads them at once, e.g. to gather
-        from them, and keeps nothing of the view)."""
+        ``pop``; ValueError on a stack that is not on the CPU."""
         if self._stack_host is None:
             raise ValueError(f"{self.name}: pop_host needs a CPU free list; use pop()")
         if not self._ready(n):
             return None
         if self._stack_np is not None and n:
-            got = self._pop_host(n, copy)
+            got = self._pop_host(n)
             if got is not None:
                 return got
         return self._pop_tensor(n).numpy()
 
     def pop_view(self, n: int) -> tuple[np.ndarray, bool] | None:
-        """``pop_host(n, copy=False)`` of a CPU stack, with whether every id passed the
-        host's checks (in range, counted exactly once): False when one did not and the
-        ids took the general path, which flagged it (``check()`` names it), so that a
-        caller does not index its own tables with an id that may be foreign. None when
-        fewer than ``n`` are free."""
+        """``pop_host(n)`` without its copy: the ids may come as a view of the stack's
+        free end, valid only until the next push (for a caller that reads them at once,
+        e.g. to gather from them, and keeps nothing of the view); and whether every id
+        passed the host's checks (in range, counted exactly once): False when one did
+        not and the ids took the general path, which flagged it (``check()`` names it),
+        so that a caller does not index its own tables with an id that may be foreign.
+        None when fewer than ``n`` are free."""
         if self._stack_host is None:
             raise ValueError(f"{self.name}: pop_view needs a CPU free list; use pop()")
         if not self._ready(n):
@@ -387,7 +385,7 @@ class FreeStack:
 
     def _pop_host(self, n: int, copy: bool = True) -> np.ndarray | None:
         """The top ``n`` ids (0 < n <= top, counts synced) checked and taken on the host,
-        as a copy (``copy=False``: a view of the stack, see ``pop_host``); None (nothing
+        as a copy (``copy=False``: a view of the stack, see ``pop_view``); None (nothing
         taken) when one of them is out of range or its count is not exactly 1, for
         ``_pop_tensor`` to take and flag."""
         stack_np = self._stack_np

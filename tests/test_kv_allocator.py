@@ -584,15 +584,16 @@ def test_a_paged_alloc_gathers_from_its_token_table_what_the_broadcast_builds(
     b.assert_full()
 
 
-def test_pop_host_without_a_copy_takes_the_same_ids_as_with_one():
+def test_pop_view_takes_the_same_ids_as_pop_host():
     from terminus.kernels._stack import FreeStack
 
     a, b = FreeStack("a", 1, 64), FreeStack("b", 1, 64)
     for n in (1, 3, 8, 9, 30, 0):
-        ga, gb = a.pop_host(n, copy=False), b.pop_host(n)
-        assert ga is not None and gb is not None and ga.tolist() == gb.tolist()
+        va, gb = a.pop_view(n), b.pop_host(n)
+        assert va is not None and gb is not None and va[0].tolist() == gb.tolist()
+        assert va[1] == (n > 0)  # checked on the host (none to check for n = 0)
         assert torch.equal(a._count, b._count) and a.available == b.available
-    assert a.pop_host(64, copy=False) is None  # short: nothing taken
+    assert a.pop_view(64) is None  # short: nothing taken
     assert a.available == b.available
 
 
