@@ -186,7 +186,10 @@ class FaultPlan:
     call is counted (`calls` stays empty), and a proxied method of a registered site
     that is not armed is the resource's own, called without a wrapper in between;
     `arm` puts the recording wrapper back for that site until its faults have fired.
-    A call no registered site names is still checked (and refused when `strict`).
+    So under `count=False` a caller reads a method through the proxy at each call: a
+    method read (and kept) before `arm` is the resource's own and never faults (the
+    fault fires at the next call read through the proxy). A call no registered site
+    names is still checked (and refused when `strict`).
     """
 
     def __init__(self, strict: bool = True, *, count: bool = True) -> None:

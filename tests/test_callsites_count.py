@@ -106,3 +106,26 @@ def test_a_driver_over_either_plan_takes_the_same_path_and_ends_clean(count):
     e.finish()
     real.assert_full()
     e.ledger.assert_empty()
+
+
+@pytest.mark.parametrize("count", [True, False])
+def test_a_method_kept_from_before_arm_faults_only_on_a_counting_plan(count):
+    # Documented: under count=False a caller reads the method through the proxy at each
+    # call; a reference kept from before `arm` is the pool's own and does not fault.
+    plan = FaultPlan(count=count)
+    real = DisaggPools.make(kv_tokens=64).kv
+    kv = proxy(real, "kv", plan)
+    kept = kv.alloc
+    plan.arm(_ALLOC)
+    got = []
+    if count:
+        with pytest.raises(InjectedFault):
+            kept(4)
+    else:
+        got.append(kept(4))  # not faulted: the fault waits for a call through the proxy
+        with pytest.raises(InjectedFault):
+            kv.alloc(4)
+    assert len(plan.fired) == 1
+    for idx in got:
+        real.free(idx)
+    real.assert_full()
