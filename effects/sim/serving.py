@@ -28,7 +28,7 @@ import itertools
 import operator
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -86,7 +86,7 @@ __all__ = [
     "machine_parts",
 ]
 
-_STATUS = {"scheduler_400": 400, "scheduler_500": 500, "scheduler_503": 503}
+_STATUS: dict[str | None, int] = {"scheduler_400": 400, "scheduler_500": 500, "scheduler_503": 503}
 
 LEAK_KEYS = ("kv_tokens", "mamba_slots", "request_slots", "metadata_slots", "host_pages",
              "prefetch_tokens", "lora_refs", "lora_underflows", "ledger_handles",
@@ -143,7 +143,7 @@ class FakeTokenizer:
 class _Seq:
     """The scheduler's view of one sequence: its spec, progress and row."""
 
-    __slots__ = ("aborted", "chunks_left", "decoding", "fail", "fail_status", "in_flight",
+    __slots__ = ("aborted", "chunks_left", "decoding", "fail_status", "in_flight",
                  "mamba", "max_new", "prompt", "reply", "rid", "row", "start", "status",
                  "tail", "tokens")
 
@@ -159,9 +159,9 @@ class _Seq:
         prefix-cache key is then its prompt and reply): a sequence aborted or failed
         before never makes them."""
         self.max_new = max_new
-        self.fail = fail
-        self.fail_status = _STATUS.get(fail, 0) if fail is not None else 0
-        """The status the scheduler fails it with halfway through decode (0: none)."""
+        self.fail_status = _STATUS.get(fail, 0)  # (`fail` None or not a scheduler fault: 0)
+        """The status the scheduler fails it with halfway through decode (0: none), from
+        its request's fault `fail`."""
         self.row = -1
         self.chunks_left = 0
         self.tail = 0
@@ -204,9 +204,9 @@ class SimScheduler:
         decoding sequence's count of generated tokens is `ticks - seq.start`, so a
         token costs no Python work per row; what happens at a count (its first
         output, its finish) is booked under the tick it happens at."""
-        self._firsts: dict[int, list[_Seq]] = {}
+        self._firsts: defaultdict[int, list[_Seq]] = defaultdict(list)
         """Tick -> sequences whose first token it makes (their `on_output`)."""
-        self._finishing: dict[int, list[_Seq]] = {}
+        self._finishing: defaultdict[int, list[_Seq]] = defaultdict(list)
         """Tick -> sequences whose last token (`max_new`) it makes."""
         running.on_retired = self._retired
 
@@ -249,9 +249,13 @@ class SimScheduler:
         self._apply_aborts()
         self._admit()
         # Chunk results of the chunks launched last step (one result per row per step).
+        # The same pass picks the rows that launch a chunk below (chunks left, not
+        # aborted, fewer than two in flight), in `prefilling`'s order: nothing between
+        # here and the launch changes a row's progress.
         done: list[int] = []
         last: list[int] = []
         prefilled: list[int] = []
+        seqs: list[_Seq] = []
         prefilling = self.prefilling
         for seq in prefilling.values():
             in_flight = seq.in_flight
@@ -262,8 +266,14 @@ class SimScheduler:
                         self._start_decoding(seq)
                 else:
                     done.append(seq.row)
-                if not in_flight and not seq.chunks_left:
-                    prefilled.append(seq.row)
+                if not seq.chunks_left:
+                    if not in_flight:
+                        prefilled.append(seq.row)
+                    continue
+            elif not seq.chunks_left:
+                continue
+            if not seq.aborted and len(in_flight) < 2:
+                seqs.append(seq)
         for r in prefilled:
             del prefilling[r]
         rb.queue(done, ChunkDone)
@@ -272,8 +282,6 @@ class SimScheduler:
         # chunk can only go to a row the first pass launched one to (nothing else
         # changes a row between the passes), so the second pass reads only those.
         c = self.cfg.chunk_size
-        seqs = [seq for seq in prefilling.values()
-                if seq.chunks_left and not seq.aborted and len(seq.in_flight) < 2]
         for _ in range(2):
             if not seqs:
                 break
@@ -335,8 +343,8 @@ class SimScheduler:
         self.decoders[seq.row] = seq
         if seq.fail_status:
             self._failers[seq.row] = seq
-        self._firsts.setdefault(t + 1, []).append(seq)
-        self._finishing.setdefault(t + max(seq.max_new, 1), []).append(seq)
+        self._firsts[t + 1].append(seq)
+        self._finishing[t + max(seq.max_new, 1)].append(seq)
 
     def _stop_decoding(self, seq: _Seq) -> None:
         """It finished, failed, was aborted or retired: no more tokens (what is booked
@@ -582,13 +590,20 @@ class SimDisagg:
             self.engine.abort(rid, "aborted by client")
 
     def step(self) -> None:
-        """Bootstrap, results of last step's chunks, new chunks, transfers."""
+        """Bootstrap, results of last step's chunks, new chunks, transfers.
+
+        An injected fault (a refused alloc, a refused cache insert) surfaces as the
+        driver's error: it is recorded in `errors` (caught at each driver call, with
+        no wrapper frame around it), the request stays recoverable, the loop carries on.
+        """
         e = self.engine
         kv: Any = self._kv  # our TokenKVAllocator (read past the fault proxy: no call)
         if kv.available < kv.capacity // 4:  # memory pressure: evict unlocked pages
             e.cache.evict(kv.capacity // 4 - kv.available)
         done = []
         requests = e.requests
+        errors = self.errors
+        result, schedule, poll = e.result, e.schedule, e.poll_transfer
         for rid, in_flight in self.live.items():
             req = requests[rid]
             state = req.state
@@ -598,31 +613,32 @@ class SimDisagg:
                 if state == "bootstrapping":
                     continue  # no metadata slot free yet: poll again next step
             if in_flight:
-                self._call(e.result, rid, in_flight.popleft())
+                try:
+                    result(rid, in_flight.popleft())
+                except (InjectedFault, ReleaseFailed) as err:
+                    errors.append(err)
                 state = req.state
             # (`schedule` would return None for a request whose chunks are all out.)
             while len(in_flight) < 2 and state in _SCHEDULING and len(req.chunks) < req.n_chunks:
-                chunk = self._call(e.schedule, rid)
+                try:
+                    chunk = schedule(rid)
+                except (InjectedFault, ReleaseFailed) as err:
+                    errors.append(err)
+                    break
                 if chunk is None:
                     break
                 in_flight.append(chunk.index)
                 state = req.state
             if req.state in _TRANSFERRING:
-                self._call(e.poll_transfer, rid)
+                try:
+                    poll(rid)
+                except (InjectedFault, ReleaseFailed) as err:
+                    errors.append(err)
             if req.terminal and not in_flight:
                 done.append(rid)
         for rid in done:
             del self.live[rid]
             e.forget(rid)  # a later client abort of it is an unknown id: absorbed here
-
-    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        # An injected fault (a refused alloc, a refused cache insert) surfaces as the
-        # driver's error; the request stays recoverable, and the loop carries on.
-        try:
-            return fn(*args)
-        except (InjectedFault, ReleaseFailed) as err:
-            self.errors.append(err)
-            return None
 
     @property
     def idle(self) -> bool:
