@@ -28,8 +28,9 @@ import itertools
 import operator
 import sys
 import time
+import types
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -117,12 +118,19 @@ class SimConfig(msgspec.Struct, frozen=True):
     host_pages: int = 4096
 
 
+@types.coroutine
+def _yield_once() -> Generator[None, None, None]:
+    """`await _yield_once()` is `await asyncio.sleep(0)` (one bare yield: the task
+    resumes after what is ready now), without `sleep`'s own coroutine and frame."""
+    yield
+
+
 class _RegistryWithLatency(LoRARegistry):
     """The real registry, whose acquire yields to the event loop once first, as a
     registry behind a lock or an RPC does, so aborts can overtake it."""
 
     async def acquire(self, names: Any) -> Any:
-        await asyncio.sleep(0)
+        await _yield_once()
         return await super().acquire(names)
 
 
@@ -669,12 +677,11 @@ class SimPrefetch:
                                    insert=self._inserter(r)) for r in range(cfg.ranks)]
         self.ranks = SimulatedRanks(self.sites, grid_partitions(cfg.ranks, cfg.tp))
         self.live: dict[Any, tuple[int, int]] = {}  # rid -> (start step, pages)
-        self._waiting: dict[Any, list[tuple[PrefetchSite, int, tuple[Any, int]]]] = {}
-        """rid -> the ranks whose prefetch of it has not ended, each in `pending`
-        until `_active` holds it (what `step` did to it: only `step` moves a live
-        prefetch, so it reads no state back): (site, its rank, its `_active` key),
-        made once when the prefetch is added, not at every step."""
-        self._active: set[tuple[Any, int]] = set()  # (rid, rank) whose I/O runs
+        self._waiting: dict[Any, list[list[Any]]] = {}
+        """rid -> the ranks whose prefetch of it has not ended, each `[site, rank,
+        running]`: `pending` until `running` is set (what `step` did to it: only
+        `step` moves a live prefetch, so it reads no state back), made once when the
+        prefetch is added, not at every step."""
         self.deadlocks = 0
         self.aborts = 0
         self.failing: set[Any] = set()  # rids whose abort collective raises
@@ -691,28 +698,28 @@ class SimPrefetch:
         for s in self.sites:
             s.queue(rid)
         self.live[rid] = (now, pages)
-        self._waiting[rid] = [(s, s.rank, (rid, s.rank)) for s in self.sites]
+        self._waiting[rid] = [[s, s.rank, False] for s in self.sites]
 
     def step(self, now: int) -> None:
         """Start (rank r waits r steps), transfer one page a step, complete."""
         done = []
-        active = self._active
         waiting = self._waiting
         for rid, (t0, pages) in self.live.items():
             ranks = waiting[rid]
             ended = False
             due = now - t0  # rank r starts once r steps passed
-            for s, rank, key in ranks:
-                if key in active:
+            for entry in ranks:
+                s = entry[0]
+                if entry[2]:
                     if s.transfer(rid, 1) >= pages:
                         s.complete(rid)
                         if s.requests[rid].terminal:
-                            active.discard(key)
+                            entry[2] = False
                             ended = True
-                elif due >= rank and s.start(rid, pages) is not None:
-                    active.add(key)  # (None: host pages short, still pending)
+                elif due >= entry[1] and s.start(rid, pages) is not None:
+                    entry[2] = True  # (None: host pages short, still pending)
             if ended:
-                ranks = waiting[rid] = [e for e in ranks if e[2] in active
+                ranks = waiting[rid] = [e for e in ranks if e[2]
                                         or not e[0].requests[rid].terminal]
                 if not ranks:
                     done.append(rid)
@@ -734,8 +741,7 @@ class SimPrefetch:
         if rid not in self.live:
             return
         del self.live[rid]
-        for _, _, key in self._waiting.pop(rid):
-            self._active.discard(key)
+        del self._waiting[rid]
         self.aborts += 1
         outcomes = self.abort_on_ranks(rid)
         errors = [o for o in outcomes if isinstance(o, BaseException)]
@@ -934,6 +940,7 @@ class ServingLoop:
         self.steps = 0
         self.seconds = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._discard = self._tasks.discard  # (each task's done callback: bound once)
         self._create_task: Callable[[Any], asyncio.Task[Any]] = asyncio.ensure_future
         """The running loop's `create_task` while `run()` runs (`ensure_future` without
         its checks: `_submit` hands it a coroutine)."""
@@ -1018,14 +1025,14 @@ class ServingLoop:
                 self._submit(spec, now)
             # New requests start and wait in their LoRA acquire; an abort due now
             # races it (I6: the reference it then gets is returned at once).
-            await asyncio.sleep(0)
+            await _yield_once()  # (asyncio.sleep(0))
             for rid in aborts.pop(now, ()):
                 self._abort(rid)
             self.scheduler.step()
             self.disagg.step()
             self.prefetch.step(now)
             self._sample_peaks()
-            await asyncio.sleep(0)
+            await _yield_once()
             self._shed_errors(error_lists)
             now += 1
             if self.progress is not None:
@@ -1093,20 +1100,20 @@ class ServingLoop:
         self.tokenizer.abort(rid)
 
     def _submit(self, spec: RequestSpec, now: int) -> None:
-        if spec.kind == "disagg":
+        kind, rid = spec.kind, spec.rid
+        if kind == "disagg":
             self.disagg.add(spec)
             return
-        if spec.kind == "prefetch":
-            self.prefetch.add(spec.rid, spec.prefetch_pages, now)
-        prompt = (spec.rid, spec.prompt_len)
+        if kind == "prefetch":
+            self.prefetch.add(rid, spec.prefetch_pages, now)
         if spec.n > 1:
-            coro: Any = self.tokenizer.submit_batch([prompt], spec.lora, n=spec.n,
-                                                    rid=spec.rid)
+            coro: Any = self.tokenizer.submit_batch([(rid, spec.prompt_len)], spec.lora,
+                                                    n=spec.n, rid=rid)
         else:
-            coro = self.tokenizer.submit(prompt, spec.lora, rid=spec.rid)
+            coro = self.tokenizer.submit((rid, spec.prompt_len), spec.lora, rid=rid)
         task = self._create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._discard)
 
     # -- the audit --------------------------------------------------------------------
 
