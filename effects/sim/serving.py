@@ -28,8 +28,9 @@ import itertools
 import operator
 import sys
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Sequence
+import types
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -86,7 +87,7 @@ __all__ = [
     "machine_parts",
 ]
 
-_STATUS = {"scheduler_400": 400, "scheduler_500": 500, "scheduler_503": 503}
+_STATUS: dict[str | None, int] = {"scheduler_400": 400, "scheduler_500": 500, "scheduler_503": 503}
 
 LEAK_KEYS = ("kv_tokens", "mamba_slots", "request_slots", "metadata_slots", "host_pages",
              "prefetch_tokens", "lora_refs", "lora_underflows", "ledger_handles",
@@ -117,12 +118,19 @@ class SimConfig(msgspec.Struct, frozen=True):
     host_pages: int = 4096
 
 
+@types.coroutine
+def _yield_once() -> Generator[None, None, None]:
+    """`await _yield_once()` is `await asyncio.sleep(0)` (one bare yield: the task
+    resumes after what is ready now), without `sleep`'s own coroutine and frame."""
+    yield
+
+
 class _RegistryWithLatency(LoRARegistry):
     """The real registry, whose acquire yields to the event loop once first, as a
     registry behind a lock or an RPC does, so aborts can overtake it."""
 
     async def acquire(self, names: Any) -> Any:
-        await asyncio.sleep(0)
+        await _yield_once()
         return await super().acquire(names)
 
 
@@ -143,7 +151,7 @@ class FakeTokenizer:
 class _Seq:
     """The scheduler's view of one sequence: its spec, progress and row."""
 
-    __slots__ = ("aborted", "chunks_left", "decoding", "fail", "fail_status", "in_flight",
+    __slots__ = ("aborted", "chunks_left", "decoding", "fail_status", "in_flight",
                  "mamba", "max_new", "prompt", "reply", "rid", "row", "start", "status",
                  "tail", "tokens")
 
@@ -159,9 +167,9 @@ class _Seq:
         prefix-cache key is then its prompt and reply): a sequence aborted or failed
         before never makes them."""
         self.max_new = max_new
-        self.fail = fail
-        self.fail_status = _STATUS.get(fail, 0) if fail is not None else 0
-        """The status the scheduler fails it with halfway through decode (0: none)."""
+        self.fail_status = _STATUS.get(fail, 0)  # (`fail` None or not a scheduler fault: 0)
+        """The status the scheduler fails it with halfway through decode (0: none), from
+        its request's fault `fail`."""
         self.row = -1
         self.chunks_left = 0
         self.tail = 0
@@ -204,9 +212,9 @@ class SimScheduler:
         decoding sequence's count of generated tokens is `ticks - seq.start`, so a
         token costs no Python work per row; what happens at a count (its first
         output, its finish) is booked under the tick it happens at."""
-        self._firsts: dict[int, list[_Seq]] = {}
+        self._firsts: defaultdict[int, list[_Seq]] = defaultdict(list)
         """Tick -> sequences whose first token it makes (their `on_output`)."""
-        self._finishing: dict[int, list[_Seq]] = {}
+        self._finishing: defaultdict[int, list[_Seq]] = defaultdict(list)
         """Tick -> sequences whose last token (`max_new`) it makes."""
         running.on_retired = self._retired
 
@@ -249,9 +257,13 @@ class SimScheduler:
         self._apply_aborts()
         self._admit()
         # Chunk results of the chunks launched last step (one result per row per step).
+        # The same pass picks the rows that launch a chunk below (chunks left, not
+        # aborted, fewer than two in flight), in `prefilling`'s order: nothing between
+        # here and the launch changes a row's progress.
         done: list[int] = []
         last: list[int] = []
         prefilled: list[int] = []
+        seqs: list[_Seq] = []
         prefilling = self.prefilling
         for seq in prefilling.values():
             in_flight = seq.in_flight
@@ -262,8 +274,14 @@ class SimScheduler:
                         self._start_decoding(seq)
                 else:
                     done.append(seq.row)
-                if not in_flight and not seq.chunks_left:
-                    prefilled.append(seq.row)
+                if not seq.chunks_left:
+                    if not in_flight:
+                        prefilled.append(seq.row)
+                    continue
+            elif not seq.chunks_left:
+                continue
+            if not seq.aborted and len(in_flight) < 2:
+                seqs.append(seq)
         for r in prefilled:
             del prefilling[r]
         rb.queue(done, ChunkDone)
@@ -272,8 +290,6 @@ class SimScheduler:
         # chunk can only go to a row the first pass launched one to (nothing else
         # changes a row between the passes), so the second pass reads only those.
         c = self.cfg.chunk_size
-        seqs = [seq for seq in prefilling.values()
-                if seq.chunks_left and not seq.aborted and len(seq.in_flight) < 2]
         for _ in range(2):
             if not seqs:
                 break
@@ -335,8 +351,8 @@ class SimScheduler:
         self.decoders[seq.row] = seq
         if seq.fail_status:
             self._failers[seq.row] = seq
-        self._firsts.setdefault(t + 1, []).append(seq)
-        self._finishing.setdefault(t + max(seq.max_new, 1), []).append(seq)
+        self._firsts[t + 1].append(seq)
+        self._finishing[t + max(seq.max_new, 1)].append(seq)
 
     def _stop_decoding(self, seq: _Seq) -> None:
         """It finished, failed, was aborted or retired: no more tokens (what is booked
@@ -582,13 +598,20 @@ class SimDisagg:
             self.engine.abort(rid, "aborted by client")
 
     def step(self) -> None:
-        """Bootstrap, results of last step's chunks, new chunks, transfers."""
+        """Bootstrap, results of last step's chunks, new chunks, transfers.
+
+        An injected fault (a refused alloc, a refused cache insert) surfaces as the
+        driver's error: it is recorded in `errors` (caught at each driver call, with
+        no wrapper frame around it), the request stays recoverable, the loop carries on.
+        """
         e = self.engine
         kv: Any = self._kv  # our TokenKVAllocator (read past the fault proxy: no call)
         if kv.available < kv.capacity // 4:  # memory pressure: evict unlocked pages
             e.cache.evict(kv.capacity // 4 - kv.available)
         done = []
         requests = e.requests
+        errors = self.errors
+        result, schedule, poll = e.result, e.schedule, e.poll_transfer
         for rid, in_flight in self.live.items():
             req = requests[rid]
             state = req.state
@@ -598,31 +621,32 @@ class SimDisagg:
                 if state == "bootstrapping":
                     continue  # no metadata slot free yet: poll again next step
             if in_flight:
-                self._call(e.result, rid, in_flight.popleft())
+                try:
+                    result(rid, in_flight.popleft())
+                except (InjectedFault, ReleaseFailed) as err:
+                    errors.append(err)
                 state = req.state
             # (`schedule` would return None for a request whose chunks are all out.)
             while len(in_flight) < 2 and state in _SCHEDULING and len(req.chunks) < req.n_chunks:
-                chunk = self._call(e.schedule, rid)
+                try:
+                    chunk = schedule(rid)
+                except (InjectedFault, ReleaseFailed) as err:
+                    errors.append(err)
+                    break
                 if chunk is None:
                     break
                 in_flight.append(chunk.index)
                 state = req.state
             if req.state in _TRANSFERRING:
-                self._call(e.poll_transfer, rid)
+                try:
+                    poll(rid)
+                except (InjectedFault, ReleaseFailed) as err:
+                    errors.append(err)
             if req.terminal and not in_flight:
                 done.append(rid)
         for rid in done:
             del self.live[rid]
             e.forget(rid)  # a later client abort of it is an unknown id: absorbed here
-
-    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        # An injected fault (a refused alloc, a refused cache insert) surfaces as the
-        # driver's error; the request stays recoverable, and the loop carries on.
-        try:
-            return fn(*args)
-        except (InjectedFault, ReleaseFailed) as err:
-            self.errors.append(err)
-            return None
 
     @property
     def idle(self) -> bool:
@@ -653,12 +677,11 @@ class SimPrefetch:
                                    insert=self._inserter(r)) for r in range(cfg.ranks)]
         self.ranks = SimulatedRanks(self.sites, grid_partitions(cfg.ranks, cfg.tp))
         self.live: dict[Any, tuple[int, int]] = {}  # rid -> (start step, pages)
-        self._waiting: dict[Any, list[tuple[PrefetchSite, int, tuple[Any, int]]]] = {}
-        """rid -> the ranks whose prefetch of it has not ended, each in `pending`
-        until `_active` holds it (what `step` did to it: only `step` moves a live
-        prefetch, so it reads no state back): (site, its rank, its `_active` key),
-        made once when the prefetch is added, not at every step."""
-        self._active: set[tuple[Any, int]] = set()  # (rid, rank) whose I/O runs
+        self._waiting: dict[Any, list[list[Any]]] = {}
+        """rid -> the ranks whose prefetch of it has not ended, each `[site, rank,
+        running]`: `pending` until `running` is set (what `step` did to it: only
+        `step` moves a live prefetch, so it reads no state back), made once when the
+        prefetch is added, not at every step."""
         self.deadlocks = 0
         self.aborts = 0
         self.failing: set[Any] = set()  # rids whose abort collective raises
@@ -675,28 +698,28 @@ class SimPrefetch:
         for s in self.sites:
             s.queue(rid)
         self.live[rid] = (now, pages)
-        self._waiting[rid] = [(s, s.rank, (rid, s.rank)) for s in self.sites]
+        self._waiting[rid] = [[s, s.rank, False] for s in self.sites]
 
     def step(self, now: int) -> None:
         """Start (rank r waits r steps), transfer one page a step, complete."""
         done = []
-        active = self._active
         waiting = self._waiting
         for rid, (t0, pages) in self.live.items():
             ranks = waiting[rid]
             ended = False
             due = now - t0  # rank r starts once r steps passed
-            for s, rank, key in ranks:
-                if key in active:
+            for entry in ranks:
+                s = entry[0]
+                if entry[2]:
                     if s.transfer(rid, 1) >= pages:
                         s.complete(rid)
                         if s.requests[rid].terminal:
-                            active.discard(key)
+                            entry[2] = False
                             ended = True
-                elif due >= rank and s.start(rid, pages) is not None:
-                    active.add(key)  # (None: host pages short, still pending)
+                elif due >= entry[1] and s.start(rid, pages) is not None:
+                    entry[2] = True  # (None: host pages short, still pending)
             if ended:
-                ranks = waiting[rid] = [e for e in ranks if e[2] in active
+                ranks = waiting[rid] = [e for e in ranks if e[2]
                                         or not e[0].requests[rid].terminal]
                 if not ranks:
                     done.append(rid)
@@ -718,8 +741,7 @@ class SimPrefetch:
         if rid not in self.live:
             return
         del self.live[rid]
-        for _, _, key in self._waiting.pop(rid):
-            self._active.discard(key)
+        del self._waiting[rid]
         self.aborts += 1
         outcomes = self.abort_on_ranks(rid)
         errors = [o for o in outcomes if isinstance(o, BaseException)]
@@ -918,6 +940,7 @@ class ServingLoop:
         self.steps = 0
         self.seconds = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._discard = self._tasks.discard  # (each task's done callback: bound once)
         self._create_task: Callable[[Any], asyncio.Task[Any]] = asyncio.ensure_future
         """The running loop's `create_task` while `run()` runs (`ensure_future` without
         its checks: `_submit` hands it a coroutine)."""
@@ -1002,14 +1025,14 @@ class ServingLoop:
                 self._submit(spec, now)
             # New requests start and wait in their LoRA acquire; an abort due now
             # races it (I6: the reference it then gets is returned at once).
-            await asyncio.sleep(0)
+            await _yield_once()  # (asyncio.sleep(0))
             for rid in aborts.pop(now, ()):
                 self._abort(rid)
             self.scheduler.step()
             self.disagg.step()
             self.prefetch.step(now)
             self._sample_peaks()
-            await asyncio.sleep(0)
+            await _yield_once()
             self._shed_errors(error_lists)
             now += 1
             if self.progress is not None:
@@ -1077,20 +1100,20 @@ class ServingLoop:
         self.tokenizer.abort(rid)
 
     def _submit(self, spec: RequestSpec, now: int) -> None:
-        if spec.kind == "disagg":
+        kind, rid = spec.kind, spec.rid
+        if kind == "disagg":
             self.disagg.add(spec)
             return
-        if spec.kind == "prefetch":
-            self.prefetch.add(spec.rid, spec.prefetch_pages, now)
-        prompt = (spec.rid, spec.prompt_len)
+        if kind == "prefetch":
+            self.prefetch.add(rid, spec.prefetch_pages, now)
         if spec.n > 1:
-            coro: Any = self.tokenizer.submit_batch([prompt], spec.lora, n=spec.n,
-                                                    rid=spec.rid)
+            coro: Any = self.tokenizer.submit_batch([(rid, spec.prompt_len)], spec.lora,
+                                                    n=spec.n, rid=rid)
         else:
-            coro = self.tokenizer.submit(prompt, spec.lora, rid=spec.rid)
+            coro = self.tokenizer.submit((rid, spec.prompt_len), spec.lora, rid=rid)
         task = self._create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._discard)
 
     # -- the audit --------------------------------------------------------------------
 
