@@ -587,6 +587,7 @@ class RunningBatch:
         sync when all is well."""
         table = self.pools.table
         rs: list[int] | None = None
+        decode_top = -1  # a decode step's longest new length (-1: not one / not known)
         if not isinstance(rows, torch.Tensor) or not isinstance(counts, torch.Tensor):
             rs, cs = list(rows), list(counts)
             # Plain ints only (exactly int: a bool or numpy int takes the tensor path):
@@ -616,20 +617,31 @@ class RunningBatch:
             if rs is None:
                 assert rows_t is not None and counts_t is not None
                 rs, cs = rows_t.tolist(), counts_t.tolist()
-            if min(rs) < 0 or max(rs) >= table.capacity:
+            # The rows as an index array (plain ints here: numpy's reductions and
+            # gather on it cost less than min(), max() and indexing by the list); an
+            # int past int64 is a row outside the table too.
+            try:
+                rs_np = np.fromiter(rs, np.int64, len(rs))
+            except OverflowError:
+                rs_np = None
+            if rs_np is None or rs_np.min() < 0 or rs_np.max() >= table.capacity:
                 raise IndexError(f"append_kv: rows {rs} name a row outside 0.."
                                  f"{table.capacity - 1}; pass rows admit() returned")
             assert table._np is not None
-            lens_np = table._np[0][rs]
+            lens_np = table._np[0][rs_np]
             if cs.count(1) == len(cs):  # one token each (a decode step): one numpy add
-                ends = (lens_np + 1).tolist()
+                ends_np = lens_np + 1
+                ends = ends_np.tolist()
+                # Counts of 1: none negative, their sum the row count, the longest row
+                # one numpy reduction (no Python min, max and sum over the lists).
+                decode_top = int(ends_np.max())
             else:
                 ends = [a + c for a, c in zip(lens_np.tolist(), cs, strict=True)]
         else:
             assert rows_t is not None and counts_t is not None
             ends_t = table.lengths.index_select(0, rows_t).to(torch.int64) + counts_t
             rs, cs, ends = torch.stack((rows_t, counts_t, ends_t)).tolist()
-        if min(cs) < 0:
+        if decode_top < 0 and min(cs) < 0:
             neg = [i for i, c in enumerate(cs) if c < 0]
             raise ValueError(f"append_kv: negative token counts {[cs[i] for i in neg]} for "
                              f"rows {[rs[i] for i in neg]}; counts must be >= 0")
@@ -637,13 +649,13 @@ class RunningBatch:
             raise ValueError(f"append_kv: rows {rs} name a row more than once; "
                              "pass each row once with its total count")
         limit = table.max_context_len
-        if max(ends) > limit:
+        if (decode_top if decode_top >= 0 else max(ends)) > limit:
             over = [i for i, e in enumerate(ends) if e > limit]
             raise ValueError(
                 f"append_kv: rows {[rs[i] for i in over]} would hold "
                 f"{[ends[i] for i in over]} tokens, past the table's max_context_len "
                 f"{limit}; finish or abort them, or raise max_context_len")
-        return rows_t, counts_t, sum(cs), (rs, cs, ends)
+        return rows_t, counts_t, len(cs) if decode_top >= 0 else sum(cs), (rs, cs, ends)
 
     # -- stepping ----------------------------------------------------------------------
 

@@ -69,3 +69,42 @@ def test_a_non_int_in_one_list_reads_both_as_tensors(odd):
     rb.fire(rows, SequenceAbort)
     pools.assert_full()
     assert torch.equal(pools.table.lengths, torch.zeros_like(pools.table.lengths))
+
+
+@pytest.mark.parametrize("row", [2**70, -(2**70), -1])
+def test_a_row_past_int64_or_negative_is_refused_taking_nothing(row):
+    pools = SchedulerPools(rows=4, max_context_len=32, kv_tokens=64, mamba_slots=2,
+                           page_size=4)
+    rb = RunningBatch(pools)
+    rows = rb.admit(2, mamba=False)
+    assert rows is not None
+    own = rows.tolist()
+    kv_free, lengths = pools.kv.available, pools.table.lengths.clone()
+    with pytest.raises(IndexError, match=r"name a row outside 0\.\.3"):
+        rb.append_kv([own[0], row], [1, 1])
+    assert pools.kv.available == kv_free  # nothing taken
+    assert torch.equal(pools.table.lengths, lengths)
+    rb.fire(rows, SequenceAbort)
+    pools.assert_full()
+
+
+@pytest.mark.parametrize("as_tensors", [False, True])
+def test_a_decode_step_past_max_context_len_is_refused_taking_nothing(as_tensors):
+    pools = SchedulerPools(rows=4, max_context_len=8, kv_tokens=64, mamba_slots=2,
+                           page_size=4)
+    rb = RunningBatch(pools)
+    rows = rb.admit(3, mamba=False)
+    assert rows is not None
+    own = rows.tolist()
+    assert rb.append_kv(own, [8, 3, 7])  # full, room, one slot left
+    kv_free, lengths = pools.kv.available, pools.table.lengths.clone()
+    given = (torch.tensor(own), torch.ones(3, dtype=torch.int64)) if as_tensors else (
+        own, [1, 1, 1])
+    with pytest.raises(ValueError, match=rf"rows \[{own[0]}\] would hold \[9\] tokens"):
+        rb.append_kv(*given)
+    assert pools.kv.available == kv_free  # nothing taken
+    assert torch.equal(pools.table.lengths, lengths)
+    assert rb.append_kv(own[1:], [1, 1])  # the others still grow: 3 -> 4, 7 -> 8
+    assert pools.table.lengths[own].tolist() == [8, 4, 8]
+    rb.fire(rows, SequenceAbort)
+    pools.assert_full()
