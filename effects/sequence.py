@@ -136,6 +136,10 @@ Retired = Callable[[torch.Tensor, str], None]
 
 # `append_kv` of at most this many rows of a CPU table is written on the host.
 _HOST_ROWS = 64
+# `append_kv` of more rows than this on a CPU table checks them as one numpy array
+# (min, max, gather; a decode step's ends from it); fewer are checked as Python lists,
+# cheaper for a handful (tests set it to 0 and to a large number to run both).
+_NP_CHECK_ROWS = 24
 
 _TERMINAL_OF_PLAN = {"release_finished": "finished", "release_aborted": "aborted",
                      "release_failed": "failed"}
@@ -617,24 +621,31 @@ class RunningBatch:
             if rs is None:
                 assert rows_t is not None and counts_t is not None
                 rs, cs = rows_t.tolist(), counts_t.tolist()
-            # The rows as an index array (plain ints here: numpy's reductions and
-            # gather on it cost less than min(), max() and indexing by the list); an
-            # int past int64 is a row outside the table too.
-            try:
-                rs_np = np.fromiter(rs, np.int64, len(rs))
-            except OverflowError:
-                rs_np = None
-            if rs_np is None or rs_np.min() < 0 or rs_np.max() >= table.capacity:
-                raise IndexError(f"append_kv: rows {rs} name a row outside 0.."
-                                 f"{table.capacity - 1}; pass rows admit() returned")
             assert table._np is not None
-            lens_np = table._np[0][rs_np]
+            if len(rs) > _NP_CHECK_ROWS:
+                # Many rows: as an index array (plain ints here: numpy's reductions and
+                # gather on it cost less than min(), max() and indexing by the list);
+                # an int past int64 is a row outside the table too.
+                try:
+                    rs_np = np.fromiter(rs, np.int64, len(rs))
+                except OverflowError:
+                    rs_np = None
+                if rs_np is None or rs_np.min() < 0 or rs_np.max() >= table.capacity:
+                    raise IndexError(f"append_kv: rows {rs} name a row outside 0.."
+                                     f"{table.capacity - 1}; pass rows admit() returned")
+                lens_np = table._np[0][rs_np]
+            else:
+                if min(rs) < 0 or max(rs) >= table.capacity:
+                    raise IndexError(f"append_kv: rows {rs} name a row outside 0.."
+                                     f"{table.capacity - 1}; pass rows admit() returned")
+                lens_np = table._np[0][rs]
             if cs.count(1) == len(cs):  # one token each (a decode step): one numpy add
                 ends_np = lens_np + 1
                 ends = ends_np.tolist()
-                # Counts of 1: none negative, their sum the row count, the longest row
-                # one numpy reduction (no Python min, max and sum over the lists).
-                decode_top = int(ends_np.max())
+                if len(rs) > _NP_CHECK_ROWS:
+                    # Counts of 1: none negative, their sum the row count, the longest
+                    # row one numpy reduction (no Python min, max, sum over the lists).
+                    decode_top = int(ends_np.max())
             else:
                 ends = [a + c for a, c in zip(lens_np.tolist(), cs, strict=True)]
         else:

@@ -3,7 +3,8 @@
 general host path (`_append_host`) would, for rows with no token yet (row 0 among them),
 rows whose last page is full and rows with room on it, and refuses the same way when
 the pool is short. Also: lists holding something other than plain ints (in the rows or
-only in the counts) are read as tensors of them would be."""
+only in the counts) are read as tensors of them would be. Every test runs with the
+rows checked as a numpy array and as Python lists (`_NP_CHECK_ROWS` 0 and large)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,15 @@ import numpy as np
 import pytest
 import torch
 
+from terminus.effects import sequence
 from terminus.effects.sequence import RunningBatch, SchedulerPools
 from terminus.states.sequence import SequenceAbort
+
+
+@pytest.fixture(params=[0, 10**6], ids=["np_check", "list_check"], autouse=True)
+def check_path(request, monkeypatch):
+    monkeypatch.setattr(sequence, "_NP_CHECK_ROWS", request.param)
+    return request.param
 
 
 def history(seed: int, page_size: int, one_each: bool) -> list:
@@ -108,3 +116,12 @@ def test_a_decode_step_past_max_context_len_is_refused_taking_nothing(as_tensors
     assert pools.table.lengths[own].tolist() == [8, 4, 8]
     rb.fire(rows, SequenceAbort)
     pools.assert_full()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("seed", range(4))
+def test_both_checks_give_the_same_history(seed, page_size, monkeypatch):
+    monkeypatch.setattr(sequence, "_NP_CHECK_ROWS", 0)
+    by_np = history(seed, page_size, True)
+    monkeypatch.setattr(sequence, "_NP_CHECK_ROWS", 10**6)
+    assert by_np == history(seed, page_size, True)
