@@ -136,6 +136,10 @@ Retired = Callable[[torch.Tensor, str], None]
 
 # `append_kv` of at most this many rows of a CPU table is written on the host.
 _HOST_ROWS = 64
+# `append_kv` of more rows than this on a CPU table checks them as one numpy array
+# (min, max, gather; a decode step's ends from it); fewer are checked as Python lists,
+# cheaper for a handful (tests set it to 0 and to a large number to run both).
+_NP_CHECK_ROWS = 24
 
 _TERMINAL_OF_PLAN = {"release_finished": "finished", "release_aborted": "aborted",
                      "release_failed": "failed"}
@@ -512,7 +516,10 @@ class RunningBatch:
             flat_np = r2t.reshape(-1)  # a view: the table is contiguous
             n = len(rs)
             rs_np = np.fromiter(rs, np.int64, n)
-            pos_np = rs_np * w + (np.fromiter(ends, np.int64, n) - 1)
+            last_np = np.fromiter(ends, np.int64, n)
+            last_np -= 1  # each row's new token's column (in place: no temporaries)
+            pos_np = rs_np * w
+            pos_np += last_np
             if ps == 1:
                 got = self._alloc(n)
                 if got is None:
@@ -521,11 +528,16 @@ class RunningBatch:
             else:
                 # A row whose last page is full (or that has none) takes a new page; the
                 # others write the slot after their last token.
-                need_np = ((pos_np % w) % ps == 0).nonzero()[0]
+                need_np = (last_np % ps == 0).nonzero()[0]
                 got = self._alloc(len(need_np) * ps) if len(need_np) else None
                 if len(need_np) and got is None:
                     return False
-                idx_np = flat_np[np.maximum(pos_np - 1, rs_np * w)].astype(np.int64) + 1
+                # The slot after each row's last token, in the table's dtype (what it
+                # is written back as). A row with no token yet (column 0) reads the
+                # slot before its row (index -1 for row 0: in bounds), but it is one
+                # that takes a new page, so that value is overwritten just below.
+                idx_np = flat_np[pos_np - 1]
+                idx_np += 1
                 if got is not None:
                     idx_np[need_np] = (got.numpy() if got.is_cpu else got.cpu().numpy())[::ps]
             flat_np[pos_np] = idx_np
@@ -579,9 +591,13 @@ class RunningBatch:
         sync when all is well."""
         table = self.pools.table
         rs: list[int] | None = None
+        decode_top = -1  # a decode step's longest new length (-1: not one / not known)
         if not isinstance(rows, torch.Tensor) or not isinstance(counts, torch.Tensor):
             rs, cs = list(rows), list(counts)
-            if table._np is None or not set(map(type, rs)) | set(map(type, cs)) <= {int}:
+            # Plain ints only (exactly int: a bool or numpy int takes the tensor path):
+            # a count of `int` among the types, ~0.6x the time of a set of them.
+            if (table._np is None or list(map(type, rs)).count(int) != len(rs)
+                    or list(map(type, cs)).count(int) != len(cs)):
                 # Not a CPU table, or not plain ints: as tensors, checked as tensors are.
                 rows, counts, rs = torch.as_tensor(rs), torch.as_tensor(cs), None
         rows_t: torch.Tensor | None = None
@@ -605,20 +621,38 @@ class RunningBatch:
             if rs is None:
                 assert rows_t is not None and counts_t is not None
                 rs, cs = rows_t.tolist(), counts_t.tolist()
-            if min(rs) < 0 or max(rs) >= table.capacity:
-                raise IndexError(f"append_kv: rows {rs} name a row outside 0.."
-                                 f"{table.capacity - 1}; pass rows admit() returned")
             assert table._np is not None
-            lens_np = table._np[0][rs]
+            if len(rs) > _NP_CHECK_ROWS:
+                # Many rows: as an index array (plain ints here: numpy's reductions and
+                # gather on it cost less than min(), max() and indexing by the list);
+                # an int past int64 is a row outside the table too.
+                try:
+                    rs_np = np.fromiter(rs, np.int64, len(rs))
+                except OverflowError:
+                    rs_np = None
+                if rs_np is None or rs_np.min() < 0 or rs_np.max() >= table.capacity:
+                    raise IndexError(f"append_kv: rows {rs} name a row outside 0.."
+                                     f"{table.capacity - 1}; pass rows admit() returned")
+                lens_np = table._np[0][rs_np]
+            else:
+                if min(rs) < 0 or max(rs) >= table.capacity:
+                    raise IndexError(f"append_kv: rows {rs} name a row outside 0.."
+                                     f"{table.capacity - 1}; pass rows admit() returned")
+                lens_np = table._np[0][rs]
             if cs.count(1) == len(cs):  # one token each (a decode step): one numpy add
-                ends = (lens_np + 1).tolist()
+                ends_np = lens_np + 1
+                ends = ends_np.tolist()
+                if len(rs) > _NP_CHECK_ROWS:
+                    # Counts of 1: none negative, their sum the row count, the longest
+                    # row one numpy reduction (no Python min, max, sum over the lists).
+                    decode_top = int(ends_np.max())
             else:
                 ends = [a + c for a, c in zip(lens_np.tolist(), cs, strict=True)]
         else:
             assert rows_t is not None and counts_t is not None
             ends_t = table.lengths.index_select(0, rows_t).to(torch.int64) + counts_t
             rs, cs, ends = torch.stack((rows_t, counts_t, ends_t)).tolist()
-        if min(cs) < 0:
+        if decode_top < 0 and min(cs) < 0:
             neg = [i for i, c in enumerate(cs) if c < 0]
             raise ValueError(f"append_kv: negative token counts {[cs[i] for i in neg]} for "
                              f"rows {[rs[i] for i in neg]}; counts must be >= 0")
@@ -626,13 +660,13 @@ class RunningBatch:
             raise ValueError(f"append_kv: rows {rs} name a row more than once; "
                              "pass each row once with its total count")
         limit = table.max_context_len
-        if max(ends) > limit:
+        if (decode_top if decode_top >= 0 else max(ends)) > limit:
             over = [i for i, e in enumerate(ends) if e > limit]
             raise ValueError(
                 f"append_kv: rows {[rs[i] for i in over]} would hold "
                 f"{[ends[i] for i in over]} tokens, past the table's max_context_len "
                 f"{limit}; finish or abort them, or raise max_context_len")
-        return rows_t, counts_t, sum(cs), (rs, cs, ends)
+        return rows_t, counts_t, len(cs) if decode_top >= 0 else sum(cs), (rs, cs, ends)
 
     # -- stepping ----------------------------------------------------------------------
 
