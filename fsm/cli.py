@@ -68,11 +68,25 @@ def console() -> int:
     `weakref.finalize` callbacks still run; a reference cycle that is garbage when the
     command returns is not collected (its `__del__` does not run), as CPython does not
     promise at exit anyway. `main()` itself leaves the collector alone: a program or a
-    test that calls it goes on with its heap as it was."""
+    test that calls it goes on with its heap as it was (`process_ends()` is False
+    there)."""
+    global _process_ends
+    _process_ends = True
     try:
         return main()
     finally:
         gc.freeze()
+
+
+_process_ends = False
+
+
+def process_ends() -> bool:
+    """Whether the process ends when the running command returns (it runs from
+    `console()`, the `terminus` script): a command may then freeze its heap out of the
+    collector once its real work is done (`terminus simulate` after its runs: a full
+    collection would only find the runs' garbage, for a process about to exit)."""
+    return _process_ends
 
 
 def _version() -> str:

@@ -123,6 +123,37 @@ def test_a_run_leaves_the_collector_and_torch_threads_as_it_found_them():
     assert torch.get_num_threads() == threads
 
 
+@pytest.mark.parametrize("ends", [False, True], ids=["main()", "the terminus script"])
+def test_the_command_freezes_its_heap_after_its_runs_only_when_the_process_ends(
+        ends, monkeypatch, tmp_path):
+    # From the `terminus` script (`console()`: the process ends after the command), the
+    # runs' garbage is frozen before the summary, so no full collection scans it for a
+    # process about to exit; `main()` called in-process leaves the collector alone.
+    import gc
+
+    from terminus.effects.sim import simulate as sim_mod
+    from terminus.fsm import cli
+
+    seen: list[str] = []
+    real_freeze, real_run, real_table = gc.freeze, sim_mod.run_simulation, sim_mod._table
+    monkeypatch.setattr(cli, "_process_ends", ends)
+    monkeypatch.setattr(gc, "freeze", lambda: (seen.append("freeze"), real_freeze()))
+    monkeypatch.setattr(sim_mod, "run_simulation",
+                        lambda *a, **k: (seen.append("run"), real_run(*a, **k))[1])
+    monkeypatch.setattr(sim_mod, "_table", lambda *a: (seen.append("table"), real_table(*a)))
+    frozen = gc.get_freeze_count()
+    try:
+        assert main(["--requests", "30", "--no-progress", "--baseline", "naive",
+                     "--json", str(tmp_path / "s.json")]) == 0
+        # each run freezes and unfreezes around its loop (collector_for_run); then,
+        # only when the process ends, the heap is frozen before the summary
+        assert seen == ["run", "freeze", "run", "freeze", *(["freeze"] if ends else []),
+                        "table"]
+        assert (gc.get_freeze_count() > frozen) == ends
+    finally:
+        gc.unfreeze()  # this test process goes on
+
+
 def test_token_ids_are_the_seeded_draws_of_their_segments():
     # The ids are defined as random.Random(key).randbytes(2 * n), read as native-order
     # 16-bit draws, each mod 32000 plus 1: the reused generator must give exactly those
