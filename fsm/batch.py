@@ -634,7 +634,6 @@ class Batch:
             return self._runs_by_rounds(runs, reset)
         if self._bad is not None:
             self.check()
-        n, e_max = self.n, self._w - 3
         table = self._packed_list
         base_np = self._base.numpy()
         if _NP_RUN is not None:
@@ -657,14 +656,8 @@ class Batch:
                 return self._runs_by_rounds(runs, reset)
             if not k:
                 continue
-            # Anything unusual (a row or id out of range, a row twice, not plain ints)
-            # is step_rows' to refuse or decide, changing nothing, as it does.
-            if e.__class__ is not int or not -1 <= e <= e_max:
-                if e is not _RESET:
-                    return self._runs_by_rounds(runs, reset)
-                e = self._reset_id
-            if (not rows_checked and (set(map(type, rows)) != _INT or min(rows) < 0
-                                      or max(rows) >= n)) or len(set(rows)) != k:
+            e = self._run_event(rows, e, k, rows_checked)
+            if e is None:  # unusual: step_rows' to refuse or decide, changing nothing
                 return self._runs_by_rounds(runs, reset)
             if e < 0:
                 continue
@@ -700,6 +693,21 @@ class Batch:
         # A row turns terminal once in a step at most (a terminal state has no way out).
         return self._retire_rows(newly)
 
+    def _run_event(self, rows: Sequence[int], e: Any, k: int,
+                   rows_checked: bool) -> int | None:
+        """The event id a run of `k` (> 0) `rows` delivers (-1: none; `_RESET`: the
+        reset event's), or None for anything unusual (an id or a row out of range, a row
+        twice, rows that are not plain ints; `rows_checked`: the caller made the rows
+        ints in range), which `step_rows` is to refuse or decide (`_runs_by_rounds`)."""
+        if e.__class__ is not int or not -1 <= e <= self._w - 3:
+            if e is not _RESET:
+                return None
+            e = self._reset_id
+        if (not rows_checked and (set(map(type, rows)) != _INT or min(rows) < 0
+                                  or max(rows) >= self.n)) or len(set(rows)) != k:
+            return None
+        return e
+
     def _step_runs_np(self, runs: Sequence[tuple[Sequence[int], int]], reset: Sequence[int],
                       rows_checked: bool, base_np: np.ndarray) -> BatchStep:
         """`_step_runs` of a step with a long run (see `_NP_RUN`): the same checks, cells,
@@ -707,7 +715,6 @@ class Batch:
         (a long run's with numpy operations, a short run's row by row), written back
         once the whole step is decided."""
         m = self.machine
-        n, e_max = self.n, self._w - 3
         table = self._packed_list
         table_np = self._packed.numpy()  # (a CPU batch: the same table as the list)
         work = base_np.copy()
@@ -723,12 +730,8 @@ class Batch:
                 return self._runs_by_rounds(runs, reset)
             if not k:
                 continue
-            if e.__class__ is not int or not -1 <= e <= e_max:
-                if e is not _RESET:
-                    return self._runs_by_rounds(runs, reset)
-                e = self._reset_id
-            if (not rows_checked and (set(map(type, rows)) != _INT or min(rows) < 0
-                                      or max(rows) >= n)) or len(set(rows)) != k:
+            e = self._run_event(rows, e, k, rows_checked)
+            if e is None:  # unusual: step_rows' to refuse or decide, changing nothing
                 return self._runs_by_rounds(runs, reset)
             if e < 0:
                 continue
