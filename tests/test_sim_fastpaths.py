@@ -141,35 +141,6 @@ def test_the_stream_audits_count_as_the_per_request_reference(naive):
         assert leaks == dict.fromkeys(leaks, 0)  # the machines: nothing left over
 
 
-def test_yield_once_interleaves_tasks_as_asyncio_sleep_zero():
-    # `_yield_once` stands in for `asyncio.sleep(0)` in the loop and the registry: the
-    # same tasks must run in the same order with either.
-    from terminus.effects.sim.serving import _yield_once
-
-    def order(pause: Any) -> list[tuple[str, int]]:
-        seen: list[tuple[str, int]] = []
-
-        async def worker(name: str, hops: int) -> None:
-            for k in range(hops):
-                seen.append((name, k))
-                await pause()
-
-        async def main() -> None:
-            tasks = [asyncio.get_running_loop().create_task(worker(n, h))
-                     for n, h in (("a", 3), ("b", 1), ("c", 4))]
-            seen.append(("main", 0))
-            await pause()
-            seen.append(("main", 1))
-            await asyncio.gather(*tasks)
-
-        asyncio.run(main())
-        return seen
-
-    got = order(_yield_once)
-    assert got == order(lambda: asyncio.sleep(0))
-    assert got.index(("main", 1)) < got.index(("c", 1))  # it did yield, once
-
-
 def test_the_disagg_driver_records_injected_faults_and_carries_on():
     # SimDisagg.step catches a driver call's injected fault (a refused KV alloc, a
     # refused cache insert) at the call and records it: the request ends, nothing leaks.

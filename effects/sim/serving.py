@@ -28,9 +28,8 @@ import itertools
 import operator
 import sys
 import time
-import types
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -118,19 +117,12 @@ class SimConfig(msgspec.Struct, frozen=True):
     host_pages: int = 4096
 
 
-@types.coroutine
-def _yield_once() -> Generator[None, None, None]:
-    """`await _yield_once()` is `await asyncio.sleep(0)` (one bare yield: the task
-    resumes after what is ready now), without `sleep`'s own coroutine and frame."""
-    yield
-
-
 class _RegistryWithLatency(LoRARegistry):
     """The real registry, whose acquire yields to the event loop once first, as a
     registry behind a lock or an RPC does, so aborts can overtake it."""
 
     async def acquire(self, names: Any) -> Any:
-        await _yield_once()
+        await asyncio.sleep(0)
         return await super().acquire(names)
 
 
@@ -1025,14 +1017,14 @@ class ServingLoop:
                 self._submit(spec, now)
             # New requests start and wait in their LoRA acquire; an abort due now
             # races it (I6: the reference it then gets is returned at once).
-            await _yield_once()  # (asyncio.sleep(0))
+            await asyncio.sleep(0)
             for rid in aborts.pop(now, ()):
                 self._abort(rid)
             self.scheduler.step()
             self.disagg.step()
             self.prefetch.step(now)
             self._sample_peaks()
-            await _yield_once()
+            await asyncio.sleep(0)
             self._shed_errors(error_lists)
             now += 1
             if self.progress is not None:
