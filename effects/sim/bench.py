@@ -1,12 +1,14 @@
 """`terminus bench e2e`: what the lifecycle engine costs a serving loop, per request.
 
-Runs one workload through the reference serving loop twice, with the declared machines
-and with the naive pre-fix logic, and times every call into the pools (alloc, free,
+Runs one workload through the reference serving loop with the declared machines and
+with the naive pre-fix logic, in rounds of one run each (three rounds, the loops
+alternating which goes first; one with `--quick`), and times every call into the pools (alloc, free,
 prefetch, batched release) so that allocator work can be taken out:
 
     lifecycle µs/request = (loop seconds - seconds inside pool calls) / requests
 
-The difference between the two is the engine's overhead per request. Both runs share
+The difference between the two is the engine's overhead per request: the median of
+the rounds' differences (each figure the median of its runs). Both runs share
 the simulator's workload generator, tokenizer fake and scheduler skeleton, so the
 difference is the machines (events, tables, ledger, plans) against dicts and flags.
 Each run starts as `terminus simulate`'s does (and as a serving engine does after its
@@ -15,7 +17,8 @@ frozen, and full collections come at simulate's interval (`collector_for_run`), 
 both loops alike.
 JSON keys: `requests`, `us_per_request` (`machines`, `naive`), `allocator_us_per_request`
 (`machines`, `naive`), `lifecycle_us_per_request` (`machines`, `naive`),
-`lifecycle_overhead_us_per_request`.
+`lifecycle_overhead_us_per_request` (the median over the rounds), `rounds`,
+`lifecycle_overhead_us_per_round` (each round's difference, in order).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import asyncio
 import functools
 import gc
 import time
+from statistics import median
 from typing import Any
 
 import torch
@@ -99,26 +103,44 @@ def _run(workload: list[Any], naive: bool) -> tuple[float, float]:
     return loop.seconds, clock.seconds
 
 
-def run(quick: bool = False) -> dict[str, Any]:
-    """Both loops on one workload; see the module docstring for the keys."""
+def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
+    """Both loops on one workload; see the module docstring for the keys.
+
+    `rounds` pairs of runs (3 by default, 1 with `quick`), the two loops alternating
+    which goes first; each figure is the median over the rounds, and the overhead the
+    median of the rounds' differences (a difference of two runs moments apart, so a
+    host that speeds up or slows down between rounds moves both of its terms).
+    """
     n = 1000 if quick else 10_000
+    rounds = (1 if quick else 3) if rounds is None else rounds
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     workload = generate(WorkloadConfig(requests=n, seed=11, n=3))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     try:
-        _run(workload[: min(200, n)], False)  # warm up imports and caches
-        m_total, m_pool = _run(workload, False)
-        n_total, n_pool = _run(workload, True)
+        for naive in (False, True):  # warm up imports and caches, both loops alike
+            _run(workload[: min(200, n)], naive)
+        for i in range(rounds):
+            for naive in ((False, True) if i % 2 == 0 else (True, False)):
+                runs[naive].append(_run(workload, naive))
     finally:
         torch.set_num_threads(threads)
     us = 1e6 / n
-    m_life, n_life = (m_total - m_pool) * us, (n_total - n_pool) * us
+    life = {k: [(total - pool) * us for total, pool in v] for k, v in runs.items()}
+    diffs = [m - v for m, v in zip(life[False], life[True], strict=True)]
     return {
         "requests": n,
-        "us_per_request": {"machines": m_total * us, "naive": n_total * us},
-        "allocator_us_per_request": {"machines": m_pool * us, "naive": n_pool * us},
-        "lifecycle_us_per_request": {"machines": m_life, "naive": n_life},
-        "lifecycle_overhead_us_per_request": m_life - n_life,
+        "rounds": rounds,
+        "us_per_request": {"machines": median([t * us for t, _ in runs[False]]),
+                           "naive": median([t * us for t, _ in runs[True]])},
+        "allocator_us_per_request": {"machines": median([p * us for _, p in runs[False]]),
+                                     "naive": median([p * us for _, p in runs[True]])},
+        "lifecycle_us_per_request": {"machines": median(life[False]),
+                                     "naive": median(life[True])},
+        "lifecycle_overhead_us_per_request": median(diffs),
+        "lifecycle_overhead_us_per_round": diffs,
     }
 
 
@@ -133,5 +155,9 @@ def table(r: dict[str, Any]) -> list[tuple[str, str]]:
          f"{a['machines']:.0f} / {a['naive']:.0f} µs/req"),
         ("lifecycle (no allocator), machines", f"{life['machines']:.0f} µs/req"),
         ("lifecycle (no allocator), naive", f"{life['naive']:.0f} µs/req"),
-        ("engine overhead vs naive", f"{r['lifecycle_overhead_us_per_request']:+.0f} µs/req"),
+        ("engine overhead vs naive" + (f" (median of {r['rounds']} rounds)"
+                                       if r["rounds"] > 1 else ""),
+         f"{r['lifecycle_overhead_us_per_request']:+.0f} µs/req"),
+        *([("  each round", " / ".join(f"{d:+.0f}" for d in r["lifecycle_overhead_us_per_round"])
+            + " µs/req")] if r["rounds"] > 1 else []),
     ]
