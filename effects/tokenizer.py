@@ -52,7 +52,8 @@ from terminus.states.request import (
     RequestAbort,
     RequestKey,
     SchedulerError,
-    Submitted,
+    SubmittedAcquiring,
+    SubmittedNoAcquire,
     Validated,
     ValidationFailed,
 )
@@ -72,9 +73,10 @@ from .sanitize import sanitized, track_lora_side
 __all__ = ["InvalidRequest", "NotCreatedYet", "RequestKey", "Tokenizer", "TokenizerSide"]
 
 
-# Events without a payload to speak of, made once (events are frozen).
-_SUBMIT = Submitted(acquire=False)
-_SUBMIT_ACQUIRE = Submitted(acquire=True)
+# Events without a payload to speak of, made once (events are frozen). `Submitted(acquire=)`
+# as its two unguarded events: the machine asks no guard for them.
+_SUBMIT = SubmittedNoAcquire()
+_SUBMIT_ACQUIRE = SubmittedAcquiring()
 _VALIDATED = Validated()
 _OUTPUT = Output()
 _FAN_OUT = FanOut()
