@@ -1,7 +1,10 @@
-"""`SubmittedAcquiring()` and `SubmittedNoAcquire()` are `Submitted(acquire=True/False)`
+"""The tokenizer side's fast paths beside the general ones they stand for.
+
+`SubmittedAcquiring()` and `SubmittedNoAcquire()` are `Submitted(acquire=True/False)`
 without the guard: in every state of REQUEST and SAMPLING they do what the guarded form
-does (the same target, the same refusal), and the tokenizer side, which fires them, ends
-with every reference back."""
+does (the same target, the same refusal), and the side, which fires them, ends with
+every reference back. `on_output`/`on_finish` run `_deliver`'s common case inline: a
+script of scheduler reports gives the same results through either."""
 
 from __future__ import annotations
 
@@ -104,3 +107,62 @@ def test_the_side_fires_the_unguarded_forms_and_gives_every_reference_back(lora,
         s.ledger.assert_empty()
 
     asyncio.run(main())
+
+
+# -- on_output / on_finish: `_deliver`'s common case inline, beside `_deliver` itself -----
+
+
+def _script(deliver):
+    """One script of scheduler reports, through `deliver(side, how, rid, arg)`: the
+    `on_output`/`on_finish` fast paths ("fast") or `_deliver` itself ("general")."""
+
+    async def main():
+        s = await make_side()
+        side = s.side
+        log = []
+        r1 = await side.submit("one", "a", rid="r1")
+        r2 = await side.submit("two", None, rid="r2")
+        r3 = await side.submit("three", "b", rid="r3")
+        groups = await side.submit_batch(["p"], "a", n=2, rid="g")
+        warm = groups[0].warmups[0]
+        for rid, how, arg in [
+            (r1.key, "output", None), (r1.key, "finish", "length"),
+            (r1.key, "finish", "abort"),  # the echo after finish: absorbed
+            ("r2", "output", None),  # by the client's id, not the key
+            ("r2", "finish", "stop"), ("r2", "finish", "stop"),  # a dead id: unknown
+            (r3.key, "finish", "weird reason"),  # a reason not made once
+            (warm.key, "finish", "length"),  # fans the group out
+        ]:
+            log.append((str(rid), how, deliver(side, how, rid, arg), side.live_count,
+                        side.unknown_events))
+        with pytest.raises(ValueError, match="is a sampling group"):
+            deliver(side, "finish", "g", "stop")
+        for c in side.children("g"):
+            log.append((c.rid, deliver(side, "output", c.key, None),
+                        deliver(side, "finish", c.key, "stop"), side.live_count))
+        log.append(sorted((str(k), v.outcome, v.status, v.finish_reason)
+                          for k, v in s.sink.outputs.items()))
+        log.append([(i.rid, i.state) for i in (r1, r2, r3, warm, *groups)])
+        await s.finish_clean()
+        return log
+
+    return asyncio.run(main())
+
+
+def _fast(side, how, rid, arg):
+    return side.on_output(rid) if how == "output" else side.on_finish(rid, arg)
+
+
+def _general(side, how, rid, arg):
+    if how == "output":
+        return side._deliver(rid, rq.Output())
+    return side._deliver(rid, rq.Finished(arg))
+
+
+def test_on_output_and_on_finish_inline_do_what_deliver_does():
+    fast, general = _script(_fast), _script(_general)
+    assert fast == general
+    # (live requests, unknown events): an echo or a report for a forgotten id is counted
+    assert fast[:6] == [("r1", "output", True, 5, 0), ("r1", "finish", True, 4, 0),
+                        ("r1", "finish", False, 4, 1), ("r2", "output", True, 4, 1),
+                        ("r2", "finish", True, 3, 1), ("r2", "finish", False, 3, 2)]
