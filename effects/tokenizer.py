@@ -332,7 +332,11 @@ class TokenizerSide:
                 self._fire(req, ValidationFailed(500, f"tokenizer failed: {e!r}"))
                 return
             req.fire(_VALIDATED)  # absorbed when an abort came first
-            self._send(req)
+            if req._s == self._dispatched:  # `_send`, without its call
+                try:
+                    self.scheduler.send(req.key, req.tokens, req.lora_id)
+                except Exception as e:
+                    self._send_failed(req, e)
         except BaseException:
             self._end(req, "submission was interrupted")
             raise
@@ -564,7 +568,10 @@ class TokenizerSide:
         try:
             self.scheduler.send(req.key, req.tokens, req.lora_id)
         except Exception as e:
-            self._fire(req, DispatchFailed(f"could not send to the scheduler: {e!r}"))
+            self._send_failed(req, e)
+
+    def _send_failed(self, req: Request, e: Exception) -> None:
+        self._fire(req, DispatchFailed(f"could not send to the scheduler: {e!r}"))
 
     def _fan_out(self, batch: _Batch) -> None:
         if (batch.fanned or batch.interrupted
@@ -745,7 +752,8 @@ class TokenizerSide:
                 if names.get(key.group) is inst:
                     del names[key.group]
                 return
-            if inst.role == "warmup":
+            # (`inst.role`, without the property: the side keys every member)
+            if (key.role if inst._role is None else inst._role) == "warmup":
                 self._warmup_ended(inst, event)
             self._family_check(parent)  # a member of a group (see below)
         elif isinstance(inst, SamplingGroup):
