@@ -72,6 +72,8 @@ from terminus.states.disagg import (
     BootstrapRetry,
     ChunkScheduled,
     ChunkSettled,
+    ChunkSettledLast,
+    ChunkSettledNotLast,
     DisaggAbort,
     DisaggReq,
     SenderAborted,
@@ -815,7 +817,8 @@ class DisaggPrefill:
             chunk.fire(_COMMIT)
         else:
             chunk.fire(_ABANDON)
-        report = req.fire(ChunkSettled(k, chunk.last))
+        # (`ChunkSettled(k, chunk.last)`, in its unguarded form)
+        report = req.fire(ChunkSettledLast(k) if chunk.last else ChunkSettledNotLast(k))
         if req._s == self._transferring:
             kv = [req.matched] if req.matched is not None else []
             for h in self.ledger.owned(req):  # its KV handles' pages, in order

@@ -130,9 +130,11 @@ def stream_terminal(ctx: Any) -> None:
     if not (inst.stream if inst.__class__ is Request else getattr(inst, "stream", True)):
         return
     key = inst.key
-    # `key.rid`; a request of its own's without the property
-    rid = (key.group if key.__class__ is RequestKey and key.role == "request"
-           else client_rid(key))
+    # `client_rid(key)`; a request of its own's without a call
+    if key.__class__ is RequestKey:
+        rid = key.group if key.role == "request" else key.rid
+    else:
+        rid = client_rid(key)
     event = ctx.event
     outcome = ctx.target
     ctx.resources.sink.put(

@@ -52,7 +52,8 @@ from terminus.states.request import (
     RequestAbort,
     RequestKey,
     SchedulerError,
-    Submitted,
+    SubmittedAcquiring,
+    SubmittedNoAcquire,
     Validated,
     ValidationFailed,
 )
@@ -72,9 +73,10 @@ from .sanitize import sanitized, track_lora_side
 __all__ = ["InvalidRequest", "NotCreatedYet", "RequestKey", "Tokenizer", "TokenizerSide"]
 
 
-# Events without a payload to speak of, made once (events are frozen).
-_SUBMIT = Submitted(acquire=False)
-_SUBMIT_ACQUIRE = Submitted(acquire=True)
+# Events without a payload to speak of, made once (events are frozen). `Submitted(acquire=)`
+# as its two unguarded events: the machine asks no guard for them.
+_SUBMIT = SubmittedNoAcquire()
+_SUBMIT_ACQUIRE = SubmittedAcquiring()
 _VALIDATED = Validated()
 _OUTPUT = Output()
 _FAN_OUT = FanOut()
@@ -330,7 +332,11 @@ class TokenizerSide:
                 self._fire(req, ValidationFailed(500, f"tokenizer failed: {e!r}"))
                 return
             req.fire(_VALIDATED)  # absorbed when an abort came first
-            self._send(req)
+            if req._s == self._dispatched:  # `_send`, without its call
+                try:
+                    self.scheduler.send(req.key, req.tokens, req.lora_id)
+                except Exception as e:
+                    self._send_failed(req, e)
         except BaseException:
             self._end(req, "submission was interrupted")
             raise
@@ -562,7 +568,10 @@ class TokenizerSide:
         try:
             self.scheduler.send(req.key, req.tokens, req.lora_id)
         except Exception as e:
-            self._fire(req, DispatchFailed(f"could not send to the scheduler: {e!r}"))
+            self._send_failed(req, e)
+
+    def _send_failed(self, req: Request, e: Exception) -> None:
+        self._fire(req, DispatchFailed(f"could not send to the scheduler: {e!r}"))
 
     def _fan_out(self, batch: _Batch) -> None:
         if (batch.fanned or batch.interrupted
@@ -625,6 +634,14 @@ class TokenizerSide:
     @sanitized
     def on_output(self, rid: Any) -> bool:
         """The scheduler streamed a non-final output for `rid`."""
+        inst = self._live.get(rid)
+        if inst.__class__ is Request:  # `_deliver`'s common case, without its call
+            try:
+                inst.fire(_OUTPUT)
+            finally:
+                if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
+                    self._retired(inst, _OUTPUT)
+            return True
         return self._deliver(rid, _OUTPUT)
 
     @sanitized
@@ -634,6 +651,14 @@ class TokenizerSide:
             event = _FINISHED[reason]
         except (KeyError, TypeError):
             event = Finished(reason)
+        inst = self._live.get(rid)
+        if inst.__class__ is Request:  # `_deliver`'s common case, without its call
+            try:
+                inst.fire(event)
+            finally:
+                if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
+                    self._retired(inst, event)
+            return True
         return self._deliver(rid, event)
 
     @sanitized
@@ -727,7 +752,8 @@ class TokenizerSide:
                 if names.get(key.group) is inst:
                     del names[key.group]
                 return
-            if inst.role == "warmup":
+            # (`inst.role`, without the property: the side keys every member)
+            if (key.role if inst._role is None else inst._role) == "warmup":
                 self._warmup_ended(inst, event)
             self._family_check(parent)  # a member of a group (see below)
         elif isinstance(inst, SamplingGroup):

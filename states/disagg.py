@@ -5,7 +5,9 @@
     waiting        ChunkScheduled -> prefilling; BootstrapFailed -> bootstrap_failed ▸;
                    DisaggAbort -> aborted ▸; else error
     prefilling     ChunkScheduled -> prefilling;
-                   ChunkSettled -> transferring [last_chunk], else prefilling;
+                   ChunkSettled -> transferring [last_chunk], else prefilling
+                   (ChunkSettledLast -> transferring, ChunkSettledNotLast -> prefilling:
+                   its two forms without the guard);
                    DisaggAbort -> draining [chunks_in_flight], else aborted ▸;
                    BootstrapFailed -> draining [chunks_in_flight], else bootstrap_failed ▸;
                    else error
@@ -60,6 +62,8 @@ __all__ = [
     "Bootstrapped",
     "ChunkScheduled",
     "ChunkSettled",
+    "ChunkSettledLast",
+    "ChunkSettledNotLast",
     "DisaggAbort",
     "DisaggReq",
     "SenderAborted",
@@ -94,6 +98,21 @@ class ChunkSettled(Event):
 
     chunk: int
     last: bool = False
+
+
+class ChunkSettledLast(Event):
+    """`ChunkSettled(chunk, last=True)` as an event of its own: the same transitions, with
+    no guard to ask in `prefilling` (what `effects.disagg` fires)."""
+
+    chunk: int
+    last = True  # (a class constant, as `ChunkSettled.last` reads)
+
+
+class ChunkSettledNotLast(Event):
+    """`ChunkSettled(chunk, last=False)` as an event of its own (see `ChunkSettledLast`)."""
+
+    chunk: int
+    last = False
 
 
 class DisaggAbort(Event):
@@ -156,6 +175,8 @@ _RELEASE_ABORTED = go("aborted", plan="release_aborted")
 _RELEASE_BOOTSTRAP = go("bootstrap_failed", plan="release_bootstrap_failed")
 _RELEASE_TRANSFER = go("aborted", plan="release_aborted_transfer")
 _TERMINAL_ROW = {ANY: IGNORE}
+# A settled chunk ends a drain once every chunk launched has settled.
+_DRAIN = [go("aborted", plan="release_aborted", when="drained"), go("draining")]
 
 DISAGG_PREFILL: Machine = Spec(
     "disagg_prefill",
@@ -173,7 +194,8 @@ DISAGG_PREFILL: Machine = Spec(
         State("bootstrap_failed", terminal=True, doc="the handshake failed"),
     ),
     events=(Bootstrapped, BootstrapRetry, BootstrapFailed, ChunkScheduled, ChunkSettled,
-            DisaggAbort, TransferDone, TransferFailed, SenderAborted, SenderDeadline),
+            ChunkSettledLast, ChunkSettledNotLast, DisaggAbort, TransferDone, TransferFailed,
+            SenderAborted, SenderDeadline),
     table={
         "bootstrapping": {
             Bootstrapped: go("waiting"),
@@ -193,12 +215,15 @@ DISAGG_PREFILL: Machine = Spec(
             BootstrapFailed: [go("draining", when="chunks_in_flight"), _RELEASE_BOOTSTRAP],
             ChunkScheduled: go("prefilling"),
             ChunkSettled: [go("transferring", when="last_chunk"), go("prefilling")],
+            ChunkSettledLast: go("transferring"),
+            ChunkSettledNotLast: go("prefilling"),
             DisaggAbort: [go("draining", when="chunks_in_flight"), _RELEASE_ABORTED],
             ANY: ERROR,
         },
         "draining": {
-            ChunkSettled: [go("aborted", plan="release_aborted", when="drained"),
-                          go("draining")],
+            ChunkSettled: _DRAIN,
+            ChunkSettledLast: _DRAIN,
+            ChunkSettledNotLast: _DRAIN,
             DisaggAbort: IGNORE,
             BootstrapFailed: IGNORE,
             ANY: ERROR,

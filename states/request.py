@@ -16,9 +16,14 @@ can still arrive late (an abort echo after finish, the result of an acquire that
 overtook, a duplicate scheduler error) as IGNORE, so no release can run twice; an acquire
 completing after an abort is released at once by the ledger (I6).
 
-Children of a parallel-sampling group are requests too: they start with ``Submitted(
-acquire=False)`` and receive their reference by transfer from the group (see
-`states.sampling`). A prefix warm-up request is a request that owns nothing.
+``Submitted(acquire=...)`` asks the guard `wants_lora` which way to go; its unguarded
+forms ``SubmittedAcquiring()`` and ``SubmittedNoAcquire()`` take the same transitions
+without asking (what `effects.tokenizer` fires).
+
+Children of a parallel-sampling group are requests too: they start with
+``Submitted(acquire=False)`` (or ``SubmittedNoAcquire()``) and receive their reference
+by transfer from the group (see `states.sampling`). A prefix warm-up request is a
+request that owns nothing.
 
 Who a request is, is a `RequestKey(group, role, index)`: the client's rid (`group`; a
 child's or warm-up's group is its sampling group's rid), its role, and its index in the
@@ -48,6 +53,8 @@ __all__ = [
     "RequestKey",
     "SchedulerError",
     "Submitted",
+    "SubmittedAcquiring",
+    "SubmittedNoAcquire",
     "Validated",
     "ValidationFailed",
     "client_rid",
@@ -61,6 +68,17 @@ class Submitted(Event):
     """The request entered the tokenizer; `acquire` says it must acquire its own LoRA."""
 
     acquire: bool = False
+
+
+class SubmittedAcquiring(Event):
+    """`Submitted(acquire=True)` as an event of its own: the same transition, with no
+    guard to ask (what the tokenizer side fires: one step less for every request)."""
+
+
+class SubmittedNoAcquire(Event):
+    """`Submitted(acquire=False)` as an event of its own: the request acquires no LoRA
+    reference itself (none used, or a child given one by transfer); the same transition,
+    with no guard to ask."""
 
 
 class LoRAAcquired(Event):
@@ -242,7 +260,8 @@ _failed = [go("rejected", plan="release_rejected", when="client_error"),
 # Late arrivals a terminal request must absorb: the scheduler's echo of an abort, an abort
 # after finish, an acquire an abort overtook, a tokenizer or dispatch result after an
 # abort, a duplicate error. Submitted twice is a driver bug, so it stays an error.
-_terminal_row: dict[Any, Any] = {ANY: IGNORE, Submitted: ERROR}
+_terminal_row: dict[Any, Any] = {ANY: IGNORE, Submitted: ERROR, SubmittedAcquiring: ERROR,
+                                 SubmittedNoAcquire: ERROR}
 
 SPEC = Spec(
     "request",
@@ -258,11 +277,14 @@ SPEC = Spec(
         State("errored", terminal=True, doc="5xx: tokenizer or scheduler failure"),
         State("dispatch_failed", terminal=True, doc="the scheduler could not be reached"),
     ),
-    events=(Submitted, LoRAAcquired, AcquireFailed, Validated, ValidationFailed,
+    events=(Submitted, SubmittedAcquiring, SubmittedNoAcquire,
+            LoRAAcquired, AcquireFailed, Validated, ValidationFailed,
             DispatchFailed, Output, Finished, SchedulerError, RequestAbort),
     table={
         "created": {
             Submitted: [go("acquiring_lora", when="wants_lora"), go("validating")],
+            SubmittedAcquiring: go("acquiring_lora"),
+            SubmittedNoAcquire: go("validating"),
             RequestAbort: _aborted,
             ANY: ERROR,
         },

@@ -35,6 +35,8 @@ from .request import (
     LoRAAcquired,
     RequestAbort,
     Submitted,
+    SubmittedAcquiring,
+    SubmittedNoAcquire,
     Validated,
     ValidationFailed,
     client_error,
@@ -108,7 +110,8 @@ _failed = [go("rejected", plan="release_rejected", when="client_error"),
 # After fan-out or a failure, late events are absorbed: an abort of a parent whose
 # children now carry the work, a warm-up result after an abort, a FanOut the driver sent
 # to a sibling that had already failed. Submitted twice is a driver bug.
-_terminal_row: dict[Any, Any] = {ANY: IGNORE, Submitted: ERROR}
+_terminal_row: dict[Any, Any] = {ANY: IGNORE, Submitted: ERROR, SubmittedAcquiring: ERROR,
+                                 SubmittedNoAcquire: ERROR}
 
 SPEC = Spec(
     "sampling",
@@ -123,11 +126,14 @@ SPEC = Spec(
         State("rejected", terminal=True, doc="4xx before fan-out; all released"),
         State("errored", terminal=True, doc="5xx before fan-out; all released"),
     ),
-    events=(Submitted, LoRAAcquired, AcquireFailed, Validated, ValidationFailed,
+    events=(Submitted, SubmittedAcquiring, SubmittedNoAcquire,
+            LoRAAcquired, AcquireFailed, Validated, ValidationFailed,
             WarmupFinished, BatchFailed, FanOut, RequestAbort),
     table={
         "created": {
             Submitted: [go("acquiring_lora", when="wants_lora"), go("validating")],
+            SubmittedAcquiring: go("acquiring_lora"),
+            SubmittedNoAcquire: go("validating"),
             BatchFailed: _failed,
             RequestAbort: _aborted,
             ANY: ERROR,

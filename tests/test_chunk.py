@@ -27,6 +27,8 @@ from terminus.states.disagg import (
     BootstrapRetry,
     ChunkScheduled,
     ChunkSettled,
+    ChunkSettledLast,
+    ChunkSettledNotLast,
     DisaggAbort,
     DisaggReq,
     SenderAborted,
@@ -140,6 +142,8 @@ REQUEST_EVENTS = st.one_of(
                      TransferDone(), TransferFailed("t"), SenderAborted(), SenderDeadline()]),
     st.builds(ChunkScheduled, chunk=st.integers(0, 3)),
     st.builds(ChunkSettled, chunk=st.integers(0, 3), last=st.booleans()),
+    st.builds(ChunkSettledLast, chunk=st.integers(0, 3)),
+    st.builds(ChunkSettledNotLast, chunk=st.integers(0, 3)),
 )
 # Between events the chunks the guards read change: launch one, or settle the oldest.
 CHUNK_OPS = st.sampled_from(["none", "launch", "settle"])

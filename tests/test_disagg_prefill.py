@@ -20,6 +20,8 @@ from terminus.states.disagg import (
     BootstrapRetry,
     ChunkScheduled,
     ChunkSettled,
+    ChunkSettledLast,
+    ChunkSettledNotLast,
     DisaggAbort,
     SenderAborted,
     SenderDeadline,
@@ -503,6 +505,8 @@ EVENTS = {
     "ChunkScheduled": lambda req: ChunkScheduled(len(req.chunks)),
     "ChunkSettled(last)": lambda req: ChunkSettled(0, last=True),
     "ChunkSettled": lambda req: ChunkSettled(0),
+    "ChunkSettledLast": lambda req: ChunkSettledLast(0),
+    "ChunkSettledNotLast": lambda req: ChunkSettledNotLast(0),
     "DisaggAbort": lambda req: DisaggAbort("x"),
     "TransferDone": lambda req: TransferDone(),
     "TransferFailed": lambda req: TransferFailed("x"),
@@ -547,7 +551,8 @@ def test_every_pair_decides_as_the_transitions_oracle_and_ends_with_pools_full(w
     req = e.req("r")
     assert req.state == _state_of(where)  # the builder really stands there
     ev = EVENTS[event](req)
-    if isinstance(ev, ChunkSettled) and req.state in ("prefilling", "draining"):
+    settled = (ChunkSettled, ChunkSettledLast, ChunkSettledNotLast)
+    if isinstance(ev, settled) and req.state in ("prefilling", "draining"):
         _settle_first_in_flight(e, req)
     diff = Differential(req)
     diff.model.state = req.state  # start the oracle where the instance stands
