@@ -541,13 +541,13 @@ class Ledger:
             if (h.kind != kind and kind is not None) or h.released or h.owner is not owner:
                 continue
             h.released = True  # marked first: never released twice
-            now: Any = owner._owns  # `_unlink`, on the owner's slot
-            if now is h:
-                owner._owns = None
-            elif now.__class__ is list:
+            now: Any = owner._owns  # `_unlink`, on the owner's slot: a list, most often
+            if now.__class__ is list:
                 now.remove(h)
                 if len(now) == 1:
                     owner._owns = now[0]
+            elif now is h:
+                owner._owns = None
             if observers:
                 observers.pop(h, None)
             self._released += 1

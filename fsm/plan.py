@@ -199,12 +199,13 @@ class Action:
     error is recorded and the following steps still run.
     """
 
-    __slots__ = ("best_effort", "fn", "name")
+    __slots__ = ("_raw", "best_effort", "fn", "name")
 
     def __init__(self, fn: Callable[..., Any], *, best_effort: bool = False,
                  name: str | None = None) -> None:
         require_effect(fn, "Action step")
         self.fn = fn
+        self._raw = unwrapped(fn)  # what `Plan.run_actions` calls inside a live context
         self.best_effort = best_effort
         self.name: str = name or str(getattr(fn, "__name__", "action"))
 
@@ -250,10 +251,17 @@ class Plan:
 
     def run_actions(self, ctx: ReleaseContext, report: PlanReport) -> None:
         """Run the plan's steps in order where no ledger is involved (a machine bound
-        without one, a batched plan): every step is an `Action`, called `fn(ctx)`."""
+        without one, a batched plan): every step is an `Action`, called `fn(ctx)`.
+
+        A step whose turn comes while `ctx` is an engine context and live calls the
+        function its `@release_effect` wraps (the wrapper's own check, done here per
+        step); any other way it calls the wrapper, which refuses the context
+        (`ReleaseOutsideTerminal`, reported against the step)."""
+        engine = type(ctx) is ReleaseContext
         for step in self.steps:
             assert isinstance(step, Action), "Release steps need a ledger (Ledger.run_plan)"
-            call_step(step.fn, (ctx,), report, step.name, step.best_effort)
+            call_step(step._raw if engine and ctx._live else step.fn, (ctx,), report,
+                      step.name, step.best_effort)
 
     @property
     def kinds(self) -> tuple[str, ...]:

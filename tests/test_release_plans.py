@@ -146,6 +146,68 @@ def test_a_failing_action_of_a_machine_without_a_ledger_is_named_after_the_actio
         report.errors[0])
 
 
+def _actions_log(through_wrappers: bool, closing: int | None, dead: bool) -> tuple[Any, ...]:
+    """A plan of Actions on a machine without a ledger, run by `Plan.run_actions` with
+    the functions its @release_effect wraps (the fast way) or, `through_wrappers`, with
+    the wrappers themselves (the old way, each checking the context); `closing` is the
+    step that closes the context on the way out, `dead` runs the plan over a context
+    that is already closed."""
+    log: list[Any] = []
+
+    def step(i: int) -> Any:
+        @release_effect
+        def act(ctx: Any) -> Any:
+            log.append((i, ctx.live, ctx.instance.key, type(ctx.event).__name__))
+            if i == 2:
+                raise RuntimeError("step 2 failed")
+            if i == closing:
+                ctx.__exit__(None, None, None)
+            return i
+
+        act.__name__ = f"act{i}"
+        return act
+
+    plan = Plan(*(Action(step(i), best_effort=i == 2) for i in range(5)))
+    if through_wrappers:
+        for a in plan.steps:
+            a._raw = a.fn  # as before: every step through its wrapper's check
+    m = LIFECYCLE.bind({"release_aborted": plan, "release_finished": Plan()})
+    job = m.create("r")
+    if dead:
+        from terminus.fsm.plan import PlanReport, release_context
+
+        with release_context("lifecycle", job, Abort(), "release_aborted", "queued",
+                             "aborted", None) as ctx:
+            pass
+        report = PlanReport("lifecycle", job, "release_aborted")
+        plan.run_actions(ctx, report)
+    else:
+        try:
+            report = job.fire(Abort())
+        except ReleaseFailed as e:
+            report = e.report
+    return (log, [(e.step, e.best_effort, type(e.error).__name__) for e in report.errors],
+            job.state)
+
+
+@pytest.mark.parametrize("closing", [None, 0, 3])
+@pytest.mark.parametrize("dead", [False, True])
+def test_run_actions_calls_what_the_wrappers_wrap_only_while_the_context_is_live(
+        closing, dead):
+    fast = _actions_log(False, closing, dead)
+    assert fast == _actions_log(True, closing, dead)
+    log, errors, _ = fast
+    if dead:  # every step refused, none ran
+        assert log == [] and [e[2] for e in errors] == ["ReleaseOutsideTerminal"] * 5
+    else:
+        ran = 5 if closing is None else closing + 1  # the steps after it are refused
+        assert [i for i, *_ in log] == list(range(ran))
+        assert all(live for _, live, *_ in log)
+        assert [e[0] for e in errors if e[2] == "ReleaseOutsideTerminal"] == [
+            f"act{i}" for i in range(ran, 5)]
+        assert (("act2", True, "RuntimeError") in errors) == (ran > 2)
+
+
 # -- what a step returns -------------------------------------------------------------
 
 
