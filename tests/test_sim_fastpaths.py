@@ -171,3 +171,56 @@ def test_the_disagg_driver_records_injected_faults_and_carries_on():
     assert len(refused) == sim.cache.refused > 0  # each refused cache insert, once
     assert len(sim.errors) == len(injected) + len(refused)
     assert sim.leaks() == dict.fromkeys(sim.leaks(), 0)
+
+
+class _DoneCallbackLoop(ServingLoop):
+    """Also keeps the requests' tasks as the loop did before: a set each task's done
+    callback drops it from. At each end-of-run check the loop reads whether a task is
+    still running as it yields (`_prune_tasks`); the set, read after the yield, is
+    what the old check read."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ref: set[Any] = set()
+        self.read: bool | None = None
+        self.checks: list[tuple[bool, bool]] = []  # (tasks running: new, old)
+
+    def _submit(self, spec: Any, now: int) -> None:
+        super()._submit(spec, now)
+        if spec.kind != "disagg":
+            task = self._tasks[-1]
+            self.ref.add(task)
+            task.add_done_callback(self.ref.discard)
+
+    def _prune_tasks(self) -> bool:
+        self.read = super()._prune_tasks()
+        return self.read
+
+    def _shed_errors(self, lists: Any) -> None:  # right after the yield: the check next
+        if self.read is not None:
+            self.checks.append((self.read, bool(self.ref)))
+            self.read = None
+        super()._shed_errors(lists)
+
+
+@pytest.mark.parametrize("naive", [False, True], ids=["machines", "naive"])
+@pytest.mark.parametrize(("seed", "abort_rate"), [(1, 0.0), (2, 0.0), (3, 0.2)])
+def test_the_end_of_run_check_reads_the_tasks_as_the_done_callbacks_left_them(
+        naive, seed, abort_rate):
+    # Requests still in their LoRA acquire at the last arrival's check (no abort to
+    # come: the check reads the tasks there), and rejected prompts that end their
+    # tasks with nothing sent to the scheduler: the run must end at the same step.
+    # (No prefetch without aborts: a collective fault is an abort's.)
+    workload = generate(WorkloadConfig(requests=200, seed=seed, n=3, fault_rate=0.5,
+                                       abort_rate=abort_rate, arrivals_per_step=3,
+                                       prefetch_fraction=0.15 if abort_rate else 0.0))
+    loop = _DoneCallbackLoop(workload, SimConfig(page_size=16),
+                             parts=naive_parts if naive else machine_parts)
+    asyncio.run(loop.run())
+    assert loop.checks and all(new == old for new, old in loop.checks), loop.checks
+    if not abort_rate:
+        assert any(new for new, _ in loop.checks)  # a task ran at the last arrival's
+    assert not loop.ref and not any(not t.done() for t in loop._tasks)
+    leaks = loop.leaks()
+    if not naive:
+        assert leaks == dict.fromkeys(leaks, 0)
