@@ -10,6 +10,7 @@ audits against the per-request loops they replace.
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import Counter
 from typing import Any
 
@@ -171,3 +172,156 @@ def test_the_disagg_driver_records_injected_faults_and_carries_on():
     assert len(refused) == sim.cache.refused > 0  # each refused cache insert, once
     assert len(sim.errors) == len(injected) + len(refused)
     assert sim.leaks() == dict.fromkeys(sim.leaks(), 0)
+
+
+class _DoneCallbackLoop(ServingLoop):
+    """Also keeps the requests' tasks as the loop did before: a set each task's done
+    callback drops it from. At each end-of-run check the loop reads whether a task is
+    still running as it yields (`_prune_tasks`); the set, read after the yield, is
+    what the old check read."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ref: set[Any] = set()
+        self.read: bool | None = None
+        self.checks: list[tuple[bool, bool]] = []  # (tasks running: new, old)
+
+    def _submit(self, spec: Any, now: int) -> None:
+        super()._submit(spec, now)
+        if spec.kind != "disagg":
+            task = self._tasks[-1]
+            self.ref.add(task)
+            task.add_done_callback(self.ref.discard)
+
+    def _prune_tasks(self) -> bool:
+        self.read = super()._prune_tasks()
+        return self.read
+
+    def _shed_errors(self, lists: Any) -> None:  # right after the yield: the check next
+        if self.read is not None:
+            self.checks.append((self.read, bool(self.ref)))
+            self.read = None
+        super()._shed_errors(lists)
+
+
+@pytest.mark.parametrize("naive", [False, True], ids=["machines", "naive"])
+@pytest.mark.parametrize(("seed", "abort_rate"), [(1, 0.0), (2, 0.0), (3, 0.2)])
+def test_the_end_of_run_check_reads_the_tasks_as_the_done_callbacks_left_them(
+        naive, seed, abort_rate):
+    # Requests still in their LoRA acquire at the last arrival's check (no abort to
+    # come: the check reads the tasks there), and rejected prompts that end their
+    # tasks with nothing sent to the scheduler: the run must end at the same step.
+    # (No prefetch without aborts: a collective fault is an abort's.)
+    workload = generate(WorkloadConfig(requests=200, seed=seed, n=3, fault_rate=0.5,
+                                       abort_rate=abort_rate, arrivals_per_step=3,
+                                       prefetch_fraction=0.15 if abort_rate else 0.0))
+    loop = _DoneCallbackLoop(workload, SimConfig(page_size=16),
+                             parts=naive_parts if naive else machine_parts)
+    asyncio.run(loop.run())
+    assert loop.checks and all(new == old for new, old in loop.checks), loop.checks
+    if not abort_rate:
+        assert any(new for new, _ in loop.checks)  # a task ran at the last arrival's
+    assert not loop.ref and not any(not t.done() for t in loop._tasks)
+    leaks = loop.leaks()
+    if not naive:
+        assert leaks == dict.fromkeys(leaks, 0)
+
+
+def _reference_shape(cfg: WorkloadConfig, rng: Any, convs: dict[int, list[int]],
+           next_conv: list[int], prompt: int, max_new: int,
+           ) -> tuple[int, int, tuple[int, ...], int]:
+    """`workload._shape` as it was: its draws by `_below`, a sorted copy of the ids."""
+    bits = rng.getrandbits
+    system = wl._below(bits, cfg.system_prompts) if (
+        cfg.system_prompts and rng.random() < cfg.system_fraction) else -1
+    base = cfg.system_prompt_len if system >= 0 else 0
+    if rng.random() < cfg.conversation_fraction:
+        system = max(system, 0) if cfg.system_prompts else -1
+        base = cfg.system_prompt_len if system >= 0 else 0
+        if convs and rng.random() < 0.8:
+            ids = sorted(convs)
+            cid = ids[wl._below(bits, len(ids))]
+        else:
+            cid = -1
+        user = 8 + wl._below(bits, 41)
+        if cid >= 0:
+            hist = convs[cid]
+            total = base + sum(hist) + user
+            if total <= cfg.max_prompt:
+                convs[cid] = [*hist, user, max_new]
+                return system, cid, (*hist, user), total
+            del convs[cid]
+        cid = next_conv[0]
+        next_conv[0] += 1
+        if len(convs) >= cfg.conversations:
+            del convs[min(convs)]
+        convs[cid] = [user, max_new]
+        return system, cid, (user,), base + user
+    return system, -1, (), max(prompt, base + 1)
+
+
+def _reference_generate(cfg: WorkloadConfig) -> list[Any]:
+    """`workload.generate` as it was: a `_below` call per draw, keyword arguments."""
+    cfg.validate()
+    rng = random.Random(cfg.seed)
+    shape_rng = random.Random(f"{cfg.seed}/prefixes")
+    convs: dict[int, list[int]] = {}
+    next_conv = [0]
+    out = []
+    # The draws of rng.randint / rng.choice, made by `_below` (the same values).
+    bits, rand = rng.getrandbits, rng.random
+    prompts = cfg.max_prompt - cfg.min_prompt + 1
+    adapters, n_adapters = cfg.adapters, len(cfg.adapters)
+    for i in range(cfg.requests):
+        r = rand()
+        kind = ("disagg" if r < cfg.disagg_fraction else
+                "prefetch" if r < cfg.disagg_fraction + cfg.prefetch_fraction else
+                "colocated")
+        prompt = cfg.min_prompt + wl._below(bits, prompts)
+        lora = (adapters[wl._below(bits, n_adapters)]
+                if kind != "disagg" and rand() < cfg.lora_fraction else None)
+        n = 1
+        if kind == "colocated" and cfg.n > 1 and rand() < cfg.sampling_fraction:
+            n = cfg.n
+        abort_at = wl._below(bits, 13) if rand() < cfg.abort_rate else None
+        fault = None
+        if rand() < cfg.fault_rate:
+            faults = wl.FAULTS[kind]
+            fault = faults[wl._below(bits, len(faults))]
+        if fault == "unknown_adapter":
+            lora = "no-such-lora"
+        if fault == "collective" and abort_at is None:
+            abort_at = 2  # the collective that fails is the abort's
+        max_new = 1 + wl._below(bits, cfg.max_new_tokens)
+        system, conv, history, prompt = _reference_shape(cfg, shape_rng, convs, next_conv, prompt,
+                                               max_new)
+        out.append(wl.RequestSpec(
+            rid=f"r{i}",
+            kind=kind,
+            arrival=i // cfg.arrivals_per_step,
+            prompt_len=prompt,
+            max_new_tokens=max_new,
+            lora=lora,
+            n=n,
+            abort_at=abort_at,
+            fault=fault,
+            prefetch_pages=1 + wl._below(bits, 8) if kind == "prefetch" else 0,
+            mamba=rand() < 0.5,
+            system=system,
+            system_len=cfg.system_prompt_len if system >= 0 else 0,
+            conv=conv,
+            history=history,
+        ))
+    return out
+
+
+@pytest.mark.parametrize("cfg", [
+    WorkloadConfig(requests=4000, n=3),
+    WorkloadConfig(requests=2000, seed=5, n=2, fault_rate=0.5, abort_rate=0.5,
+                   lora_fraction=0.9, prefetch_fraction=0.5, disagg_fraction=0.3,
+                   max_new_tokens=1, min_prompt=5, max_prompt=5, conversations=3),
+    WorkloadConfig(requests=2000, seed=9, system_prompts=0, conversation_fraction=0.9,
+                   max_prompt=2000, lora_fraction=0.0, adapters=()),
+], ids=["defaults", "faults-and-tiny-ranges", "long-conversations"])
+def test_generate_draws_inline_what_the_below_calls_drew(cfg):
+    assert generate(cfg) == _reference_generate(cfg)

@@ -351,3 +351,28 @@ def test_a_second_run_in_one_process_reports_its_own_effects():
     for key in ("effects", "transitions", "terminal_states", "peak", "leaks"):
         assert first[key] == second[key], key
     assert first["leaks"] == dict.fromkeys(first["leaks"], 0)  # pools full, LoRA 0
+
+
+def test_the_progress_bar_moves_at_its_redraws_and_ends_at_the_total(monkeypatch):
+    # The bar is advanced only when it is redrawn (by what arrived since), then once
+    # more after the run: its count ends at the workload's size, with fewer calls than
+    # the run has steps.
+    import rich.progress
+
+    from terminus.effects.sim import simulate as sim
+
+    clock = [0.0]
+
+    def monotonic() -> float:
+        clock[0] += 0.04  # a redraw every third step
+        return clock[0]
+
+    calls: list[float] = []
+    advance = rich.progress.Progress.advance
+    monkeypatch.setattr(rich.progress.Progress, "advance",
+                        lambda self, task, n=1: (calls.append(n), advance(self, task, n)))
+    monkeypatch.setattr(sim, "monotonic", monotonic)
+    result = sim._run_with_progress(WorkloadConfig(requests=120, seed=3), "cpu", "machines",
+                                    None, True)
+    assert sum(calls) == result["requests"] == 120
+    assert 1 < len(calls) < result["steps"]

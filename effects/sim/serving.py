@@ -177,6 +177,9 @@ class _Seq:
 
 _row = operator.attrgetter("row")  # a sort key read in C
 
+_PRUNE_TASKS = 256
+"""`ServingLoop._submit` drops the done tasks when this many more were added since."""
+
 
 class SimScheduler:
     """The scheduler process: a SchedulerLink for the tokenizer, rows for sequences."""
@@ -931,8 +934,10 @@ class ServingLoop:
         self.prefetch = self.parts.prefetch
         self.steps = 0
         self.seconds = 0.0
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._discard = self._tasks.discard  # (each task's done callback: bound once)
+        self._tasks: list[asyncio.Task[Any]] = []
+        """The requests' tasks, the done ones dropped at the next `_prune_tasks` (no
+        done callback and its event-loop handle per request to drop each at once)."""
+        self._prune_at = _PRUNE_TASKS
         self._create_task: Callable[[Any], asyncio.Task[Any]] = asyncio.ensure_future
         """The running loop's `create_task` while `run()` runs (`ensure_future` without
         its checks: `_submit` hands it a coroutine)."""
@@ -1024,6 +1029,11 @@ class ServingLoop:
             self.disagg.step()
             self.prefetch.step(now)
             self._sample_peaks()
+            # Arrivals or aborts to come, or a request's task still running as the loop
+            # yields (one that ends later counts as running at the check below: each
+            # task's done callback, which dropped it from a set, ran after the loop
+            # resumed; the tasks now end without one).
+            busy = now < last_arrival or bool(aborts) or self._prune_tasks()
             await asyncio.sleep(0)
             self._shed_errors(error_lists)
             now += 1
@@ -1032,8 +1042,7 @@ class ServingLoop:
                 done = now
                 if arrived:
                     self.progress(arrived)
-            if (now > last_arrival and not aborts and not self._tasks
-                    and self.scheduler.idle and self.disagg.idle and self.prefetch.idle
+            if (not busy and self.scheduler.idle and self.disagg.idle and self.prefetch.idle
                     and self.parts.settled):
                 break
             if now > last_arrival + 10_000:
@@ -1054,7 +1063,7 @@ class ServingLoop:
                 int(self.running.batch.states[q.row])]) for q in list(sch.by_row.values())[:5]],
             **self.parts.stuck(),
             "prefetch": list(self.prefetch.live)[:5],
-            "tasks": len(self._tasks),
+            "tasks": sum(1 for t in self._tasks if not t.done()),
         }
         return ", ".join(f"{k}={v}" for k, v in parts.items() if v)
 
@@ -1103,9 +1112,17 @@ class ServingLoop:
                                                     n=spec.n, rid=rid)
         else:
             coro = self.tokenizer.submit((rid, spec.prompt_len), spec.lora, rid=rid)
-        task = self._create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._discard)
+        tasks = self._tasks
+        tasks.append(self._create_task(coro))
+        if len(tasks) >= self._prune_at:
+            self._prune_tasks()
+
+    def _prune_tasks(self) -> bool:
+        """Drop the done tasks; whether a task is still running. (`_submit` calls it
+        when the list doubled since the last time: each task is looked at about twice.)"""
+        tasks = self._tasks = [t for t in self._tasks if not t.done()]
+        self._prune_at = 2 * len(tasks) + _PRUNE_TASKS
+        return bool(tasks)
 
     # -- the audit --------------------------------------------------------------------
 

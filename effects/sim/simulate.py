@@ -15,9 +15,9 @@ import asyncio
 import contextlib
 import gc
 import os
-import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -483,14 +483,21 @@ def _run_with_progress(wcfg: WorkloadConfig, device: str, loop: str, trace: Any,
                   MofNCompleteColumn(), TimeElapsedColumn(), transient=True,
                   auto_refresh=False) as bar:
         task = bar.add_task(f"simulating ({label})", total=wcfg.requests)
-        last = [time.monotonic()]
+        last = [monotonic()]
+        arrived = [0]  # requests arrived since the bar last moved
 
         def advance(n: int) -> None:
-            bar.advance(task, n)
-            now = time.monotonic()
+            # The bar moves when it is redrawn, by what arrived since (no rich call at
+            # every step between two redraws: nobody sees the count in between).
+            arrived[0] += n
+            now = monotonic()
             if now - last[0] > 0.1:
                 last[0] = now
+                bar.advance(task, arrived[0])
+                arrived[0] = 0
                 bar.refresh()
 
-        return run_simulation(wcfg, device=device, parts=parts, trace=trace,
-                              progress=advance, page_size=page_size, metrics=metrics)
+        result = run_simulation(wcfg, device=device, parts=parts, trace=trace,
+                                progress=advance, page_size=page_size, metrics=metrics)
+        bar.advance(task, arrived[0])  # (the last arrivals: the bar ends at the total)
+        return result

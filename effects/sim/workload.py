@@ -241,86 +241,125 @@ def _shape(cfg: WorkloadConfig, rng: random.Random, convs: dict[int, list[int]],
            next_conv: list[int], prompt: int, max_new: int,
            ) -> tuple[int, int, tuple[int, ...], int]:
     """(system, conv, history, prompt_len) of the next request, drawn from `rng` (apart
-    from the main generator, so the rest of the workload is unchanged)."""
-    bits = rng.getrandbits
-    system = _below(bits, cfg.system_prompts) if (
-        cfg.system_prompts and rng.random() < cfg.system_fraction) else -1
+    from the main generator, so the rest of the workload is unchanged).
+
+    Its ints are `_below`'s draws, inline (`generate`'s are). `convs` is in increasing
+    id order (ids are new when added, and an update keeps a key's place), so an open
+    conversation is picked from the dict's order (no sorted copy)."""
+    bits, rand = rng.getrandbits, rng.random
+    n_systems = cfg.system_prompts
+    system = -1
+    if n_systems and rand() < cfg.system_fraction:
+        k = n_systems.bit_length()
+        system = bits(k)
+        while system >= n_systems:
+            system = bits(k)
+    if rand() >= cfg.conversation_fraction:
+        return system, -1, (), max(prompt, (cfg.system_prompt_len if system >= 0 else 0) + 1)
+    system = max(system, 0) if n_systems else -1
     base = cfg.system_prompt_len if system >= 0 else 0
-    if rng.random() < cfg.conversation_fraction:
-        system = max(system, 0) if cfg.system_prompts else -1
-        base = cfg.system_prompt_len if system >= 0 else 0
-        if convs and rng.random() < 0.8:
-            ids = sorted(convs)
-            cid = ids[_below(bits, len(ids))]
-        else:
-            cid = -1
-        user = 8 + _below(bits, 41)
-        if cid >= 0:
-            hist = convs[cid]
-            total = base + sum(hist) + user
-            if total <= cfg.max_prompt:
-                convs[cid] = [*hist, user, max_new]
-                return system, cid, (*hist, user), total
-            del convs[cid]
-        cid = next_conv[0]
-        next_conv[0] += 1
-        if len(convs) >= cfg.conversations:
-            del convs[min(convs)]
-        convs[cid] = [user, max_new]
-        return system, cid, (user,), base + user
-    return system, -1, (), max(prompt, base + 1)
+    cid = -1
+    if convs and rand() < 0.8:
+        n = len(convs)
+        k = n.bit_length()
+        cid = bits(k)
+        while cid >= n:
+            cid = bits(k)
+        cid = list(convs)[cid]
+    user = bits(6)  # `8 + _below(bits, 41)`
+    while user >= 41:
+        user = bits(6)
+    user += 8
+    if cid >= 0:
+        hist = convs[cid]
+        total = base + sum(hist) + user
+        if total <= cfg.max_prompt:
+            convs[cid] = [*hist, user, max_new]
+            return system, cid, (*hist, user), total
+        del convs[cid]
+    cid = next_conv[0]
+    next_conv[0] += 1
+    if len(convs) >= cfg.conversations:
+        del convs[min(convs)]
+    convs[cid] = [user, max_new]
+    return system, cid, (user,), base + user
 
 
 def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
-    """The workload `cfg` describes; the same config always gives the same list."""
+    """The workload `cfg` describes; the same config always gives the same list.
+
+    Its ints are `_below`'s draws, made inline (the same `getrandbits` calls: the same
+    values and generator state) for the ranges every request draws from, without a
+    call per draw (four or five a request); a range that is empty raises `_below`'s
+    error before anything is drawn."""
     cfg.validate()
     rng = random.Random(cfg.seed)
     shape_rng = random.Random(f"{cfg.seed}/prefixes")
     convs: dict[int, list[int]] = {}
     next_conv = [0]
     out = []
-    # The draws of rng.randint / rng.choice, made by `_below` (the same values).
+    # The draws of rng.randint / rng.choice, as `_below` makes them (the same values).
     bits, rand = rng.getrandbits, rng.random
     prompts = cfg.max_prompt - cfg.min_prompt + 1
     adapters, n_adapters = cfg.adapters, len(cfg.adapters)
+    max_new_tokens = cfg.max_new_tokens
+    if cfg.requests:
+        for n in (prompts, max_new_tokens):
+            if n <= 0:
+                _below(bits, n)  # raises, naming the empty range
+    k_prompt, k_new, k_adapter = (prompts.bit_length(), max_new_tokens.bit_length(),
+                                  n_adapters.bit_length())
+    min_prompt, arrivals_per_step = cfg.min_prompt, cfg.arrivals_per_step
+    disagg_fraction, lora_fraction = cfg.disagg_fraction, cfg.lora_fraction
+    prefetch_below = disagg_fraction + cfg.prefetch_fraction
+    sampling = cfg.n > 1
+    n_samples, sampling_fraction = cfg.n, cfg.sampling_fraction
+    abort_rate, fault_rate = cfg.abort_rate, cfg.fault_rate
+    system_len = cfg.system_prompt_len
+    spec = RequestSpec
     for i in range(cfg.requests):
         r = rand()
-        kind = ("disagg" if r < cfg.disagg_fraction else
-                "prefetch" if r < cfg.disagg_fraction + cfg.prefetch_fraction else
+        kind = ("disagg" if r < disagg_fraction else
+                "prefetch" if r < prefetch_below else
                 "colocated")
-        prompt = cfg.min_prompt + _below(bits, prompts)
-        lora = (adapters[_below(bits, n_adapters)]
-                if kind != "disagg" and rand() < cfg.lora_fraction else None)
-        n = 1
-        if kind == "colocated" and cfg.n > 1 and rand() < cfg.sampling_fraction:
-            n = cfg.n
-        abort_at = _below(bits, 13) if rand() < cfg.abort_rate else None
+        r = bits(k_prompt)
+        while r >= prompts:
+            r = bits(k_prompt)
+        prompt = min_prompt + r
+        lora = None
+        if kind != "disagg" and rand() < lora_fraction:
+            r = bits(k_adapter)
+            while r >= n_adapters:
+                r = bits(k_adapter)
+            lora = adapters[r]
+        n = n_samples if (kind == "colocated" and sampling
+                          and rand() < sampling_fraction) else 1
+        abort_at = None
+        if rand() < abort_rate:
+            abort_at = bits(4)
+            while abort_at >= 13:
+                abort_at = bits(4)
         fault = None
-        if rand() < cfg.fault_rate:
+        if rand() < fault_rate:
             faults = FAULTS[kind]
             fault = faults[_below(bits, len(faults))]
-        if fault == "unknown_adapter":
-            lora = "no-such-lora"
-        if fault == "collective" and abort_at is None:
-            abort_at = 2  # the collective that fails is the abort's
-        max_new = 1 + _below(bits, cfg.max_new_tokens)
+            if fault == "unknown_adapter":
+                lora = "no-such-lora"
+            elif fault == "collective" and abort_at is None:
+                abort_at = 2  # the collective that fails is the abort's
+        r = bits(k_new)
+        while r >= max_new_tokens:
+            r = bits(k_new)
+        max_new = 1 + r
         system, conv, history, prompt = _shape(cfg, shape_rng, convs, next_conv, prompt,
                                                max_new)
-        out.append(RequestSpec(
-            rid=f"r{i}",
-            kind=kind,
-            arrival=i // cfg.arrivals_per_step,
-            prompt_len=prompt,
-            max_new_tokens=max_new,
-            lora=lora,
-            n=n,
-            abort_at=abort_at,
-            fault=fault,
-            prefetch_pages=1 + _below(bits, 8) if kind == "prefetch" else 0,
-            mamba=rand() < 0.5,
-            system=system,
-            system_len=cfg.system_prompt_len if system >= 0 else 0,
-            conv=conv,
-            history=history,
-        ))
+        pages = 0
+        if kind == "prefetch":
+            pages = bits(4)
+            while pages >= 8:
+                pages = bits(4)
+            pages += 1
+        out.append(spec(f"r{i}", kind, i // arrivals_per_step, prompt, max_new, lora, n,
+                        abort_at, fault, pages, rand() < 0.5, system,
+                        system_len if system >= 0 else 0, conv, history))
     return out
