@@ -563,6 +563,13 @@ class SimDisagg:
         self.live: dict[str, deque[int]] = {}  # rid -> chunks in flight, oldest first
         self.errors: list[Exception] = []
         """Injected faults the driver raised (each left the request recoverable)."""
+        # State ids `step` compares (`req._s`) instead of reading the `state` and
+        # `terminal` properties, as the drivers' hot paths do.
+        m = self.engine.requests_machine
+        self._bootstrapping = m.states.index("bootstrapping")
+        self._scheduling = frozenset(m.states.index(s) for s in _SCHEDULING)
+        self._transferring = frozenset(m.states.index(s) for s in _TRANSFERRING)
+        self._terminal = m.terminal
 
     def add(self, spec: RequestSpec) -> None:
         """A new request; its fault (if any) is armed on the transport."""
@@ -607,22 +614,22 @@ class SimDisagg:
         requests = e.requests
         errors = self.errors
         result, schedule, poll = e.result, e.schedule, e.poll_transfer
+        bootstrapping, scheduling = self._bootstrapping, self._scheduling
+        transferring, terminal = self._transferring, self._terminal
         for rid, in_flight in self.live.items():
             req = requests[rid]
-            state = req.state
-            if state == "bootstrapping":
+            if req._s == bootstrapping:
                 e.bootstrap(rid)
-                state = req.state
-                if state == "bootstrapping":
+                if req._s == bootstrapping:
                     continue  # no metadata slot free yet: poll again next step
             if in_flight:
                 try:
                     result(rid, in_flight.popleft())
                 except (InjectedFault, ReleaseFailed) as err:
                     errors.append(err)
-                state = req.state
             # (`schedule` would return None for a request whose chunks are all out.)
-            while len(in_flight) < 2 and state in _SCHEDULING and len(req.chunks) < req.n_chunks:
+            while (len(in_flight) < 2 and req._s in scheduling
+                   and len(req.chunks) < req.n_chunks):
                 try:
                     chunk = schedule(rid)
                 except (InjectedFault, ReleaseFailed) as err:
@@ -631,13 +638,12 @@ class SimDisagg:
                 if chunk is None:
                     break
                 in_flight.append(chunk.index)
-                state = req.state
-            if req.state in _TRANSFERRING:
+            if req._s in transferring:
                 try:
                     poll(rid)
                 except (InjectedFault, ReleaseFailed) as err:
                     errors.append(err)
-            if req.terminal and not in_flight:
+            if terminal[req._s] and not in_flight:
                 done.append(rid)
         for rid in done:
             del self.live[rid]
