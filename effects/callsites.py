@@ -107,7 +107,8 @@ CALL_SITES: tuple[CallSite, ...] = tuple([
     *_c("registry", "lora_registry", "release release_nowait", "release effect "
         "release_lora"),
     *_c("tokenizer", "tokenizer", "tokenize", "TokenizerSide.submit, _prepare_group"),
-    *_c("transport", "scheduler", "send", "TokenizerSide._send", ConnectionError),
+    *_c("transport", "scheduler", "send", "TokenizerSide.submit (_run_request), _send",
+        ConnectionError),
     *_c("transport", "scheduler", "abort", "plan release_aborted (tell_scheduler_abort, "
         "best-effort)", ConnectionError),
     # -- running batch (effects.sequence.RunningBatch) ----------------------------------------

@@ -11,7 +11,8 @@
                    DisaggAbort -> draining [chunks_in_flight], else aborted ▸;
                    BootstrapFailed -> draining [chunks_in_flight], else bootstrap_failed ▸;
                    else error
-    draining       ChunkSettled -> aborted ▸ [drained], else draining;
+    draining       ChunkSettled, ChunkSettledLast, ChunkSettledNotLast -> aborted ▸
+                   [drained], else draining;
                    DisaggAbort, BootstrapFailed -> ignore; else error
     transferring   TransferDone -> succeeded ▸; TransferFailed -> failed ▸;
                    DisaggAbort -> awaiting_sender; else error

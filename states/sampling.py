@@ -11,6 +11,10 @@
     still owns. BatchFailed (a sibling parent of the batch failed) is accepted in every
     live state, since the parents of a batch progress concurrently.
 
+`Submitted(acquire=)` decides with the guard `wants_lora`; a driver that knows which it
+is fires `SubmittedAcquiring` or `SubmittedNoAcquire`, the same two edges unguarded (as
+in `states.request`).
+
 The parent owns `len(prompts) x n` LoRA references (handle kind ``"lora"``) from the
 acquire until fan-out. The prefix warm-up request of each prompt is a non-owner observer
 of them. Fan-out is the parent's terminal transition: its plan transfers exactly one

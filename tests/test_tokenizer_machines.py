@@ -30,6 +30,8 @@ from tests.tokenizer_side import FakeScheduler, RecordingSink
 STATUS = st.sampled_from([400, 404, 500, 503])
 REQUEST_EVENTS = st.one_of(
     st.builds(rq.Submitted, acquire=st.booleans()),
+    st.just(rq.SubmittedAcquiring()),
+    st.just(rq.SubmittedNoAcquire()),
     st.builds(rq.LoRAAcquired, lora_ids=st.just((1,))),
     st.builds(rq.AcquireFailed, status=STATUS),
     st.just(rq.Validated()),
@@ -42,6 +44,8 @@ REQUEST_EVENTS = st.one_of(
 )
 SAMPLING_EVENTS = st.one_of(
     st.builds(rq.Submitted, acquire=st.booleans()),
+    st.just(rq.SubmittedAcquiring()),
+    st.just(rq.SubmittedNoAcquire()),
     st.just(rq.LoRAAcquired()),
     st.builds(rq.AcquireFailed, status=STATUS),
     st.just(rq.Validated()),
