@@ -3,6 +3,7 @@ with zero leaks, the naive baseline shows the seeds' leaks, and bad input is one
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import sys
@@ -155,11 +156,11 @@ def test_the_command_freezes_its_heap_after_its_runs_only_when_the_process_ends(
 
 
 def test_token_ids_are_the_seeded_draws_of_their_segments():
-    # The ids are defined as random.Random(key).randbytes(2 * n), read as native-order
-    # 16-bit draws, each mod 32000 plus 1: the reused generator must give exactly those
-    # (a workload's prompts would otherwise change with the implementation).
+    # The ids are defined as the key's SHAKE-128 digest of 2 * n bytes, read as
+    # native-order 16-bit words, each mod 32000 plus 1: the table lookup must give
+    # exactly those (a workload's prompts would otherwise change with the implementation).
     def reference(key: str, n: int) -> list[int]:
-        raw = random.Random(key).randbytes(2 * n)
+        raw = hashlib.shake_128(key.encode()).digest(2 * n)
         return [int.from_bytes(raw[i:i + 2], sys.byteorder) % 32000 + 1
                 for i in range(0, 2 * n, 2)]
 

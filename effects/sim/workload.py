@@ -16,17 +16,17 @@ same ones). It knows no pools and no tensors: `terminus.effects.sim.serving` exe
                 then every earlier turn and reply of the conversation, then the new turn
 
 Token ids are not stored: `prompt_tokens(spec)` and `reply_tokens(spec, n)` rebuild
-them from seeded segments, so a later turn extends exactly the prompt and the reply of
+them from seeded segments (a segment's ids are its key's SHAKE-128 digest: `_draw`),
+so a later turn extends exactly the prompt and the reply of
 its earlier turns (what a prefix cache can hit), and requests share system prompts.
 """
 
 from __future__ import annotations
 
-import _random
 import functools
 import random
 from collections.abc import Callable
-from hashlib import sha512 as _sha512
+from hashlib import shake_128 as _shake
 
 import msgspec
 import numpy
@@ -127,37 +127,22 @@ class WorkloadConfig(msgspec.Struct, frozen=True):
                              "lora_fraction=0")
 
 
-_MT = _random.Random()
-"""One generator, reseeded for every segment (`_segment`)."""
-_seed = _random.Random.seed
-_getrandbits = _random.Random.getrandbits
 _IDS = numpy.array(range(1, 32001), dtype=object)[numpy.arange(1 << 16) % 32000]
 """Token id of each 16-bit draw: the int objects themselves (an object array), so
 a draw's `tolist()` shares them instead of making an int per token."""
 _take = _IDS.take
 _frombuffer = numpy.frombuffer
-_from_bytes = int.from_bytes
 _U16 = numpy.dtype(numpy.uint16)  # native order (a dtype object: no lookup per call)
 
 
 def _draw(key: str, n: int) -> list[int]:
-    """`n` token ids (1..32000) seeded by `key` (the same key always gives the same
-    ids), a new list: each id is a native-order 16-bit draw mod 32000, plus 1 (array
-    indexing, not a loop in Python).
-
-    The draws are `random.Random(key).randbytes(2 * n)`'s, made without building a
-    generator per segment: the seed is the integer `Random.seed` makes of a str (its
-    UTF-8 bytes followed by their SHA-512), given to one reused generator's C seed,
-    and `randbytes` is `getrandbits` as little-endian bytes. (The seed and the first
-    draw, which twists the new state, are most of a draw's ~6 µs: MT19937's own
-    cost; everything else is bound once at import.)
+    """`n` token ids (1..32000) derived from `key` (the same key always gives the same
+    ids), a new list: each id is a native-order 16-bit word of the key's SHAKE-128
+    digest, mod 32000, plus 1 (array indexing, not a loop in Python).
     """
     if n == 0:
         return []
-    b = key.encode()
-    _seed(_MT, _from_bytes(b + _sha512(b).digest(), "big"))
-    return _take(_frombuffer(_getrandbits(_MT, 16 * n).to_bytes(2 * n, "little"),
-                             _U16)).tolist()
+    return _take(_frombuffer(_shake(key.encode()).digest(2 * n), _U16)).tolist()
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -165,8 +150,7 @@ def _segment(key: str, n: int) -> tuple[int, ...]:
     """`_draw(key, n)`, kept: the segments that recur (system prompts, conversation
     turns and replies). A request's own segments (the rest of its prompt, a reply
     that no later turn repeats) are drawn by `_draw` uncached: tens of thousands of
-    them would push out the few hundred that recur, each then drawn again (a new
-    seed each: the draw's main cost).
+    them would push out the few hundred that recur, each then drawn again.
 
     The simulator makes the disaggregated requests' prompts before its run and the
     others' during it: two passes over the conversations, so a segment made in the
