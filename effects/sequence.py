@@ -39,7 +39,6 @@ from terminus.kernels import (
     repeat_rows,
 )
 from terminus.kernels._stack import host_ints
-from terminus.kernels.req_table import _HOST_ALLOC
 from terminus.kernels.protocols import (
     AuditedPool,
     KVAllocator,
@@ -47,6 +46,7 @@ from terminus.kernels.protocols import (
     page_size_of,
     require,
 )
+from terminus.kernels.req_table import _HOST_ALLOC
 from terminus.states.sequence import SEQUENCE, Admit
 
 from .prefix_cache import PageAudit, PrefixCache, PrefixLock, audit_pages

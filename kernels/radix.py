@@ -331,7 +331,7 @@ class RadixTree:
         if any(h is None for h in hosts):
             return RadixMatch(torch.cat([n.value for n in path]), node, done)
         # Every node from the host: one numpy concatenation (the same indices), wrapped.
-        host = np.concatenate(hosts)  # type: ignore[arg-type]
+        host: np.ndarray = np.concatenate(hosts)  # type: ignore[arg-type]
         return RadixMatch(torch.from_numpy(host), node, done, host)
 
     # -- insert ---------------------------------------------------------------------------
@@ -579,6 +579,8 @@ class RadixTree:
             assert n.parent is not None
             assert len(n.key) and len(n.key) % self.page_size == 0, f"{n!r}: partial page"
             assert n.value.numel() == len(n.key), f"{n!r}: {n.value.numel()} indices"
+            assert n.host is None or (n.host.shape[0] == len(n.key) and np.shares_memory(
+                n.host, n.value.numpy())), f"{n!r}: its host array is not its value's"
             assert n.parent.children.get(self._child_key(n.key)) is n, f"{n!r}: misplaced"
             below = sum(c.lock_ref for c in n.children.values())
             assert n.lock_ref >= below, f"{n!r}: lock_ref below its children's ({below})"
