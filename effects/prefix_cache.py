@@ -171,10 +171,11 @@ class PrefixCache:
             return 0
         kv = self.kv
         if (type(kv) is TokenKVAllocator and kv._free._stack_host is not None
-                and self.tree.device.type == "cpu"):
-            # Our own pool with its free list on the host (exactly the class: a proxy of
-            # a fault plan takes free() below): the dropped indices as numpy, freed
-            # through free_host (the same pages in the same order, no torch op).
+                and self.tree.device.type == "cpu" and "free" not in kv.__dict__):
+            # Our own pool with its free list on the host (exactly the class, its free
+            # its own: a fault plan's proxy, or a free wrapped on the instance, as bench
+            # e2e's pool clock does, takes free() below): the dropped indices as numpy,
+            # freed through free_host (the same pages in the same order, no torch op).
             idx_np = self.tree.evict_host(num_tokens)
             n = idx_np.shape[0]
             if n:

@@ -341,9 +341,12 @@ class RunningBatch:
         if table.available < n or (mamba and pools.mamba.available_size() < n):
             return None
         rows_np: np.ndarray | None = None
-        if type(table) is ReqToTokenTable and table._np is not None and 0 < n <= _HOST_ALLOC:
-            # Our own CPU table (exactly the class: a fault plan's proxy takes alloc()):
-            # the rows as numpy, read as a list and an index with no torch call.
+        if (type(table) is ReqToTokenTable and table._np is not None and 0 < n <= _HOST_ALLOC
+                and "alloc" not in table.__dict__):
+            # Our own CPU table (exactly the class, its alloc its own: a fault plan's
+            # proxy, or an alloc wrapped on the instance, as bench e2e's pool clock does,
+            # takes alloc()): the rows as numpy, read as a list and an index with no
+            # torch call.
             rows_np = table.alloc_host(n)
             assert rows_np is not None
             rows = torch.from_numpy(rows_np)

@@ -304,3 +304,34 @@ def test_alloc_host_takes_and_resets_the_rows_alloc_would():
     tables[1].free(b)
     for t in tables:
         t.assert_full()
+
+
+def test_a_free_or_alloc_wrapped_on_the_instance_is_called_not_bypassed():
+    # bench e2e's pool clock (and any caller) wraps a pool's methods on the instance:
+    # the host paths are for a pool whose methods are its class's own, so a wrapped
+    # free (eviction) and a wrapped alloc (admission) are called as before.
+    pools = SchedulerPools(rows=4, max_context_len=32, kv_tokens=64, mamba_slots=4,
+                           page_size=4)
+    calls: list[str] = []
+    for obj, name in ((pools.kv, "free"), (pools.table, "alloc")):
+        fn = getattr(obj, name)
+
+        def wrapped(*a, _fn=fn, _name=name, **k):
+            calls.append(_name)
+            return _fn(*a, **k)
+
+        setattr(obj, name, wrapped)
+    cache = PrefixCache(pools.kv)
+    rb = RunningBatch(pools, cache=cache)
+    prompt = list(range(9))
+    rows = rb.admit(1, mamba=False, prompts=[prompt])
+    assert calls == ["alloc"]
+    assert rb.append_kv(rows, [len(prompt)])
+    rb.fire(rows, ChunkLaunched)
+    rb.fire(rows, LastChunkDone)
+    rb.fire(rows, Finish)
+    assert cache.held_tokens == 8
+    calls.clear()
+    assert cache.evict_all() == 8
+    assert calls == ["free"]
+    pools.assert_full()
