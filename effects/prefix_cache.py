@@ -26,9 +26,11 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from terminus.fsm import ReleaseContext, release_effect
+from terminus.kernels.kv import TokenKVAllocator
 from terminus.kernels.protocols import AuditedPool, KVAllocator, page_size_of
 from terminus.kernels.radix import RadixInsert, RadixMatch, RadixNode, RadixTree
 
@@ -140,8 +142,19 @@ class PrefixCache:
         free them through the KV releaser). `owned_from`: the request's matched, locked
         prefix length (those indices are the tree's already). Raises (nothing changed)
         when the tree refuses; the caller's pages are then all still its own."""
+        return self._inserted(rid, self.tree.insert(tokens, kv_indices,
+                                                    owned_from=owned_from))
+
+    def insert_host(self, rid: Any, tokens: Sequence[int], kv_indices: np.ndarray, *,
+                    owned_from: int = 0) -> RadixInsert:
+        """`insert` with the KV indices as a 1-D numpy integer array (a CPU table's row;
+        see `RadixTree.insert_host`): the same decisions, counts and errors."""
+        return self._inserted(rid, self.tree.insert_host(tokens, kv_indices,
+                                                         owned_from=owned_from))
+
+    def _inserted(self, rid: Any, res: RadixInsert) -> RadixInsert:
+        """Count an insert the tree did (`res`)."""
         tree = self.tree
-        res = tree.insert(tokens, kv_indices, owned_from=owned_from)
         inserts = self.inserts  # (a Counter's += on a new key calls its __missing__)
         inserts[rid] = inserts.get(rid, 0) + 1
         self.inserted_tokens += res.taken_count
@@ -156,6 +169,19 @@ class PrefixCache:
         KV pool, least recently used leaves first; returns the tokens freed."""
         if num_tokens <= 0:
             return 0
+        kv = self.kv
+        if (type(kv) is TokenKVAllocator and kv._free._stack_host is not None
+                and self.tree.device.type == "cpu" and "free" not in kv.__dict__):
+            # Our own pool with its free list on the host (exactly the class, its free
+            # its own: a fault plan's proxy, or a free wrapped on the instance, as bench
+            # e2e's pool clock does, takes free() below): the dropped indices as numpy,
+            # freed through free_host (the same pages in the same order, no torch op).
+            idx_np = self.tree.evict_host(num_tokens)
+            n = idx_np.shape[0]
+            if n:
+                kv.free_host(idx_np[::self.page_size] if self.page_size > 1 else idx_np)
+                self.evicted_tokens += n
+            return n
         idx = self.tree.evict(num_tokens)
         n = int(idx.numel())
         if n:

@@ -46,6 +46,7 @@ from terminus.kernels.protocols import (
     page_size_of,
     require,
 )
+from terminus.kernels.req_table import _HOST_ALLOC
 from terminus.states.sequence import SEQUENCE, Admit
 
 from .prefix_cache import PageAudit, PrefixCache, PrefixLock, audit_pages
@@ -256,8 +257,9 @@ class RunningBatch:
         r2t = table.req_to_token
         # A CPU table's rows are read and rewritten through a numpy view (one host
         # operation each, where the tensor path takes two or three torch calls).
-        r2t_np = table._np[2] if table._np is not None else None
-        insert = cache.insert
+        r2t_np = (table._np[2] if table._np is not None and cache.tree.device.type == "cpu"
+                  else None)
+        insert, insert_host = cache.insert, cache.insert_host
         for r, length in zip(ids, lengths, strict=True):
             lock, toks = locks[r], tokens[r]
             start = lock.length if lock is not None else 0
@@ -267,21 +269,28 @@ class RunningBatch:
                     if n > length:
                         n = length
                     if r2t_np is not None:
-                        kv_np = r2t_np[r, :n].astype(np.int64)  # a copy: the tree's
-                        kv = torch.from_numpy(kv_np)
+                        # The row's columns as a view: the tree copies what it takes
+                        # (insert_host: numpy copies, its node keeps them as `host`).
+                        kv_np = r2t_np[r, :n]
+                        res = insert_host(r, toks if n == len(toks) else toks[:n], kv_np,
+                                          owned_from=start if start < n else n)
                     else:
                         kv = r2t[r, :n].to(torch.int64)
-                    res = insert(r, toks if n == len(toks) else toks[:n], kv,
-                                 owned_from=start if start < n else n)
+                        res = insert(r, toks if n == len(toks) else toks[:n], kv,
+                                     owned_from=start if start < n else n)
                     taken = res.taken_count
                     if taken:
                         # The tree took kv[prefix_len:end]; the row still owns the
                         # duplicates kv[start:prefix_len] and the tail kv[end:]: move the
                         # taken run first, so the row owns the columns after it.
                         p, end = res.prefix_len, res.prefix_len + taken
-                        if r2t_np is not None:  # (kv_np: the row's columns, as they were)
-                            r2t_np[r, start:start + taken] = kv_np[p:end]
-                            r2t_np[r, start + taken:end] = kv_np[start:p]
+                        if r2t_np is not None:
+                            # kv_np is the row itself: the duplicates copied before the
+                            # taken run (the tree's copy, res.node.host) moves over them.
+                            dup = kv_np[start:p].copy() if p > start else None
+                            kv_np[start:start + taken] = res.node.host
+                            if dup is not None:
+                                kv_np[start + taken:end] = dup
                         else:
                             row = torch.cat((kv[:start], kv[p:end], kv[start:p], kv[end:]))
                             r2t[r, :n] = row.to(r2t.dtype)
@@ -328,22 +337,36 @@ class RunningBatch:
             raise ValueError("admit: prompts given but the batch has no prefix cache; "
                              "build it with RunningBatch(pools, cache=PrefixCache(pools.kv))")
         pools = self.pools
-        if pools.table.available < n or (mamba and pools.mamba.available_size() < n):
+        table = pools.table
+        if table.available < n or (mamba and pools.mamba.available_size() < n):
             return None
-        rows = pools.table.alloc(n)
-        assert rows is not None
+        rows_np: np.ndarray | None = None
+        if (type(table) is ReqToTokenTable and table._np is not None and 0 < n <= _HOST_ALLOC
+                and "alloc" not in table.__dict__):
+            # Our own CPU table (exactly the class, its alloc its own: a fault plan's
+            # proxy, or an alloc wrapped on the instance, as bench e2e's pool clock does,
+            # takes alloc()): the rows as numpy, read as a list and an index with no
+            # torch call.
+            rows_np = table.alloc_host(n)
+            assert rows_np is not None
+            rows = torch.from_numpy(rows_np)
+        else:
+            got = table.alloc(n)
+            assert got is not None
+            rows = got
         if mamba:
             try:
                 slots = pools.mamba.alloc(n)
             except BaseException:
-                pools.table.free(rows)  # not admitted yet: nobody else can free them
+                table.free(rows)  # not admitted yet: nobody else can free them
                 raise
             assert slots is not None
-            if pools.table._np is not None and slots.is_cpu:
-                pools.table._np[1][rows.numpy()] = slots.numpy()  # the table's own memory
+            if table._np is not None and slots.is_cpu:
+                # the table's own memory
+                table._np[1][rows_np if rows_np is not None else rows.numpy()] = slots.numpy()
             else:
-                pools.table.mamba_slots.index_copy_(0, rows, slots.to(torch.int64))
-        ids = rows.tolist()
+                table.mamba_slots.index_copy_(0, rows, slots.to(torch.int64))
+        ids = rows_np.tolist() if rows_np is not None else rows.tolist()
         if queued:
             self._admitted_ids += ids
             if not rows.is_cpu:
@@ -358,7 +381,6 @@ class RunningBatch:
             self._deliver(ev, None, rows)
         if prompts is not None:
             assert self.cache is not None
-            table = pools.table
             host = table._np  # a CPU table: rows written through numpy views
             match, lock_of = self.cache.match, self.cache.lock
             tokens, locks = self.tokens, self.locks
@@ -369,8 +391,11 @@ class RunningBatch:
                 if ln:
                     locks[r] = lock_of(m)
                     if host is not None:
-                        ind = m.indices
-                        host[2][r, :ln] = ind.numpy() if ind.is_cpu else ind.cpu().numpy()
+                        ind_np = m.host  # (the same indices, from a host insert)
+                        if ind_np is None:
+                            ind = m.indices
+                            ind_np = ind.numpy() if ind.is_cpu else ind.cpu().numpy()
+                        host[2][r, :ln] = ind_np
                         host[0][r] = ln
                     else:
                         table.req_to_token[r, :ln] = m.indices.to(

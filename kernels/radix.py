@@ -41,6 +41,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from terminus.kernels.errors import KernelError
@@ -58,14 +59,18 @@ class StaleNode(KernelError):
 
 
 class RadixNode:
-    """One node of the tree: ``key`` (token ids, whole pages), ``value`` (their KV indices)."""
+    """One node of the tree: ``key`` (token ids, whole pages), ``value`` (their KV indices)
+    and ``host``: ``value``'s numpy array (the same memory) when the node was inserted
+    from the host (`RadixTree.insert_host`), else None."""
 
-    __slots__ = ("children", "held", "key", "last_access", "lock_ref", "parent", "value")
+    __slots__ = ("children", "held", "host", "key", "last_access", "lock_ref", "parent",
+                 "value")
 
     def __init__(self, key: tuple[int, ...], value: torch.Tensor,
-                 parent: RadixNode | None) -> None:
+                 parent: RadixNode | None, host: np.ndarray | None = None) -> None:
         self.key = key
         self.value = value
+        self.host = host
         self.parent = parent
         self.children: dict[tuple[int, ...], RadixNode] = {}
         self.lock_ref = 0
@@ -87,15 +92,20 @@ class RadixNode:
 
 class RadixMatch:
     """What ``match_prefix`` found: ``length`` cached tokens, their KV ``indices``, and
-    the ``node`` the match ended at (lock it to keep the prefix from eviction)."""
+    the ``node`` the match ended at (lock it to keep the prefix from eviction).
 
-    __slots__ = ("indices", "length", "node")
+    ``host``: the same indices as an int64 numpy array (``indices``' memory) when every
+    matched node was inserted from the host, else None: a CPU caller that writes them
+    into a table reads them without a ``.numpy()`` call. Read-only, as ``indices``."""
+
+    __slots__ = ("host", "indices", "length", "node")
 
     def __init__(self, indices: torch.Tensor, node: RadixNode,
-                 length: int | None = None) -> None:
+                 length: int | None = None, host: np.ndarray | None = None) -> None:
         self.indices = indices
         self.length = int(indices.numel()) if length is None else length
         self.node = node
+        self.host = host
 
 
 class RadixInsert:
@@ -113,7 +123,8 @@ class RadixInsert:
                  "taken_count")
 
     def __init__(self, prefix_len: int, node: RadixNode, taken: torch.Tensor,
-                 values: torch.Tensor, owned_from: int, dup_end: int, cached_end: int) -> None:
+                 values: torch.Tensor | np.ndarray, owned_from: int, dup_end: int,
+                 cached_end: int) -> None:
         self.prefix_len = prefix_len
         self.node = node
         self.taken = taken
@@ -128,12 +139,18 @@ class RadixInsert:
     def duplicates(self) -> torch.Tensor:
         """The caller's indices of tokens the tree already held (the caller frees them)."""
         lo, hi, _ = self._dup
-        return self._values[lo:hi]
+        v = self._values
+        if isinstance(v, np.ndarray):  # insert_host: the array as it is now, int64
+            return torch.from_numpy(v[lo:hi].astype(np.int64))
+        return v[lo:hi]
 
     @property
     def leftover(self) -> torch.Tensor:
         """The caller's indices past the last whole page (not cached; the caller frees)."""
-        return self._values[self._dup[2]:]
+        v = self._values
+        if isinstance(v, np.ndarray):
+            return torch.from_numpy(v[self._dup[2]:].astype(np.int64))
+        return v[self._dup[2]:]
 
 
 def _common(a: tuple[int, ...], b: tuple[int, ...], page: int, at: int = 0) -> int:
@@ -236,10 +253,14 @@ class RadixTree:
         """Cut `child` after `at` tokens (a page boundary): a new parent holds the head."""
         parent = child.parent
         assert parent is not None and 0 < at < len(child.key)
-        head = RadixNode(child.key[:at], child.value[:at], parent)
+        host = child.host
+        head = RadixNode(child.key[:at], child.value[:at], parent,
+                         None if host is None else host[:at])
         head.lock_ref = child.lock_ref  # (its `held` 0: the locks were taken at `child`)
         head.last_access = child.last_access
         child.key, child.value = child.key[at:], child.value[at:]
+        if host is not None:
+            child.host = host[at:]
         child.parent = head
         head.children[self._child_key(child.key)] = child
         parent.children[self._child_key(head.key)] = head
@@ -304,8 +325,14 @@ class RadixTree:
         node = self._touch(path, cut)
         if not path:
             return RadixMatch(self._empty, node, 0)
-        indices = torch.cat([n.value for n in path]) if len(path) > 1 else path[0].value
-        return RadixMatch(indices, node, done)
+        if len(path) == 1:
+            return RadixMatch(node.value, node, done, node.host)
+        hosts = [n.host for n in path]
+        if any(h is None for h in hosts):
+            return RadixMatch(torch.cat([n.value for n in path]), node, done)
+        # Every node from the host: one numpy concatenation (the same indices), wrapped.
+        host: np.ndarray = np.concatenate(hosts)  # type: ignore[arg-type]
+        return RadixMatch(torch.from_numpy(host), node, done, host)
 
     # -- insert ---------------------------------------------------------------------------
 
@@ -329,6 +356,41 @@ class RadixTree:
         if dtype is not torch.int64 and (dtype.is_floating_point or dtype == torch.bool):
             raise ValueError(f"RadixTree.insert: kv_indices must be an integer tensor, "
                              f"got {kv_indices.dtype}")
+        values = kv_indices if dtype is torch.int64 else kv_indices.to(torch.int64)
+        return self._insert(tokens, values, None, owned_from)
+
+    def insert_host(self, tokens: Sequence[int], kv_indices: np.ndarray,
+                    *, owned_from: int = 0) -> RadixInsert:
+        """`insert` of a CPU tree with the KV indices as a 1-D numpy integer array (a row
+        of a CPU table, int32 or int64): the tree copies what it takes as int64 (numpy
+        copies, no torch op but the wrap of what it keeps), and keeps that array as the
+        node's ``host`` (`match_prefix` hands it back without a ``.numpy()`` call).
+
+        The same decisions, nodes, values and errors as `insert` of
+        ``torch.from_numpy(kv_indices)``; the result's ``duplicates`` and ``leftover``
+        are read from ``kv_indices`` as it is when they are read (the caller may
+        overwrite its array after the call: read them first). ValueError (nothing
+        changed) for a tree off the CPU or anything `insert` refuses.
+        """
+        if self.device.type != "cpu":
+            raise ValueError(f"RadixTree.insert_host: the tree is on {self.device}; pass "
+                             "a tensor to insert()")
+        if (not isinstance(kv_indices, np.ndarray) or kv_indices.ndim != 1
+                or kv_indices.shape[0] != len(tokens)):
+            raise ValueError(
+                f"RadixTree.insert_host: {len(tokens)} tokens but kv_indices "
+                f"{type(kv_indices).__name__} of shape {getattr(kv_indices, 'shape', None)}"
+                "; pass one KV index per token (a 1-D numpy array)")
+        dt = kv_indices.dtype
+        if not (dt.kind == "i" or (dt.kind == "u" and dt.itemsize < 8)):
+            raise ValueError(f"RadixTree.insert_host: kv_indices must be an integer array, "
+                             f"got {kv_indices.dtype}")
+        return self._insert(tokens, kv_indices, kv_indices, owned_from)
+
+    def _insert(self, tokens: Sequence[int], values: torch.Tensor | np.ndarray,
+                host: np.ndarray | None, owned_from: int) -> RadixInsert:
+        """`insert` once its indices are checked: `values` int64 (a tensor), or `host`
+        (= `values`, a numpy integer array) for `insert_host`."""
         if not 0 <= owned_from <= len(tokens):
             raise ValueError(f"RadixTree.insert: owned_from={owned_from} is outside "
                              f"0..{len(tokens)} (the length of the sequence)")
@@ -341,15 +403,20 @@ class RadixTree:
                 f"no longer cached (the tree holds {prefix_len} of them); lock the matched "
                 "node from match_prefix until the insert so eviction cannot drop it")
         node = self._touch(path, cut)
-        values = kv_indices if dtype is torch.int64 else kv_indices.to(torch.int64)
         taken = self._empty
         if prefix_len < end:
-            # One dispatched op (narrow + clone is two, ~2.5x the time on a CPU).
-            taken = values.narrow_copy(0, prefix_len, end - prefix_len)
+            taken_np = None
+            if host is None:
+                # One dispatched op (narrow + clone is two, ~2.5x the time on a CPU).
+                taken = values.narrow_copy(0, prefix_len, end - prefix_len)  # type: ignore[union-attr]
+            else:
+                # A numpy copy (astype copies), wrapped: one torch call, not dispatched.
+                taken_np = host[prefix_len:end].astype(np.int64)
+                taken = torch.from_numpy(taken_np)
             key = seq[prefix_len:end]  # (a tuple kept whole is not copied)
             if key.__class__ is not tuple:
                 key = tuple(key)
-            new = RadixNode(key, taken, node)
+            new = RadixNode(key, taken, node, taken_np)
             self._clock = new.last_access = self._clock + 1
             node.children[key[:self.page_size]] = new
             self._evictable += end - prefix_len
@@ -449,12 +516,32 @@ class RadixTree:
         """Drop least-recently-used unlocked leaves until `num_tokens` tokens are dropped
         (or nothing evictable is left); returns their KV indices, for the caller to free.
         Never drops a locked node (nor, so, any ancestor of one)."""
+        dropped = self._drop(num_tokens)
+        if not dropped:
+            return self._empty
+        return torch.cat([n.value for n in dropped]) if len(dropped) > 1 else dropped[0].value
+
+    def evict_host(self, num_tokens: int) -> np.ndarray:
+        """`evict` of a CPU tree, the dropped indices as an int64 numpy array (the same
+        indices in the same order; the nodes' ``host`` arrays, no torch op when every
+        dropped node was inserted from the host). ValueError for a tree off the CPU."""
+        if self.device.type != "cpu":
+            raise ValueError(f"RadixTree.evict_host: the tree is on {self.device}; use "
+                             "evict()")
+        dropped = self._drop(num_tokens)
+        if not dropped:
+            return np.empty(0, dtype=np.int64)
+        arrs = [n.host if n.host is not None else n.value.cpu().numpy() for n in dropped]
+        return np.concatenate(arrs) if len(arrs) > 1 else arrs[0]
+
+    def _drop(self, num_tokens: int) -> list[RadixNode]:
+        """Drop the leaves `evict` drops; returns them in the order dropped."""
         if num_tokens < 0:
             raise ValueError(f"RadixTree.evict: num_tokens must be >= 0, got {num_tokens}")
         if num_tokens == 0 or not self._evictable:
-            return self._empty
+            return []
         heap, leaves = self._heap, self._leaves
-        dropped: list[torch.Tensor] = []
+        dropped: list[RadixNode] = []
         count = 0
         page = self.page_size
         while count < num_tokens and heap:
@@ -466,15 +553,13 @@ class RadixTree:
             assert parent is not None
             del parent.children[leaf.key[:page]]
             leaf.parent = None
-            dropped.append(leaf.value)
+            dropped.append(leaf)
             count += len(leaf.key)
             self._evictable -= len(leaf.key)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 self._leaf(parent)
                 heap = self._heap  # (rebuilt when mostly stale)
-        if not dropped:
-            return self._empty
-        return torch.cat(dropped) if len(dropped) > 1 else dropped[0]
+        return dropped
 
     # -- audits ---------------------------------------------------------------------------
 
@@ -494,6 +579,8 @@ class RadixTree:
             assert n.parent is not None
             assert len(n.key) and len(n.key) % self.page_size == 0, f"{n!r}: partial page"
             assert n.value.numel() == len(n.key), f"{n!r}: {n.value.numel()} indices"
+            assert n.host is None or (n.host.shape[0] == len(n.key) and np.shares_memory(
+                n.host, n.value.numpy())), f"{n!r}: its host array is not its value's"
             assert n.parent.children.get(self._child_key(n.key)) is n, f"{n!r}: misplaced"
             below = sum(c.lock_ref for c in n.children.values())
             assert n.lock_ref >= below, f"{n!r}: lock_ref below its children's ({below})"

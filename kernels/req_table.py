@@ -13,6 +13,7 @@ allocator's free list, so a double free of a slot is detected the same way.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from terminus.kernels._stack import FreeStack, IdsLike, StackPool, as_ids
@@ -20,6 +21,8 @@ from terminus.kernels._stack import FreeStack, IdsLike, StackPool, as_ids
 __all__ = ["ReqToTokenTable"]
 
 _NP_DTYPES = (torch.int64, torch.int32)  # token slots `write` stores through numpy
+_HOST_ALLOC = 64
+"""A CPU table allocates up to this many rows at once through `alloc_host`."""
 
 
 class ReqToTokenTable(StackPool):
@@ -50,21 +53,29 @@ class ReqToTokenTable(StackPool):
 
     def alloc(self, n: int = 1) -> torch.Tensor | None:
         """``n`` request slots with length 0, or None when short (never partial)."""
-        views = self._np
-        if views is not None and 0 < n <= 64:
+        if self._np is not None and 0 < n <= _HOST_ALLOC:
             # A CPU table: a few rows popped as numpy and reset through numpy views (the
             # same memory), one tensor made at the end.
-            at = self._free.pop_host(n)
-            if at is None:
-                return None
-            views[0][at] = 0
-            views[1][at] = 0
-            return torch.from_numpy(at)
+            at = self.alloc_host(n)
+            return None if at is None else torch.from_numpy(at)
         slots = self._free.pop(n)
         if slots is not None and n:
             self.lengths.index_fill_(0, slots, 0)
             self.mamba_slots.index_fill_(0, slots, 0)
         return slots
+
+    def alloc_host(self, n: int) -> np.ndarray | None:
+        """`alloc(n)` of a CPU table as a numpy int64 array of its own (the same checks,
+        rows and resets; no tensor made), or None when short. ValueError off the CPU."""
+        views = self._np
+        if views is None:
+            raise ValueError("ReqToTokenTable.alloc_host needs a CPU table; use alloc()")
+        at = self._free.pop_host(n)
+        if at is None:
+            return None
+        views[0][at] = 0
+        views[1][at] = 0
+        return at
 
     def free(self, slots: IdsLike) -> None:
         """Return request slots. Their KV and Mamba state are the caller's to release."""
