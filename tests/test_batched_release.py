@@ -76,6 +76,26 @@ def test_releases_every_pool_with_one_free_call_each(device):
         pool.assert_full()
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_free_replaced_on_the_pool_itself_is_called(device, page_size):
+    # A wrapper set on the instance (`terminus bench e2e`'s pool clock, a user's
+    # counter) sees the release: our own pools' direct pushes would go around it.
+    kv, table, mamba, slots = setup([3, 1, 5], device, page_size=page_size)
+    seen: dict[str, list[list[int]]] = {"kv": [], "mamba": [], "table": []}
+    for name, pool in (("kv", kv), ("mamba", mamba), ("table", table)):
+        def free(ids, _inner=pool.free, _name=name):
+            seen[_name].append(sorted(torch.as_tensor(ids).tolist()))
+            return _inner(ids)
+        pool.free = free
+    out = release_batch(slots, table, kv, mamba)
+    assert (out.requests, out.kv_tokens, out.mamba_slots) == (3, 9, 3)
+    assert len(seen["kv"]) == len(seen["mamba"]) == len(seen["table"]) == 1
+    assert len(seen["kv"][0]) == 9 and len(seen["mamba"][0]) == 3
+    assert seen["table"][0] == sorted(slots.tolist())
+    for pool in (kv, table, mamba):
+        pool.assert_full()
+
+
 def test_releases_only_the_given_requests(device):
     kv, table, mamba, slots = setup([2, 4, 6], device)
     keep = int(slots[1])
