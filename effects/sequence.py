@@ -202,7 +202,7 @@ class RunningBatch:
         def release_rows(ctx: ReleaseContext, rows: torch.Tensor) -> None:
             state = _TERMINAL_OF_PLAN[ctx.plan]
             try:
-                starts: torch.Tensor | None = None
+                starts: list[int] | None = None
                 errors: list[Exception] = []
                 if self.cache is not None:
                     starts, errors = self._retire_cached(rows, state)
@@ -221,11 +221,12 @@ class RunningBatch:
         return release_rows
 
     def _retire_cached(self, rows: torch.Tensor, state: str,
-                       ) -> tuple[torch.Tensor, list[Exception]]:
+                       ) -> tuple[list[int], list[Exception]]:
         """Before `release_batch` frees the rows' own KV: insert each finished row's KV
         into the cache (the first column the row still owns moves past what the tree
         took, so `release_batch` frees the duplicates and the tail with the rest), and
-        drop every row's lock. Returns the per-row first owned column."""
+        drop every row's lock. Returns the per-row first owned column (a list of ints:
+        `release_batch` reads it as it is for a few rows of a CPU table)."""
         cache = self.cache
         assert cache is not None
         table = self.pools.table
@@ -250,7 +251,7 @@ class RunningBatch:
                     lock.release()
                 except Exception as e:
                     errors.append(e)
-            return host_ints(firsts, rows.device), errors
+            return firsts, errors
         # The rows' lengths in one read (their KV goes into the cache).
         lengths = (table._np[0][ids].tolist() if table._np is not None else
                    table.lengths.index_select(0, rows).tolist())
@@ -306,7 +307,7 @@ class RunningBatch:
                         lock.release()
                     except Exception as e:
                         errors.append(e)
-        return host_ints(firsts, rows.device), errors
+        return firsts, errors
 
     # -- admission and growth --------------------------------------------------------
 
