@@ -258,7 +258,11 @@ class RunningBatch:
         r2t = table.req_to_token
         # A CPU table's rows are read and rewritten through a numpy view (one host
         # operation each, where the tensor path takes two or three torch calls).
+        # Only our own cache with its own insert: a subclass or a proxy that refuses or
+        # counts inserts (a fault plan's, the simulator's refusing cache) or an insert
+        # wrapped on the instance is called, as any other cache is (with tensors).
         r2t_np = (table._np[2] if table._np is not None and cache.tree.device.type == "cpu"
+                  and type(cache) is PrefixCache and "insert" not in cache.__dict__
                   else None)
         insert, insert_host = cache.insert, cache.insert_host
         for r, length in zip(ids, lengths, strict=True):
@@ -392,7 +396,9 @@ class RunningBatch:
                 if ln:
                     locks[r] = lock_of(m)
                     if host is not None:
-                        ind_np = m.host  # (the same indices, from a host insert)
+                        # (the same indices, from a host insert; a cache of another
+                        # kind may return a match without them)
+                        ind_np = getattr(m, "host", None)
                         if ind_np is None:
                             ind = m.indices
                             ind_np = ind.numpy() if ind.is_cpu else ind.cpu().numpy()

@@ -376,8 +376,9 @@ def release_batch(
     if not errors:
         # Only now: a slot that went back with a refused unit in its row would lose it.
         try:
-            if req_slots is None and "free" in table.__dict__:
-                table.free(ids)  # replaced on the instance (a wrapper): called
+            if req_slots is None and (type(table) is not ReqToTokenTable
+                                      or "free" in table.__dict__):
+                table.free(ids)  # a subclass's, or one replaced on the instance: called
             elif req_slots is None:
                 # What table.free does, minus checking ids again.
                 if host is None:

@@ -96,6 +96,22 @@ def test_a_free_replaced_on_the_pool_itself_is_called(device, page_size):
         pool.assert_full()
 
 
+def test_a_table_subclass_free_gets_the_released_slots(device):
+    kv, table, mamba, slots = setup([2, 3], device)
+    freed: list[list[int]] = []
+
+    class Table(ReqToTokenTable):
+        def free(self, ids):
+            freed.append(sorted(torch.as_tensor(ids).tolist()))
+            return super().free(ids)
+
+    table.__class__ = Table
+    release_batch(slots, table, kv, mamba)
+    assert freed == [sorted(slots.tolist())]
+    for pool in (kv, table, mamba):
+        pool.assert_full()
+
+
 def test_releases_only_the_given_requests(device):
     kv, table, mamba, slots = setup([2, 4, 6], device)
     keep = int(slots[1])

@@ -15,6 +15,7 @@ import torch
 
 from terminus.effects.prefix_cache import PrefixCache
 from terminus.effects.sequence import RunningBatch, SchedulerPools
+from terminus.fsm import ReleaseFailed
 from terminus.kernels import DoubleFree, ReqToTokenTable, TokenKVAllocator
 from terminus.kernels.radix import RadixTree
 from terminus.states.sequence import ChunkLaunched, Fail, Finish, LastChunkDone, Token
@@ -334,4 +335,47 @@ def test_a_free_or_alloc_wrapped_on_the_instance_is_called_not_bypassed():
     calls.clear()
     assert cache.evict_all() == 8
     assert calls == ["free"]
+    pools.assert_full()
+
+
+class _RefusingInserts(PrefixCache):
+    """The simulator's idiom for a cache_insert fault: a subclass whose insert refuses."""
+
+    def insert(self, rid, tokens, kv_indices, *, owned_from=0):
+        raise RuntimeError(f"refused insert of {rid!r}")
+
+
+@pytest.mark.parametrize("kind", ["subclass", "wrapped"])
+def test_a_replaced_cache_insert_is_called_when_rows_retire(kind):
+    # The host insert is our own cache's: a subclass that refuses inserts, or an insert
+    # wrapped on the instance (a counter, a timer), sees the retiring row's insert.
+    pools = SchedulerPools(rows=4, max_context_len=32, kv_tokens=64, mamba_slots=4,
+                           page_size=4)
+    calls: list[int] = []
+    if kind == "subclass":
+        cache: PrefixCache = _RefusingInserts(pools.kv)
+    else:
+        cache = PrefixCache(pools.kv)
+        fn = cache.insert
+
+        def wrapped(rid, *a, **k):
+            calls.append(rid)
+            return fn(rid, *a, **k)
+
+        cache.insert = wrapped  # type: ignore[method-assign]
+    rb = RunningBatch(pools, cache=cache)
+    prompt = list(range(9))
+    rows = rb.admit(1, mamba=False, prompts=[prompt])
+    rb.append_kv(rows, [len(prompt)])
+    rb.fire(rows, ChunkLaunched)
+    rb.fire(rows, LastChunkDone)
+    if kind == "subclass":
+        with pytest.raises(ReleaseFailed) as failed:
+            rb.fire(rows, Finish)
+        assert "refused insert of" in repr(failed.value.exceptions)
+        assert cache.held_tokens == 0  # the row freed everything it held
+    else:
+        rb.fire(rows, Finish)
+        assert calls == [int(rows[0])] and cache.held_tokens == 8
+    cache.evict_all()
     pools.assert_full()
