@@ -202,7 +202,7 @@ class RunningBatch:
         def release_rows(ctx: ReleaseContext, rows: torch.Tensor) -> None:
             state = _TERMINAL_OF_PLAN[ctx.plan]
             try:
-                starts: torch.Tensor | None = None
+                starts: list[int] | None = None
                 errors: list[Exception] = []
                 if self.cache is not None:
                     starts, errors = self._retire_cached(rows, state)
@@ -221,11 +221,12 @@ class RunningBatch:
         return release_rows
 
     def _retire_cached(self, rows: torch.Tensor, state: str,
-                       ) -> tuple[torch.Tensor, list[Exception]]:
+                       ) -> tuple[list[int], list[Exception]]:
         """Before `release_batch` frees the rows' own KV: insert each finished row's KV
         into the cache (the first column the row still owns moves past what the tree
         took, so `release_batch` frees the duplicates and the tail with the rest), and
-        drop every row's lock. Returns the per-row first owned column."""
+        drop every row's lock. Returns the per-row first owned column (a list of ints:
+        `release_batch` reads it as it is for a few rows of a CPU table)."""
         cache = self.cache
         assert cache is not None
         table = self.pools.table
@@ -250,7 +251,7 @@ class RunningBatch:
                     lock.release()
                 except Exception as e:
                     errors.append(e)
-            return host_ints(firsts, rows.device), errors
+            return firsts, errors
         # The rows' lengths in one read (their KV goes into the cache).
         lengths = (table._np[0][ids].tolist() if table._np is not None else
                    table.lengths.index_select(0, rows).tolist())
@@ -310,7 +311,7 @@ class RunningBatch:
                         lock.release()
                     except Exception as e:
                         errors.append(e)
-        return host_ints(firsts, rows.device), errors
+        return firsts, errors
 
     # -- admission and growth --------------------------------------------------------
 
@@ -458,11 +459,11 @@ class RunningBatch:
         (nothing taken) when the KV pool is short.
         """
         table, ps = self.pools.table, self.pools.page_size
-        rows_t, counts_t, total, host = self._check_append(rows, counts)
+        rows_t, counts_t, total, host, arrays = self._check_append(rows, counts)
         if total == 0:
             return True
         if host[1].count(1) == len(host[1]):  # one token each: a decode step
-            return self._append_one_each(rows_t, counts_t, host)
+            return self._append_one_each(rows_t, counts_t, host, arrays)
         if table._np is not None and len(host[0]) <= _HOST_ROWS:
             return self._append_host(host)
         if rows_t is None or counts_t is None:  # lists of many rows: the tensor path
@@ -535,10 +536,13 @@ class RunningBatch:
         return True
 
     def _append_one_each(self, rows: torch.Tensor | None, counts: torch.Tensor | None,
-                         host: tuple[list[int], list[int], list[int]]) -> bool:
+                         host: tuple[list[int], list[int], list[int]],
+                         arrays: tuple[np.ndarray, np.ndarray] | None = None) -> bool:
         """`append_kv` where every row takes one token (a decode step): the positions are
         built on the host from the lists `_check_append` read, a handful of ops (on a
-        CPU table, numpy ops on its views: no tensor besides the allocator's)."""
+        CPU table, numpy ops on its views: no tensor besides the allocator's).
+        `arrays`: the rows and new lengths as int64 arrays, when `_check_append` built
+        them (many rows of a CPU table), which this may change: not built again."""
         table, ps = self.pools.table, self.pools.page_size
         rs, _, ends = host
         w = table.max_context_len
@@ -546,8 +550,11 @@ class RunningBatch:
             lens_np, _, r2t = table._np
             flat_np = r2t.reshape(-1)  # a view: the table is contiguous
             n = len(rs)
-            rs_np = np.fromiter(rs, np.int64, n)
-            last_np = np.fromiter(ends, np.int64, n)
+            if arrays is not None:
+                rs_np, last_np = arrays
+            else:
+                rs_np = np.fromiter(rs, np.int64, n)
+                last_np = np.fromiter(ends, np.int64, n)
             last_np -= 1  # each row's new token's column (in place: no temporaries)
             pos_np = rs_np * w
             pos_np += last_np
@@ -615,12 +622,17 @@ class RunningBatch:
     def _check_append(self, rows: torch.Tensor | Sequence[int],
                       counts: torch.Tensor | Sequence[int],
                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, int,
-                                 tuple[list[int], list[int], list[int]]]:
+                                 tuple[list[int], list[int], list[int]],
+                                 tuple[np.ndarray, np.ndarray] | None]:
         """`rows` and `counts` as int64 on the table's device (None for lists of ints on
         a CPU table: not built), the total count and the rows, counts and new lengths
         as host lists, or a ValueError naming what is wrong (nothing taken). One host
-        sync when all is well."""
+        sync when all is well. Last, for a decode step (counts all 1) of more than
+        `_NP_CHECK_ROWS` rows of a CPU table: the rows and new lengths as the int64
+        arrays it checked them as (for `_append_one_each`, which may change them), else
+        None."""
         table = self.pools.table
+        arrays: tuple[np.ndarray, np.ndarray] | None = None
         rs: list[int] | None = None
         decode_top = -1  # a decode step's longest new length (-1: not one / not known)
         if not isinstance(rows, torch.Tensor) or not isinstance(counts, torch.Tensor):
@@ -641,12 +653,12 @@ class RunningBatch:
                 raise ValueError(f"append_kv: {rows_t.numel()} rows but {counts_t.numel()} "
                                  "counts; pass one count per row")
             if rows_t.numel() == 0:
-                return rows_t, counts_t, 0, ([], [], [])
+                return rows_t, counts_t, 0, ([], [], []), None
         elif len(rs) != len(cs):
             raise ValueError(f"append_kv: {len(rs)} rows but {len(cs)} counts; "
                              "pass one count per row")
         elif not rs:
-            return None, None, 0, ([], [], [])
+            return None, None, 0, ([], [], []), None
         if rs is not None or table._np is not None:
             # On a CPU the few rows of a step are read on the host (no tensor built).
             if rs is None:
@@ -671,12 +683,14 @@ class RunningBatch:
                                      f"{table.capacity - 1}; pass rows admit() returned")
                 lens_np = table._np[0][rs]
             if cs.count(1) == len(cs):  # one token each (a decode step): one numpy add
-                ends_np = lens_np + 1
-                ends = ends_np.tolist()
+                ends_np = np.add(lens_np, 1, dtype=np.int64)
                 if len(rs) > _NP_CHECK_ROWS:
                     # Counts of 1: none negative, their sum the row count, the longest
                     # row one numpy reduction (no Python min, max, sum over the lists).
+                    # The arrays go to _append_one_each as they are (not built again).
                     decode_top = int(ends_np.max())
+                    arrays = (cast("np.ndarray", rs_np), ends_np)
+                ends = ends_np.tolist()
             else:
                 ends = [a + c for a, c in zip(lens_np.tolist(), cs, strict=True)]
         else:
@@ -697,7 +711,8 @@ class RunningBatch:
                 f"append_kv: rows {[rs[i] for i in over]} would hold "
                 f"{[ends[i] for i in over]} tokens, past the table's max_context_len "
                 f"{limit}; finish or abort them, or raise max_context_len")
-        return rows_t, counts_t, len(cs) if decode_top >= 0 else sum(cs), (rs, cs, ends)
+        return (rows_t, counts_t, len(cs) if decode_top >= 0 else sum(cs), (rs, cs, ends),
+                arrays)
 
     # -- stepping ----------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ import torch
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import ExceptionGroup
 
-from terminus.kernels._stack import IdsLike, as_ids, not_ids
+from terminus.kernels._stack import IdsLike, as_ids, host_ints, not_ids
 from terminus.kernels.kv import TokenKVAllocator
 from terminus.kernels.mamba import MambaStatePool
 from terminus.kernels.protocols import KVAllocator, MambaPool, ReqSlots
@@ -83,10 +83,12 @@ def _out_of_range(rows: list[int], capacity: int) -> IndexError:
                       "pass request slots the table's alloc() returned")
 
 
-def _starts(kv_start: torch.Tensor, n: int) -> list[int]:
-    """``kv_start`` as a list of ``n`` ints >= 0 (ValueError naming what is wrong)."""
+def _starts(kv_start: torch.Tensor | list[int], n: int) -> list[int]:
+    """``kv_start`` as a list of ``n`` ints >= 0 (ValueError naming what is wrong); a
+    list (of exact ints: `_int_starts`) is taken as it is."""
     # (a 1-D tensor, what a driver passes, is read as it is: a reshape is a torch call)
-    starts = (kv_start if kv_start.dim() == 1 else kv_start.reshape(-1)).tolist()
+    starts = kv_start if isinstance(kv_start, list) else (
+        kv_start if kv_start.dim() == 1 else kv_start.reshape(-1)).tolist()
     if len(starts) != n or (starts and min(starts) < 0):
         raise _bad_starts(starts, n)
     return starts
@@ -100,11 +102,21 @@ def _starts_np(kv_start: torch.Tensor, n: int) -> np.ndarray:
     return starts
 
 
-def _int_starts(kv_start: torch.Tensor | None) -> None:
+def _int_starts(kv_start: torch.Tensor | list[int] | None) -> None:
     """Refuse a ``kv_start`` that is not integers (``TypeError``): a float would be
-    truncated on the tensor path and compared as it is on the host's."""
-    if kv_start is not None and (kv_start.dtype.is_floating_point or kv_start.is_complex()
-                                 or kv_start.dtype == torch.bool):
+    truncated on the tensor path and compared as it is on the host's. A list must hold
+    exact ints (a bool, a float or a numpy int is refused, naming the values)."""
+    if kv_start is None:
+        return
+    if kv_start.__class__ is list:
+        if list(map(type, kv_start)).count(int) != len(kv_start):
+            raise TypeError(f"release_batch: kv_start {kv_start!r} holds something other "
+                            "than Python ints; pass a list of ints or an int tensor")
+        return
+    if not isinstance(kv_start, torch.Tensor):
+        raise TypeError(f"release_batch: kv_start is a {type(kv_start).__name__}; pass an "
+                        "int tensor or a list of Python ints, one per slot")
+    if kv_start.dtype.is_floating_point or kv_start.is_complex() or kv_start.dtype == torch.bool:
         raise not_ids("release_batch: kv_start", kv_start, kv_start.dtype)
 
 
@@ -210,7 +222,7 @@ def release_batch(
     kv: KVAllocator,
     mamba: MambaPool | None = None,
     *,
-    kv_start: torch.Tensor | None = None,
+    kv_start: torch.Tensor | list[int] | None = None,
     req_slots: ReqSlots | None = None,
 ) -> BatchRelease:
     """Free the KV tokens, Mamba slots and request slots of ``slots``, one call per pool.
@@ -222,7 +234,8 @@ def release_batch(
         kv: KV allocator receiving ``req_to_token[s, kv_start:length]``.
         mamba: Mamba pool receiving ``table.mamba_slots[s]`` where not 0.
         kv_start: per-request first owned column (e.g. after a shared cached prefix);
-            default 0.
+            default 0. An int tensor, or a list of Python ints (what a scheduler that
+            computed them on the host has: no tensor built for a few rows).
         req_slots: where the request slots go back; default ``table`` itself.
 
     A pool that raises leaves what it refused where its owner finds it (see the module
@@ -246,6 +259,11 @@ def release_batch(
             ids = ids.long()  # index_fill_ takes int64 indices only
     if not ids.shape[0]:
         return BatchRelease(0, 0, 0)
+    # The first columns as a tensor, for the paths below that read one (the few rows of
+    # a CPU table's read a list as it is: none is built for them).
+    start_t = kv_start if not isinstance(kv_start, list) else (
+        host_ints(kv_start, table.req_to_token.device)
+        if host is None or ids.shape[0] > _HOST_ROWS else None)
     if host is not None:
         # A CPU table: read and reset through numpy views of it (the same memory), with
         # as few distinct ops as it takes: after a scheduler's Python-heavy step the
@@ -275,7 +293,7 @@ def release_batch(
             aliased = False
             if not _non_negative(at):
                 raise _out_of_range(at.tolist(), cap)
-            starts = None if kv_start is None else _starts_np(kv_start, n_rows)
+            starts = None if start_t is None else _starts_np(start_t, n_rows)
             try:
                 lens = lengths_np.take(at)  # the gather's own machinery (warm for the rows)
             except IndexError:  # a slot >= capacity
@@ -298,7 +316,7 @@ def release_batch(
             flat = None
         n_tokens = 0 if flat is None else flat.shape[0]
     else:
-        tokens = gather_kv(table, ids, kv_start)
+        tokens = gather_kv(table, ids, start_t)
         n_tokens = tokens.numel()
     errors: list[Exception] = []
     # Our own pool's free list is pushed directly, unless its free() was replaced on the

@@ -35,7 +35,7 @@ def history(seed: int, page_size: int, one_each: bool) -> list:
     rows = rb.admit(6, mamba=False)
     assert rows is not None and 0 in rows.tolist()
     if not one_each:
-        def general(rows_t, counts_t, host):  # the same append, by the general path
+        def general(rows_t, counts_t, host, arrays=None):  # the same, by the general path
             return rb._append_host(host)
         rb._append_one_each = general  # type: ignore[method-assign]
     seen = []

@@ -470,8 +470,9 @@ def test_any_batch_with_starts_frees_exactly_the_owned_columns(device, data):
     # The columns before each start stay with their owner (a cached prefix): freed here.
     kv.free(torch.tensor([t for i in pick for t in owned[i][: starts[i]]], dtype=torch.int64,
                          device=device))
-    out = release_batch(slots[list(pick)], table, kv,
-                        kv_start=torch.tensor([starts[i] for i in pick], device=device))
+    firsts = [starts[i] for i in pick]  # as a list of ints or as a tensor
+    out = release_batch(slots[list(pick)], table, kv, kv_start=firsts if data.draw(
+        st.booleans()) else torch.tensor(firsts, device=device))
     assert out.kv_tokens == sum(max(0, n - s) for n, s in zip(lengths, starts, strict=True))
     kv.assert_full()
     table.assert_full()
@@ -490,5 +491,50 @@ def test_a_cpu_table_over_a_kv_pool_whose_free_list_is_on_a_device_frees_through
     assert (res.kv_tokens, res.requests) == (6, 1)
     assert kv.available == 256 - (8 if page_size == 4 else 5)  # the second row's alone
     release_batch(slots[1:], table, kv, mamba, req_slots=table)
+    for pool in (kv, table, mamba):
+        pool.assert_full()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("lengths", [[5], [3, 0, 7], [9, 4, 4, 1, 6]])
+def test_kv_start_as_a_list_releases_what_the_tensor_releases(device, lengths, page_size):
+    # A scheduler's host-computed first columns, as a list of ints: the same tokens,
+    # pages and slots go back in the same order as for the same starts as a tensor.
+    def run(as_list):
+        kv, table, mamba, slots = setup(lengths, device, page_size)
+        firsts = [min(n, 2 * page_size) if i % 2 else 0 for i, n in enumerate(lengths)]
+        out = release_batch(slots, table, kv, mamba, kv_start=firsts if as_list else
+                            torch.tensor(firsts, device=device))
+        # What stays held (the columns before each start) and the free lists' order.
+        left = [table.req_to_token[s, :f].tolist()
+                for s, f in zip(slots.tolist(), firsts, strict=True)]
+        got_kv, got_rows = kv.alloc(kv.available), table.alloc(table.available)
+        assert got_kv is not None and got_rows is not None
+        seen = (out, left, got_kv.tolist(), got_rows.tolist(), table.lengths.tolist(),
+                mamba.available)
+        kv.free(got_kv)  # all back: what was taken, and the prefixes the starts kept
+        table.free(got_rows)
+        kv.free(torch.tensor([t for run in left for t in run], dtype=torch.int64,
+                             device=device))
+        for pool in (kv, table, mamba):
+            pool.assert_full()
+        return seen
+    assert run(True) == run(False)
+
+
+@pytest.mark.parametrize(("starts", "error", "match"), [
+    ([0, -1], ValueError, r"kv_start \[-1\] is negative"),
+    ([0], ValueError, "kv_start has 1 entries for 2 slots"),
+    ([0, 1.5], TypeError, r"kv_start \[0, 1.5\] holds something other than Python ints"),
+    ([True, 0], TypeError, r"kv_start \[True, 0\] holds something other than Python ints"),
+    ((0, 1), TypeError, "kv_start is a tuple; pass an int tensor or a list"),
+])
+def test_bad_kv_start_lists_are_refused_changing_nothing(device, starts, error, match):
+    kv, table, mamba, slots = setup([3, 2], device)
+    before = (kv.available, table.available, mamba.available, table.lengths.tolist())
+    with pytest.raises(error, match=match):
+        release_batch(slots, table, kv, mamba, kv_start=starts)
+    assert (kv.available, table.available, mamba.available, table.lengths.tolist()) == before
+    release_batch(slots, table, kv, mamba)
     for pool in (kv, table, mamba):
         pool.assert_full()

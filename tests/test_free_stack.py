@@ -212,3 +212,14 @@ def test_pop_host_refuses_a_negative_count_and_a_device_stack():
     s._stack_host = None  # as on a device
     with pytest.raises(ValueError, match="pop_host needs a CPU free list"):
         s.pop_host(1)
+
+
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu")], ids=["str", "device"])
+@pytest.mark.parametrize("values", [[], [5], [3, -1, 2**40]])
+def test_host_ints_reads_a_device_or_its_name_alike(device, values):
+    # A torch.device is read as it is (no torch.device() built), a name is parsed: the
+    # same int64 CPU tensor of the values either way.
+    got = _stack.host_ints(values, device)
+    assert got.dtype == torch.int64 and got.device.type == "cpu"
+    assert got.tolist() == values
+    assert torch.equal(got, torch.tensor(values, dtype=torch.int64))
