@@ -634,14 +634,6 @@ class TokenizerSide:
     @sanitized
     def on_output(self, rid: Any) -> bool:
         """The scheduler streamed a non-final output for `rid`."""
-        inst = self._live.get(rid)
-        if inst.__class__ is Request:  # `_deliver`'s common case, without its call
-            try:
-                inst.fire(_OUTPUT)
-            finally:
-                if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
-                    self._retired(inst, _OUTPUT)
-            return True
         return self._deliver(rid, _OUTPUT)
 
     @sanitized
@@ -651,14 +643,6 @@ class TokenizerSide:
             event = _FINISHED[reason]
         except (KeyError, TypeError):
             event = Finished(reason)
-        inst = self._live.get(rid)
-        if inst.__class__ is Request:  # `_deliver`'s common case, without its call
-            try:
-                inst.fire(event)
-            finally:
-                if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
-                    self._retired(inst, event)
-            return True
         return self._deliver(rid, event)
 
     @sanitized

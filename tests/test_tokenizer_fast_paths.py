@@ -3,8 +3,9 @@
 `SubmittedAcquiring()` and `SubmittedNoAcquire()` are `Submitted(acquire=True/False)`
 without the guard: in every state of REQUEST and SAMPLING they do what the guarded form
 does (the same target, the same refusal), and the side, which fires them, ends with
-every reference back. `on_output`/`on_finish` run `_deliver`'s common case inline: a
-script of scheduler reports gives the same results through either."""
+every reference back. `on_output`/`on_finish` hand their reports to `_deliver`, whose
+common case (a live request) is inline there: a script of scheduler reports gives the
+same results through the public methods and through `_deliver` itself."""
 
 from __future__ import annotations
 
@@ -109,12 +110,12 @@ def test_the_side_fires_the_unguarded_forms_and_gives_every_reference_back(lora,
     asyncio.run(main())
 
 
-# -- on_output / on_finish: `_deliver`'s common case inline, beside `_deliver` itself -----
+# -- on_output / on_finish beside `_deliver` itself ------------------------------------------
 
 
 def _script(deliver):
     """One script of scheduler reports, through `deliver(side, how, rid, arg)`: the
-    `on_output`/`on_finish` fast paths ("fast") or `_deliver` itself ("general")."""
+    `on_output`/`on_finish` ("fast") or `_deliver` itself ("general")."""
 
     async def main():
         s = await make_side()
