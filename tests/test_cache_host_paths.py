@@ -19,19 +19,7 @@ from terminus.fsm import ReleaseFailed
 from terminus.kernels import DoubleFree, ReqToTokenTable, TokenKVAllocator
 from terminus.kernels.radix import RadixTree
 from terminus.states.sequence import ChunkLaunched, Fail, Finish, LastChunkDone, Token
-
-
-def _shape(tree: RadixTree) -> list[tuple]:
-    """Every node as (key, value, lock_ref, last_access), in a canonical order."""
-    out = []
-    stack = [((), tree.root)]
-    while stack:
-        at, n = stack.pop()
-        for ck in sorted(n.children):
-            c = n.children[ck]
-            out.append((at, c.key, c.value.tolist(), c.lock_ref, c.last_access))
-            stack.append((at + c.key, c))
-    return out
+from tests.test_radix_tree import _shape  # every node, in a canonical order
 
 
 def _host_nodes_share_their_values(tree: RadixTree) -> None:
