@@ -3,9 +3,8 @@
 `SubmittedAcquiring()` and `SubmittedNoAcquire()` are `Submitted(acquire=True/False)`
 without the guard: in every state of REQUEST and SAMPLING they do what the guarded form
 does (the same target, the same refusal), and the side, which fires them, ends with
-every reference back. `on_output`/`on_finish` hand their reports to `_deliver`, whose
-common case (a live request) is inline there: a script of scheduler reports gives the
-same results through the public methods and through `_deliver` itself."""
+every reference back. A script of scheduler reports through `on_output`/`on_finish`
+(which hand them to `_deliver`) covers every kind of report they take."""
 
 from __future__ import annotations
 
@@ -110,17 +109,21 @@ def test_the_side_fires_the_unguarded_forms_and_gives_every_reference_back(lora,
     asyncio.run(main())
 
 
-# -- on_output / on_finish beside `_deliver` itself ------------------------------------------
+# -- on_output / on_finish: the scheduler's reports through `_deliver` ---------------------
 
 
-def _script(deliver):
-    """One script of scheduler reports, through `deliver(side, how, rid, arg)`: the
-    `on_output`/`on_finish` ("fast") or `_deliver` itself ("general")."""
+def _script():
+    """One script of scheduler reports through `on_output` / `on_finish`: what each
+    returned, the live and unknown counts after it, the outputs and the states."""
 
     async def main():
         s = await make_side()
         side = s.side
         log = []
+
+        def deliver(how, rid, arg):
+            return side.on_output(rid) if how == "output" else side.on_finish(rid, arg)
+
         r1 = await side.submit("one", "a", rid="r1")
         r2 = await side.submit("two", None, rid="r2")
         r3 = await side.submit("three", "b", rid="r3")
@@ -134,36 +137,32 @@ def _script(deliver):
             (r3.key, "finish", "weird reason"),  # a reason not made once
             (warm.key, "finish", "length"),  # fans the group out
         ]:
-            log.append((str(rid), how, deliver(side, how, rid, arg), side.live_count,
+            log.append((str(rid), how, deliver(how, rid, arg), side.live_count,
                         side.unknown_events))
         with pytest.raises(ValueError, match="is a sampling group"):
-            deliver(side, "finish", "g", "stop")
+            deliver("finish", "g", "stop")
         for c in side.children("g"):
-            log.append((c.rid, deliver(side, "output", c.key, None),
-                        deliver(side, "finish", c.key, "stop"), side.live_count))
+            log.append((c.rid, deliver("output", c.key, None),
+                        deliver("finish", c.key, "stop"), side.live_count))
         log.append(sorted((str(k), v.outcome, v.status, v.finish_reason)
                           for k, v in s.sink.outputs.items()))
         log.append([(i.rid, i.state) for i in (r1, r2, r3, warm, *groups)])
-        await s.finish_clean()
+        await s.finish_clean()  # every pool full, every LoRA reference back
         return log
 
     return asyncio.run(main())
 
 
-def _fast(side, how, rid, arg):
-    return side.on_output(rid) if how == "output" else side.on_finish(rid, arg)
-
-
-def _general(side, how, rid, arg):
-    if how == "output":
-        return side._deliver(rid, rq.Output())
-    return side._deliver(rid, rq.Finished(arg))
-
-
-def test_on_output_and_on_finish_inline_do_what_deliver_does():
-    fast, general = _script(_fast), _script(_general)
-    assert fast == general
+def test_on_output_and_on_finish_deliver_every_kind_of_report():
+    log = _script()
     # (live requests, unknown events): an echo or a report for a forgotten id is counted
-    assert fast[:6] == [("r1", "output", True, 5, 0), ("r1", "finish", True, 4, 0),
-                        ("r1", "finish", False, 4, 1), ("r2", "output", True, 4, 1),
-                        ("r2", "finish", True, 3, 1), ("r2", "finish", False, 3, 2)]
+    assert log[:8] == [("r1", "output", True, 5, 0), ("r1", "finish", True, 4, 0),
+                       ("r1", "finish", False, 4, 1), ("r2", "output", True, 4, 1),
+                       ("r2", "finish", True, 3, 1), ("r2", "finish", False, 3, 2),
+                       ("r3", "finish", True, 2, 2), ("g-warmup-0", "finish", True, 2, 2)]
+    assert log[8:10] == [("g-0", True, True, 1), ("g-1", True, True, 0)]
+    assert log[10] == [("g-0", "finished", 200, "stop"), ("g-1", "finished", 200, "stop"),
+                       ("r1", "finished", 200, "length"), ("r2", "finished", 200, "stop"),
+                       ("r3", "finished", 200, "weird reason")]
+    assert log[11] == [("r1", "finished"), ("r2", "finished"), ("r3", "finished"),
+                       ("g-warmup-0", "finished"), ("g", "fanned_out")]
