@@ -718,18 +718,24 @@ class DisaggPrefill:
             return None
         pools = self.pools
         ps = pools.page_size
-        start = req.cached + k * req.chunk_size
-        n = min(req.chunk_size, req.prompt_len - start)  # req.chunk_len(k)
+        size = req.chunk_size
+        start = req.cached + k * size
+        n = min(size, req.prompt_len - start)  # req.chunk_len(k)
         units = -(-n // ps) * ps
+        ledger = self.ledger
         # All or nothing, decided before taking anything: every unit taken below has
         # an owner in the ledger at once, so nothing is ever given back by hand. A
         # chunk's KV starts on a page of its own (an abandoned chunk frees only its own).
-        if pools.kv.available_size() < units or (k == 0 and (
-                pools.table.available < 1
-                or pools.mamba.available_size() < self.mamba_per_request)):
-            return None
-        ledger = self.ledger
-        if k == 0:
+        if k:
+            # A later chunk takes its KV alone: the allocator's None (short, never
+            # partial) is the check, and nothing was taken before it.
+            kv = pools.kv.alloc(units)  # (`pools.kv_alloc(n)`)
+            if kv is None:
+                return None
+        else:
+            if (pools.kv.available_size() < units or pools.table.available < 1
+                    or pools.mamba.available_size() < self.mamba_per_request):
+                return None
             # A first try owns neither kind yet (its row is set once its slot is
             # owned); a retry after a pool raised asks the ledger what it holds.
             owns = {h.kind for h in ledger.owned(req)} if req.row >= 0 else ()
@@ -745,18 +751,24 @@ class DisaggPrefill:
                 mamba = pools.mamba.alloc(self.mamba_per_request)
                 assert mamba is not None  # checked just above
                 ledger.acquire(req, "mamba", mamba)
-        kv = pools.kv.alloc(units)  # (`pools.kv_alloc(n)`)
-        assert kv is not None  # checked just above
+            kv = pools.kv.alloc(units)  # (`pools.kv_alloc(n)`)
+            assert kv is not None  # checked just above
         if units != n:
             kv = kv[:n]
         chunk = PrefillChunk(self.chunks_machine, (rid, k), parent=req, index=k,
                              last=k == req.n_chunks - 1)
         chunk.handle = ledger.acquire(chunk, "kv", kv)  # (set at once: read in result)
-        row = req.row
+        row, at, tokens = req.row, start, kv
         try:
             if k == 0 and req.matched is not None:
-                pools.table.write(row, 0, req.matched)
-            pools.table.write(row, start, kv)
+                # The row starts with the matched prefix (the cache's pages): written
+                # with the first chunk in one call where it ends at the chunk's start,
+                # as `add` sets them (the same row, and length, as two writes).
+                if int(req.matched.numel()) == start:
+                    at, tokens = 0, torch.cat((req.matched, kv))
+                else:
+                    pools.table.write(row, 0, req.matched)
+            pools.table.write(row, at, tokens)
         except BaseException:
             chunk.fire(_ABANDON)  # never launched: its pages go to the request
             raise
