@@ -629,17 +629,19 @@ class SimDisagg:
                     result(rid, in_flight.popleft())
                 except (InjectedFault, ReleaseFailed) as err:
                     errors.append(err)
-            # (`schedule` would return None for a request whose chunks are all out.)
-            while (len(in_flight) < 2 and req._s in scheduling
-                   and len(req.chunks) < req.n_chunks):
-                try:
-                    chunk = schedule(rid)
-                except (InjectedFault, ReleaseFailed) as err:
-                    errors.append(err)
-                    break
-                if chunk is None:
-                    break
-                in_flight.append(chunk.index)
+            # (`schedule` would return None for a request whose chunks are all out, or
+            # that is not waiting or prefilling: scheduling leaves it prefilling.)
+            if req._s in scheduling:
+                chunks = req.chunks
+                while len(in_flight) < 2 and len(chunks) < req.n_chunks:
+                    try:
+                        chunk = schedule(rid)
+                    except (InjectedFault, ReleaseFailed) as err:
+                        errors.append(err)
+                        break
+                    if chunk is None:
+                        break
+                    in_flight.append(chunk.index)
             if req._s in transferring:
                 try:
                     poll(rid)
