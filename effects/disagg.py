@@ -215,8 +215,8 @@ class DisaggResources:
     sink: OutputSink
     staged: dict[Any, dict[Handle, torch.Tensor | None]] = field(default_factory=dict)
     """Per request whose KV was just inserted: what each of its KV handles (a key: they
-    hash by identity) still frees, the indices the tree did not take (None: nothing; a handle not named
-    frees all)."""
+    hash by identity) still frees, the indices the tree did not take (None: nothing; a
+    handle not named frees all)."""
 
 
 # -- release effects ---------------------------------------------------------------------
