@@ -723,7 +723,7 @@ class DisaggPrefill:
         size = req.chunk_size
         start = req.cached + k * size
         n = min(size, req.prompt_len - start)  # req.chunk_len(k)
-        units = -(-n // ps) * ps
+        units = n if ps == 1 else -(-n // ps) * ps  # (whole pages)
         ledger = self.ledger
         # All or nothing, decided before taking anything: every unit taken below has
         # an owner in the ledger at once, so nothing is ever given back by hand. A
