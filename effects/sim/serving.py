@@ -642,7 +642,7 @@ class SimDisagg:
                     if chunk is None:
                         break
                     in_flight.append(chunk.index)
-            if req._s in transferring:
+            elif req._s in transferring:  # (scheduling leaves a request prefilling)
                 try:
                     poll(rid)
                 except (InjectedFault, ReleaseFailed) as err:
