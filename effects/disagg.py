@@ -825,7 +825,8 @@ class DisaggPrefill:
         chunk.fire(_RESULT)
         if req._s == self._prefilling:
             try:
-                h = chunk.handle  # the one KV handle it was scheduled with
+                # The one KV handle it was scheduled with (a `PrefillChunk`'s).
+                h = chunk.handle  # type: ignore[attr-defined]
                 moved = h.owner is not chunk or h.released
             except AttributeError:  # (a chunk `schedule` did not make)
                 moved = True

@@ -645,7 +645,8 @@ def test_forget_drops_an_ended_request_and_refuses_a_live_one():
     e.finish()
 
 
-def test_accounting_holds_while_a_request_locks_a_cached_prefix():
+def cached_prompt() -> DisaggPrefill:
+    """An engine whose request "a" (tokens 0..7, one chunk) succeeded: its KV is cached."""
     t = FakeTransport()
     e = DisaggPrefill(DisaggPools.make(kv_tokens=64), transport=t)
     e.add("a", 8, chunk_size=8, tokens=tuple(range(8)))
@@ -654,6 +655,12 @@ def test_accounting_holds_while_a_request_locks_a_cached_prefix():
     e.result("a", 0)
     t.complete("a")
     e.poll_transfer("a")
+    assert e.req("a").state == "succeeded"
+    return e
+
+
+def test_accounting_holds_while_a_request_locks_a_cached_prefix():
+    e = cached_prompt()
     e.add("b", 8, chunk_size=8, tokens=tuple(range(8)))
     assert e.req("b").cached == 7  # b owns a lock of the cached prefix
     e.assert_accounted()  # the lock is not pool units (it raised AttributeError)
@@ -742,14 +749,7 @@ def test_the_first_chunk_writes_its_row_as_two_writes_of_prefix_and_chunk_would(
     and its length are those of writing the prefix at 0, then the chunk at its start."""
     from terminus.kernels.req_table import ReqToTokenTable
 
-    t = FakeTransport()
-    e = DisaggPrefill(DisaggPools.make(kv_tokens=64), transport=t)
-    e.add("a", 8, chunk_size=8, tokens=tuple(range(8)))
-    e.bootstrap("a")
-    e.schedule("a")
-    e.result("a", 0)
-    t.complete("a")
-    e.poll_transfer("a")
+    e = cached_prompt()
     req = e.add("b", 8, chunk_size=4, tokens=tuple(range(8)))
     assert req.cached == 7 and req.matched is not None and req.matched.numel() == 7
     if cached is not None:
