@@ -213,10 +213,10 @@ class DisaggResources:
     transport: Transport
     cache: PrefixCache
     sink: OutputSink
-    staged: dict[Any, dict[int, torch.Tensor | None]] = field(default_factory=dict)
-    """Per request whose KV was just inserted: what each of its KV handles (by `id`)
-    still frees, the indices the tree did not take (None: nothing; a handle not named
-    frees all)."""
+    staged: dict[Any, dict[Handle, torch.Tensor | None]] = field(default_factory=dict)
+    """Per request whose KV was just inserted: what each of its KV handles (a key: they
+    hash by identity) still frees, the indices the tree did not take (None: nothing; a
+    handle not named frees all)."""
 
 
 # -- release effects ---------------------------------------------------------------------
@@ -276,50 +276,52 @@ def insert_kv_into_cache(ctx: ReleaseContext) -> None:
     assert ledger is not None
     res: DisaggResources = ledger.resources
     inst = ctx.instance
-    # Its KV handles and its prefix lock, in one pass over what it owns.
+    # Its KV handles (and their pages) and its prefix lock, in one pass over what it owns.
     handles: list[Handle] = []
+    parts: list[torch.Tensor] = []
     lock_h: Handle | None = None
     for h in ledger.owned(inst):
-        kind = h.kind
-        if kind == "kv":
+        if h.kind == "kv":
             handles.append(h)
-        elif kind == PREFIX_LOCK and lock_h is None:
+            parts.append(h.value)
+        elif h.kind == PREFIX_LOCK and lock_h is None:
             lock_h = h
     if not handles:
         return
-    lock = lock_h.value if lock_h is not None else None
-    parts = [h.value for h in handles]
-    owned_from = lock.length if lock is not None else 0
     ps = res.pools.page_size
     n = _insertable(parts, ps) if ps != 1 else -1  # (one page a token: every part)
-    if lock is not None:
-        parts = [lock.indices, *parts]
+    if lock_h is not None:
+        lock = lock_h.value
+        owned_from = lock.length
+        parts.insert(0, lock.indices)
+    else:
+        owned_from = 0
     kv = torch.cat(parts) if len(parts) > 1 else parts[0]
     tokens = inst.tokens if isinstance(inst, PrefillRequest) else ()
-    size = int(kv.numel())
+    size = kv.numel()
     keep = min(size, len(tokens)) if n < 0 else min(owned_from + n, size, len(tokens))
     if keep < size:
         kv = kv[:keep]
     result = res.cache.insert(inst.key, tokens if len(tokens) == keep else tokens[:keep],
-                              kv, owned_from=min(owned_from, keep))
+                              kv, owned_from=owned_from if owned_from < keep else keep)
     t0 = result.prefix_len
     if t0 <= owned_from and t0 + result.taken_count >= size:
         # The tree took every index of the handles (they lie at owned_from..size).
-        res.staged[inst] = dict.fromkeys(map(id, handles))
+        res.staged[inst] = dict.fromkeys(handles)
     else:
         res.staged[inst] = _not_taken(handles, owned_from, result)
 
 
-def _not_taken(handles: list[Any], start: int,
-               result: RadixInsert) -> dict[int, torch.Tensor | None]:
-    """What each KV handle keeps after an insert, by `id`: None when the tree took all
-    of it; those it took nothing of are left out. The handles' values lie end to end
+def _not_taken(handles: list[Handle], start: int,
+               result: RadixInsert) -> dict[Handle, torch.Tensor | None]:
+    """What each KV handle keeps after an insert: None when the tree took all of it;
+    those it took nothing of are left out. The handles' values lie end to end
     from position `start` of the sequence inserted, and the tree took one run of it,
     `result.taken`, from `result.prefix_len`: slices, not a search of every index
     among those taken."""
     t0 = result.prefix_len
     t1 = t0 + result.taken_count
-    out: dict[int, torch.Tensor | None] = {}
+    out: dict[Handle, torch.Tensor | None] = {}
     if t1 <= t0:
         return out
     pos = start
@@ -328,9 +330,9 @@ def _not_taken(handles: list[Any], start: int,
         end = pos + int(v.numel())
         a, b = max(t0, pos), min(t1, end)
         if a < b:
-            out[id(h)] = (None if a == pos and b == end else v[b - pos:] if a == pos
-                          else v[:a - pos] if b == end
-                          else torch.cat((v[:a - pos], v[b - pos:])))
+            out[h] = (None if a == pos and b == end else v[b - pos:] if a == pos
+                      else v[:a - pos] if b == end
+                      else torch.cat((v[:a - pos], v[b - pos:])))
         pos = end
     return out
 
@@ -343,7 +345,7 @@ def free_kv_not_cached(ctx: ReleaseContext, handle: Any) -> None:
     kept = res.staged.get(ctx.instance)
     idx = handle.value
     if kept:
-        idx = kept.get(id(handle), idx)
+        idx = kept.get(handle, idx)
         if idx is None:  # the tree took all of it
             return
     if idx.numel():
@@ -718,18 +720,24 @@ class DisaggPrefill:
             return None
         pools = self.pools
         ps = pools.page_size
-        start = req.cached + k * req.chunk_size
-        n = min(req.chunk_size, req.prompt_len - start)  # req.chunk_len(k)
-        units = -(-n // ps) * ps
+        size = req.chunk_size
+        start = req.cached + k * size
+        n = min(size, req.prompt_len - start)  # req.chunk_len(k)
+        units = n if ps == 1 else -(-n // ps) * ps  # (whole pages)
+        ledger = self.ledger
         # All or nothing, decided before taking anything: every unit taken below has
         # an owner in the ledger at once, so nothing is ever given back by hand. A
         # chunk's KV starts on a page of its own (an abandoned chunk frees only its own).
-        if pools.kv.available_size() < units or (k == 0 and (
-                pools.table.available < 1
-                or pools.mamba.available_size() < self.mamba_per_request)):
-            return None
-        ledger = self.ledger
-        if k == 0:
+        if k:
+            # A later chunk takes its KV alone: the allocator's None (short, never
+            # partial) is the check, and nothing was taken before it.
+            kv = pools.kv.alloc(units)  # (`pools.kv_alloc(n)`)
+            if kv is None:
+                return None
+        else:
+            if (pools.kv.available_size() < units or pools.table.available < 1
+                    or pools.mamba.available_size() < self.mamba_per_request):
+                return None
             # A first try owns neither kind yet (its row is set once its slot is
             # owned); a retry after a pool raised asks the ledger what it holds.
             owns = {h.kind for h in ledger.owned(req)} if req.row >= 0 else ()
@@ -745,18 +753,24 @@ class DisaggPrefill:
                 mamba = pools.mamba.alloc(self.mamba_per_request)
                 assert mamba is not None  # checked just above
                 ledger.acquire(req, "mamba", mamba)
-        kv = pools.kv.alloc(units)  # (`pools.kv_alloc(n)`)
-        assert kv is not None  # checked just above
+            kv = pools.kv.alloc(units)  # (`pools.kv_alloc(n)`)
+            assert kv is not None  # checked just above
         if units != n:
             kv = kv[:n]
         chunk = PrefillChunk(self.chunks_machine, (rid, k), parent=req, index=k,
                              last=k == req.n_chunks - 1)
         chunk.handle = ledger.acquire(chunk, "kv", kv)  # (set at once: read in result)
-        row = req.row
+        row, at, tokens = req.row, start, kv
         try:
             if k == 0 and req.matched is not None:
-                pools.table.write(row, 0, req.matched)
-            pools.table.write(row, start, kv)
+                # The row starts with the matched prefix (the cache's pages): written
+                # with the first chunk in one call where it ends at the chunk's start,
+                # as `add` sets them (the same row, and length, as two writes).
+                if int(req.matched.numel()) == start:
+                    at, tokens = 0, torch.cat((req.matched, kv))
+                else:
+                    pools.table.write(row, 0, req.matched)
+            pools.table.write(row, at, tokens)
         except BaseException:
             chunk.fire(_ABANDON)  # never launched: its pages go to the request
             raise
@@ -785,12 +799,15 @@ class DisaggPrefill:
         except KeyError:
             req = self.req(rid)  # raises, naming the known ids
         chunks = req.chunks
-        if not 0 <= k < len(chunks):
+        try:
+            chunk = chunks[k] if k >= 0 else None  # (an index from the end is none)
+        except IndexError:
+            chunk = None
+        if chunk is None:
             if req.terminal:
                 return req.fire(ChunkSettled(k))  # a stale result: ignored
             raise ValueError(f"request {rid!r} has no chunk {k} in flight "
                              f"({len(chunks)} scheduled)")
-        chunk = chunks[k]
         terminal = self._chunk_terminal  # (`c.terminal`, without the property)
         if terminal[chunk._s]:
             chunk.fire(_RESULT)  # a duplicate: ignored by the chunk
@@ -807,13 +824,17 @@ class DisaggPrefill:
                         f"chunk(s) {early}; deliver chunk results in launch order")
         chunk.fire(_RESULT)
         if req._s == self._prefilling:
-            ledger = self.ledger
-            h = getattr(chunk, "handle", None)
-            if h is not None and h.owner is chunk and not h.released:
-                ledger.transfer(h, req)  # the one KV handle it was scheduled with
+            try:
+                # The one KV handle it was scheduled with (a `PrefillChunk`'s).
+                h = chunk.handle  # type: ignore[attr-defined]
+                moved = h.owner is not chunk or h.released
+            except AttributeError:  # (a chunk `schedule` did not make)
+                moved = True
+            if moved:
+                for h in self.ledger.owned(chunk, "kv"):
+                    self.ledger.transfer(h, req)
             else:
-                for h in ledger.owned(chunk, "kv"):
-                    ledger.transfer(h, req)
+                self.ledger.transfer(h, req)
             chunk.fire(_COMMIT)
         else:
             chunk.fire(_ABANDON)

@@ -94,7 +94,7 @@ class ReqToTokenTable(StackPool):
         """Store ``tokens`` (1-D) at ``[slot, start:start+len]`` and set the length to the
         end. A slot outside the table, a negative start or tokens that are not 1-D are
         refused (``ValueError``) with nothing written, on every path."""
-        if not 0 <= slot < self._rows or start < 0 or tokens.dim() != 1:
+        if not 0 <= slot < self._rows or start < 0 or tokens.ndim != 1:
             raise ValueError(
                 f"ReqToTokenTable.write: slot {slot} (0..{self._rows - 1}), start "
                 f"{start} (>= 0), tokens of shape {tuple(tokens.shape)} (1-D): pass a slot "

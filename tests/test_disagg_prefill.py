@@ -645,7 +645,8 @@ def test_forget_drops_an_ended_request_and_refuses_a_live_one():
     e.finish()
 
 
-def test_accounting_holds_while_a_request_locks_a_cached_prefix():
+def cached_prompt() -> DisaggPrefill:
+    """An engine whose request "a" (tokens 0..7, one chunk) succeeded: its KV is cached."""
     t = FakeTransport()
     e = DisaggPrefill(DisaggPools.make(kv_tokens=64), transport=t)
     e.add("a", 8, chunk_size=8, tokens=tuple(range(8)))
@@ -654,6 +655,12 @@ def test_accounting_holds_while_a_request_locks_a_cached_prefix():
     e.result("a", 0)
     t.complete("a")
     e.poll_transfer("a")
+    assert e.req("a").state == "succeeded"
+    return e
+
+
+def test_accounting_holds_while_a_request_locks_a_cached_prefix():
+    e = cached_prompt()
     e.add("b", 8, chunk_size=8, tokens=tuple(range(8)))
     assert e.req("b").cached == 7  # b owns a lock of the cached prefix
     e.assert_accounted()  # the lock is not pool units (it raised AttributeError)
@@ -704,3 +711,73 @@ def test_a_schedule_refused_by_the_table_frees_its_chunks_pages_and_a_retry_send
     cache.evict_all()
     real.assert_full()
     e.ledger.assert_empty()
+
+
+def test_a_later_chunk_short_of_kv_takes_nothing_and_schedules_once_pages_are_back():
+    # A later chunk takes only its KV: the allocator's None is its check.
+    pools = DisaggPools.make(kv_tokens=12)
+    e = DisaggPrefill(pools, transport=FakeTransport())
+    req = started(e, "a", prompt=8, chunk=4, chunks=1)
+    started(e, "b", prompt=4, chunk=4, chunks=1)
+    started(e, "c", prompt=4, chunk=4, chunks=0)
+    assert e.schedule("c") is not None  # the pool's last 4 slots
+    before = {k: getattr(pools, k).available for k in ("kv", "mamba", "table", "host")}
+    assert e.schedule("a") is None  # chunk 1 of "a": no KV left
+    assert {k: getattr(pools, k).available for k in ("kv", "mamba", "table", "host")} == before
+    assert len(req.chunks) == 1 and req.state == "prefilling"
+    e.assert_accounted()
+    e.abort("b")
+    e.result("b", 0)  # b's pages go back
+    assert e.schedule("a") is not None and len(req.chunks) == 2
+    for rid, k in (("a", 0), ("a", 1), ("c", 0)):
+        e.result(rid, k)
+    for rid in ("a", "c"):
+        e.transport.complete(rid)
+        e.poll_transfer(rid)
+    assert [e.req(r).state for r in "abc"] == ["succeeded", "aborted", "succeeded"]
+    e.finish()
+
+
+def _row(table, row):
+    return table.tokens(row).tolist()
+
+
+@pytest.mark.parametrize("cached", [None, 3], ids=["as-add-sets-it", "moved-by-hand"])
+def test_the_first_chunk_writes_its_row_as_two_writes_of_prefix_and_chunk_would(cached):
+    """The matched prefix and the first chunk's KV: one write of both where the prefix
+    ends at the chunk's start (what `add` sets), else the two writes; either way the row
+    and its length are those of writing the prefix at 0, then the chunk at its start."""
+    from terminus.kernels.req_table import ReqToTokenTable
+
+    e = cached_prompt()
+    req = e.add("b", 8, chunk_size=4, tokens=tuple(range(8)))
+    assert req.cached == 7 and req.matched is not None and req.matched.numel() == 7
+    if cached is not None:
+        req.set_cached(cached)  # the prefix no longer ends where the chunk starts
+    e.bootstrap("b")
+    chunk = e.schedule("b")
+    assert chunk is not None
+    (h,) = e.ledger.owned(chunk, "kv")
+    ref = ReqToTokenTable(1, 32)
+    ref.write(0, 0, req.matched)
+    ref.write(0, req.cached, h.value)
+    assert _row(e.pools.table, req.row) == _row(ref, 0)
+    assert int(e.pools.table.lengths[req.row]) == req.cached + int(h.value.numel())
+    e.abort("b")
+    e.result("b", 0)
+    e.finish()
+
+
+def test_a_result_for_a_chunk_index_out_of_range_is_refused_and_changes_nothing():
+    e, _ = engine()
+    req = started(e, "r", prompt=8, chunk=4, chunks=1)
+    for k in (-1, 1, 5):  # (an index from the end names no chunk either)
+        with pytest.raises(ValueError, match=rf"request 'r' has no chunk {k} in flight "
+                           r"\(1 scheduled\)"):
+            e.result("r", k)
+    assert req.state == "prefilling" and req.chunks[0].state == "running"
+    e.abort("r")
+    assert e.result("r", 0) is not None  # the drain ends
+    assert e.result("r", -1) is None  # a stale result for a terminal request: ignored
+    assert req.state == "aborted"
+    e.finish()

@@ -40,7 +40,7 @@ if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import ExceptionGroup
 
 from terminus.effects.callsites import FaultPlan, InjectedFault, call_sites, proxy
-from terminus.effects.disagg import DisaggPools, DisaggPrefill
+from terminus.effects.disagg import DisaggPools, DisaggPrefill, PrefillRequest
 from terminus.effects.output import OutputLog
 from terminus.effects.prefetch import (
     PrefetchAbortTimeout,
@@ -560,7 +560,8 @@ class SimDisagg:
         self.cache = _RefusingCache(self._kv)
         self.engine = DisaggPrefill(pools, transport=self.transport, sink=sink,
                                     cache=self.cache)
-        self.live: dict[str, deque[int]] = {}  # rid -> chunks in flight, oldest first
+        self.live: dict[str, tuple[PrefillRequest, deque[int]]] = {}
+        """rid -> (its request, the indices of its chunks in flight, oldest first)."""
         self.errors: list[Exception] = []
         """Injected faults the driver raised (each left the request recoverable)."""
         # State ids `step` compares (`req._s`) instead of reading the `state` and
@@ -574,20 +575,23 @@ class SimDisagg:
     def add(self, spec: RequestSpec) -> None:
         """A new request; its fault (if any) is armed on the transport."""
         rid = spec.rid
-        if spec.fault == "bootstrap":
+        fault = spec.fault
+        if fault is None:
+            pass  # (most requests: none of the tests below)
+        elif fault == "bootstrap":
             self.transport.fail("bootstrap", rid, times=1)
-        elif spec.fault == "transport":
+        elif fault == "transport":
             self.transport.fail("send", rid, times=1)
-        elif spec.fault == "sender_abort":
+        elif fault == "sender_abort":
             self.transport.fail("abort", rid)
-        elif spec.fault == "cache_insert":
+        elif fault == "cache_insert":
             self.cache.refusing.add(rid)
-        elif spec.fault == "allocator":
+        elif fault == "allocator":
             self.faults.arm(_KV_ALLOC)
-        self.engine.add(rid, spec.prompt_len, chunk_size=self.cfg.chunk_size,
-                        host_pages=min(spec.prefetch_pages, 4),
-                        tokens=self.prompts.pop(rid, None) or tuple(prompt_tokens(spec)))
-        self.live[rid] = deque()
+        req = self.engine.add(rid, spec.prompt_len, chunk_size=self.cfg.chunk_size,
+                              host_pages=min(spec.prefetch_pages, 4),
+                              tokens=self.prompts.pop(rid, None) or tuple(prompt_tokens(spec)))
+        self.live[rid] = (req, deque())
 
     @property
     def pools(self) -> DisaggPools:
@@ -611,13 +615,11 @@ class SimDisagg:
         if kv.available < kv.capacity // 4:  # memory pressure: evict unlocked pages
             e.cache.evict(kv.capacity // 4 - kv.available)
         done = []
-        requests = e.requests
         errors = self.errors
         result, schedule, poll = e.result, e.schedule, e.poll_transfer
         bootstrapping, scheduling = self._bootstrapping, self._scheduling
         transferring, terminal = self._transferring, self._terminal
-        for rid, in_flight in self.live.items():
-            req = requests[rid]
+        for rid, (req, in_flight) in self.live.items():
             if req._s == bootstrapping:
                 e.bootstrap(rid)
                 if req._s == bootstrapping:
@@ -627,23 +629,25 @@ class SimDisagg:
                     result(rid, in_flight.popleft())
                 except (InjectedFault, ReleaseFailed) as err:
                     errors.append(err)
-            # (`schedule` would return None for a request whose chunks are all out.)
-            while (len(in_flight) < 2 and req._s in scheduling
-                   and len(req.chunks) < req.n_chunks):
-                try:
-                    chunk = schedule(rid)
-                except (InjectedFault, ReleaseFailed) as err:
-                    errors.append(err)
-                    break
-                if chunk is None:
-                    break
-                in_flight.append(chunk.index)
-            if req._s in transferring:
+            # (`schedule` would return None for a request whose chunks are all out, or
+            # that is not waiting or prefilling: scheduling leaves it prefilling.)
+            if req._s in scheduling:
+                chunks = req.chunks
+                while len(in_flight) < 2 and len(chunks) < req.n_chunks:
+                    try:
+                        chunk = schedule(rid)
+                    except (InjectedFault, ReleaseFailed) as err:
+                        errors.append(err)
+                        break
+                    if chunk is None:
+                        break
+                    in_flight.append(chunk.index)
+            elif req._s in transferring:  # (scheduling leaves a request prefilling)
                 try:
                     poll(rid)
                 except (InjectedFault, ReleaseFailed) as err:
                     errors.append(err)
-            if terminal[req._s] and not in_flight:
+            if not in_flight and terminal[req._s]:
                 done.append(rid)
         for rid in done:
             del self.live[rid]
