@@ -56,6 +56,7 @@ from terminus.states.request import (
     SubmittedNoAcquire,
     Validated,
     ValidationFailed,
+    client_rid,
 )
 from terminus.states.sampling import BatchFailed, FanOut, SamplingGroup, WarmupFinished
 
@@ -286,14 +287,14 @@ class TokenizerSide:
         if (rid in self._names or rid in self._reserved or (
                 rid.__class__ is not str and (rid is None or isinstance(rid, RequestKey)))):
             rid = self._claim(rid, set())
-        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora)
+        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora, rid=rid)
         self._names[rid] = req  # `_new_request`, inline
         self._live[req.key] = req
         await self._run_request(req)
         return req
 
     def _new_request(self, rid: Any, prompt: Any, lora: str | None) -> Request:
-        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora)
+        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora, rid=rid)
         self._names[rid] = req
         self._live[req.key] = req
         return req
@@ -342,7 +343,7 @@ class TokenizerSide:
             raise
         finally:
             if req._m.terminal[req._s] and self._live.get(req.key) is req:
-                self._retired(req, None)  # a request of its own: no group to tell
+                self._request_retired(req, None)
 
     async def _run_batched(self, req: Request) -> None:
         """`_run_request` for a request of `submit_batch`, whose gathered task starts
@@ -522,8 +523,9 @@ class TokenizerSide:
             k = 0
             warmups = []
             for i, (prompt, lora) in enumerate(zip(group.prompts, group.loras, strict=True)):
-                w = Request(self.requests, derived[i][1], prompt=prompt, lora=lora,
-                            stream=False, parent=group)
+                name, key = derived[i]
+                w = Request(self.requests, key, prompt=prompt, lora=lora, stream=False,
+                            parent=group, rid=name)
                 w.tokens = group.tokens[i]
                 if lora is not None:
                     # The warm-up uses the prompt's references but owns none of them.
@@ -534,8 +536,8 @@ class TokenizerSide:
                 warmups.append(w)
             group.warmups = warmups
             group.pending_warmups = len(warmups)
-            for w, (name, _) in zip(warmups, derived, strict=False):
-                self._created(w, name)
+            for w in warmups:
+                self._created(w)
             for w in warmups:
                 if group.terminal:
                     break
@@ -545,9 +547,10 @@ class TokenizerSide:
             self._end(group, "submission was interrupted")
             raise
 
-    def _created(self, inst: Request, name: Any) -> None:
-        """A reserved warm-up or child now exists: its id (`name`, its key's `rid`) finds
-        it."""
+    def _created(self, inst: Request) -> None:
+        """A reserved warm-up or child now exists: its id (given it when it was made: its
+        key's `rid`) finds it."""
+        name = inst._rid
         del self._reserved[name]
         self._names[name] = inst
         self._live[inst.key] = inst
@@ -560,7 +563,7 @@ class TokenizerSide:
         req.fire(_VALIDATED)
         self._send(req)
         if req._m.terminal[req._s] and self._live.get(req.key) is req:
-            self._retired(req, None)
+            self._request_retired(req, None)
 
     def _send(self, req: Request) -> None:
         if req._s != self._dispatched:  # `req.state != "dispatched"`, without the property
@@ -599,13 +602,14 @@ class TokenizerSide:
             for i, (prompt, lora) in enumerate(zip(group.prompts, group.loras, strict=True)):
                 tokens = group.tokens[i]
                 for j in range(i * group.n, (i + 1) * group.n):
-                    c = Request(self.requests, derived[j][1], prompt=prompt, lora=lora,
-                                parent=group)
+                    name, key = derived[j]
+                    c = Request(self.requests, key, prompt=prompt, lora=lora,
+                                parent=group, rid=name)
                     c.tokens = tokens
                     children.append(c)
             group.children = children
-            for c, (name, _) in zip(children, derived, strict=True):
-                self._created(c, name)
+            for c in children:
+                self._created(c)
             self._fire(group, _FAN_OUT)  # transfers one reference to each child
             for c in children:
                 self._start(c)
@@ -664,7 +668,7 @@ class TokenizerSide:
                 inst.fire(event)
             finally:
                 if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
-                    self._retired(inst, event)
+                    self._request_retired(inst, event)
             return True
         if inst is None:
             # A request of its own that ended (an abort echo): `get` and `_not_created`
@@ -725,22 +729,14 @@ class TokenizerSide:
                 f"ending {len(errors)} requests of an interrupted batch raised", errors)
 
     def _retired(self, inst: Instance, event: Any) -> None:
+        """`inst` (live, in `_live`) is newly terminal: retire it, once. Callers that
+        know it is a Request call `_request_retired`."""
+        if inst.__class__ is Request or isinstance(inst, Request):
+            self._request_retired(inst, event)
+            return
         key = inst.key
         del self._live[key]
-        if inst.__class__ is Request or isinstance(inst, Request):
-            parent = inst.parent
-            if parent is None:
-                # A request of its own (`_new_request`: its key is `RequestKey(rid)`)
-                # is its whole family, and has no batch.
-                names = self._names
-                if names.get(key.group) is inst:
-                    del names[key.group]
-                return
-            # (`inst.role`, without the property: the side keys every member)
-            if (key.role if inst._role is None else inst._role) == "warmup":
-                self._warmup_ended(inst, event)
-            self._family_check(parent)  # a member of a group (see below)
-        elif isinstance(inst, SamplingGroup):
+        if isinstance(inst, SamplingGroup):
             ds = self._derived.pop(key, None)
             if ds is None:
                 ds = [(d.rid, d) for d in _derived_keys(key, len(inst.prompts), inst.n)]
@@ -750,11 +746,27 @@ class TokenizerSide:
             self._group_ended(inst, event)
             self._family_check(inst)
 
+    def _request_retired(self, req: Request, event: Any) -> None:
+        """`_retired` for a Request."""
+        key = req.key
+        del self._live[key]
+        parent = req.parent
+        if parent is None:
+            # A request of its own (`_new_request`: its key is `RequestKey(rid)`) is its
+            # whole family, and has no batch. Its id is its own while it lives (`_claim`
+            # gives no other request or group an id in `_names`): forgotten now.
+            del self._names[key.group]
+            return
+        # (`req.role`, without the property: the side keys every member)
+        if (key.role if req._role is None else req._role) == "warmup":
+            self._warmup_ended(req, event)
+        self._family_check(parent)  # a member of a group (see below)
+
     def _family_check(self, top: Instance) -> None:
         """Forget a family once every member has ended (its ids are free again)."""
         if not top._m.terminal[top._s]:  # `top.terminal`, without the property
             return
-        members: list[Instance] = [top]
+        names = self._names
         if top.__class__ is SamplingGroup or isinstance(top, SamplingGroup):
             # Every member ended? Children first, the last made first: they end last.
             # (`m.terminal`, without the property.)
@@ -764,14 +776,13 @@ class TokenizerSide:
             for m in top.warmups:
                 if not m._m.terminal[m._s]:
                     return
-            members += top.warmups + top.children
-        names = self._names
-        for m in members:
-            key = m.key
-            name = key.rid if key.__class__ is RequestKey or isinstance(key, RequestKey) \
-                else key
-            if names.get(name) is m:
-                del names[name]
+            for m in top.warmups + top.children:
+                name = m._rid  # (`m.rid`: the side made each member with its id)
+                if names.get(name) is m:
+                    del names[name]
+        name = client_rid(top.key)
+        if names.get(name) is top:
+            del names[name]
         self._batches.pop(top.key, None)
 
     def _group_ended(self, group: SamplingGroup, event: Any) -> None:
