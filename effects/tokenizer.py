@@ -138,11 +138,13 @@ def _unknown_adapter(exc: BaseException) -> bool:
     return isinstance(exc, (KeyError, ValueError))
 
 
-def _derived_keys(group: RequestKey, prompts: int, n: int) -> list[RequestKey]:
+def _derived_keys(group: RequestKey, prompts: int, n: int) -> list[tuple[Any, RequestKey]]:
     """Every key a group of `prompts` prompts sampled `n` times may give a warm-up (one
-    per prompt) or a child (n per prompt)."""
-    return ([RequestKey(group.group, "warmup", i) for i in range(prompts)]
-            + [RequestKey(group.group, "child", k) for k in range(prompts * n)])
+    per prompt) or a child (n per prompt), with its id (`rid`): warm-ups first."""
+    g = group.group
+    keys = ([RequestKey(g, "warmup", i) for i in range(prompts)]
+            + [RequestKey(g, "child", k) for k in range(prompts * n)])
+    return [(d.rid, d) for d in keys]
 
 
 class TokenizerSide:
@@ -184,7 +186,13 @@ class TokenizerSide:
         """REQUEST bound to its plans over `ledger` (its `stats` count plans and ignores)."""
         self.sampling = bind_sampling(ledger)
         """SAMPLING bound to its plans over `ledger`."""
+        # State ids the side compares with (`inst.state == name`, without the property
+        # and the string: its requests and groups run on these two machines).
         self._dispatched = self.requests.states.index("dispatched")
+        self._finished = self.requests.states.index("finished")
+        self._warming_up = self.sampling.states.index("warming_up")
+        self._ready = self.sampling.states.index("ready")
+        self._fanned_out = self.sampling.states.index("fanned_out")
         # Instances not yet terminal, by key.
         self._live: dict[RequestKey, Instance] = {}
         # Every member of a live family (terminal ones too), by the id its client sees.
@@ -193,7 +201,7 @@ class TokenizerSide:
         # no other request may take one, or it would be orphaned when the group does.
         self._reserved: dict[Any, RequestKey] = {}
         self._batches: dict[RequestKey, _Batch] = {}
-        # Each live group's `_derived_keys`, with their ids (made once, at submission).
+        # Each live group's `_derived_keys` (made once, at submission).
         self._derived: dict[RequestKey, list[tuple[Any, RequestKey]]] = {}
         self._ids = itertools.count(1)
         self.unknown_events = 0
@@ -254,6 +262,28 @@ class TokenizerSide:
             )
         taken.add(rid)
         return rid
+
+    def _take(self, names: list[Any], group: RequestKey, taken: set[Any]) -> None:
+        """Add the ids `group` will give its warm-ups and children to `taken` (the ids
+        this call already decided); refuse the first one in use. `_take_each`, with its
+        common case (distinct ids, none in use) in a few set operations."""
+        new = set(names)
+        if (len(new) == len(names) and taken.isdisjoint(new)
+                and self._names.keys().isdisjoint(new)
+                and self._reserved.keys().isdisjoint(new)):
+            taken |= new
+        else:
+            self._take_each(names, group, taken)
+
+    def _take_each(self, names: list[Any], group: RequestKey, taken: set[Any]) -> None:
+        """`_take`, one id at a time: refuses the first id in use, having added those
+        before it to `taken` (which the refused call drops)."""
+        for name in names:
+            if name in self._names or name in self._reserved or name in taken:
+                raise ValueError(
+                    f"sampling group {group.group!r} would name a request {name!r}, "
+                    "which is already in flight or reserved; choose another group rid")
+            taken.add(name)
 
     def _not_created(self, rid: Any) -> None:
         """Raise `NotCreatedYet` if `rid` is reserved by a live group; else return."""
@@ -426,13 +456,8 @@ class TokenizerSide:
         keys = [RequestKey(r, "group") for r in names]
         derived: list[list[tuple[Any, RequestKey]]] = []
         for key, (ps, _) in zip(keys, shapes, strict=True):
-            ds = [(d.rid, d) for d in _derived_keys(key, len(ps), n)]
-            for name, _ in ds:
-                if name in self._names or name in self._reserved or name in taken:
-                    raise ValueError(
-                        f"sampling group {key.group!r} would name a request {name!r}, "
-                        "which is already in flight or reserved; choose another group rid")
-                taken.add(name)
+            ds = _derived_keys(key, len(ps), n)
+            self._take([name for name, _ in ds], key, taken)
             derived.append(ds)
         # Decided; from here on, create.
         parents = [SamplingGroup(self.sampling, key, prompts=ps, loras=los, n=n)
@@ -443,8 +468,7 @@ class TokenizerSide:
             self._live[p.key] = p
             self._batches[p.key] = batch
             self._derived[p.key] = ds
-            for name, d in ds:
-                self._reserved[name] = d
+            self._reserved.update(ds)
         try:
             if len(parents) == 1:  # one group: no task to gather (see `_GATHERED`)
                 await asyncio.sleep(0)  # where the gathered task would have started
@@ -459,7 +483,7 @@ class TokenizerSide:
 
     async def _prepare_group(self, group: SamplingGroup, batch: _Batch) -> None:
         """Acquire, tokenize and warm up one group; fan-out follows the last warm-up."""
-        if group.terminal:
+        if group._m.terminal[group._s]:  # `group.terminal`, without the property
             return  # aborted before its preparation started: it never acquired anything
         try:
             names = [lo for lo in group.loras if lo is not None for _ in range(group.n)]
@@ -491,7 +515,7 @@ class TokenizerSide:
                         "one id per name")))
                     return
                 self._fire(group, LoRAAcquired(tuple(ids)))
-            if group.terminal:
+            if group._m.terminal[group._s]:
                 return
             try:
                 prompts = group.prompts
@@ -516,7 +540,7 @@ class TokenizerSide:
                 self._fire(group, ValidationFailed(500, f"tokenizer failed: {e!r}"))
                 return
             self._fire(group, _VALIDATED)
-            if group.state != "warming_up":
+            if group._s != self._warming_up:
                 return
             handles = self.ledger.owned(group, LORA)
             derived = self._derived[group.key]  # warm-ups first (the group is live)
@@ -536,10 +560,9 @@ class TokenizerSide:
                 warmups.append(w)
             group.warmups = warmups
             group.pending_warmups = len(warmups)
+            self._created(warmups)
             for w in warmups:
-                self._created(w)
-            for w in warmups:
-                if group.terminal:
+                if group._m.terminal[group._s]:
                     break
                 self._start(w)
         except BaseException:
@@ -547,13 +570,15 @@ class TokenizerSide:
             self._end(group, "submission was interrupted")
             raise
 
-    def _created(self, inst: Request) -> None:
-        """A reserved warm-up or child now exists: its id (given it when it was made: its
-        key's `rid`) finds it."""
-        name = inst._rid
-        del self._reserved[name]
-        self._names[name] = inst
-        self._live[inst.key] = inst
+    def _created(self, members: list[Request]) -> None:
+        """Reserved warm-ups or children now exist: each one's id (given it when it was
+        made: its key's `rid`) finds it."""
+        reserved, names, live = self._reserved, self._names, self._live
+        for inst in members:
+            name = inst._rid
+            del reserved[name]
+            names[name] = inst
+            live[inst.key] = inst
 
     def _start(self, req: Request) -> None:
         """A tokenized warm-up or child, from its creation to its dispatch. Submitted and
@@ -577,15 +602,19 @@ class TokenizerSide:
         self._fire(req, DispatchFailed(f"could not send to the scheduler: {e!r}"))
 
     def _fan_out(self, batch: _Batch) -> None:
-        if (batch.fanned or batch.interrupted
-                or not all(p.terminal or p.state == "ready" for p in batch.parents)):
+        if batch.fanned or batch.interrupted:
             return
-        ready = [g for g in batch.parents if g.state == "ready"]
+        ready = []  # every parent must be ready or ended (`state`, `terminal` read direct)
+        for p in batch.parents:
+            if p._s == self._ready:
+                ready.append(p)
+            elif not p._m.terminal[p._s]:
+                return
         # Decide for the whole batch before creating any child: each child that uses a
         # LoRA must get exactly one of its group's references.
         for group in ready:
             owned = len(self.ledger.owned(group, LORA))
-            takers = sum(lo is not None for lo in group.loras) * group.n
+            takers = (len(group.loras) - group.loras.count(None)) * group.n
             if owned != takers:
                 msg = (f"sampling group {group.rid!r} owns {owned} LoRA reference(s) but "
                        f"{takers} of its children use a LoRA; each needs exactly one. No "
@@ -608,8 +637,7 @@ class TokenizerSide:
                     c.tokens = tokens
                     children.append(c)
             group.children = children
-            for c in children:
-                self._created(c)
+            self._created(children)
             self._fire(group, _FAN_OUT)  # transfers one reference to each child
             for c in children:
                 self._start(c)
@@ -738,11 +766,12 @@ class TokenizerSide:
         del self._live[key]
         if isinstance(inst, SamplingGroup):
             ds = self._derived.pop(key, None)
-            if ds is None:
-                ds = [(d.rid, d) for d in _derived_keys(key, len(inst.prompts), inst.n)]
-            for name, d in ds:
-                if self._reserved.get(name) == d:  # ids it never used are free again
-                    del self._reserved[name]
+            if inst._s != self._fanned_out:  # (fanned out: it made every one it reserved)
+                if ds is None:
+                    ds = _derived_keys(key, len(inst.prompts), inst.n)
+                for name, d in ds:
+                    if self._reserved.get(name) == d:  # ids it never used are free again
+                        del self._reserved[name]
             self._group_ended(inst, event)
             self._family_check(inst)
 
@@ -766,7 +795,6 @@ class TokenizerSide:
         """Forget a family once every member has ended (its ids are free again)."""
         if not top._m.terminal[top._s]:  # `top.terminal`, without the property
             return
-        names = self._names
         if top.__class__ is SamplingGroup or isinstance(top, SamplingGroup):
             # Every member ended? Children first, the last made first: they end last.
             # (`m.terminal`, without the property.)
@@ -776,23 +804,25 @@ class TokenizerSide:
             for m in top.warmups:
                 if not m._m.terminal[m._s]:
                     return
+            names = self._names
             for m in top.warmups + top.children:
                 name = m._rid  # (`m.rid`: the side made each member with its id)
                 if names.get(name) is m:
                     del names[name]
         name = client_rid(top.key)
-        if names.get(name) is top:
-            del names[name]
+        if self._names.get(name) is top:
+            del self._names[name]
         self._batches.pop(top.key, None)
 
     def _group_ended(self, group: SamplingGroup, event: Any) -> None:
         batch = self._batches.get(group.key)
-        if group.state != "fanned_out":
+        state = group.state  # (terminal: what is fired below leaves it as it is)
+        if state != "fanned_out":
             for w in group.warmups:
                 self._fire(w, RequestAbort("its sampling group ended"))
         if batch is None:
             return
-        if group.state in ("rejected", "errored"):
+        if state in ("rejected", "errored"):
             # A batch fans out whole or not at all: one failed prompt fails its siblings.
             status = int(getattr(event, "status", 500))
             msg = getattr(event, "message", "")
@@ -801,16 +831,16 @@ class TokenizerSide:
             for p in batch.parents:
                 if not p.terminal:
                     self._fire(p, BatchFailed(status, msg))
-        elif group.state == "aborted":
+        elif state == "aborted":
             self._fan_out(batch)  # the siblings may all be ready now
 
     def _warmup_ended(self, w: Request, event: Any) -> None:
         group = w.parent
-        if w.state == "finished":
+        if w._s == self._finished:  # (`w.state`, `group.state` without the property)
             group.pending_warmups -= 1
             self._fire(group, _WARMUP_FINISHED)
             batch = self._batches.get(group.key)
-            if batch is not None and group.state == "ready":
+            if batch is not None and group._s == self._ready:
                 self._fan_out(batch)
             return
         status = int(getattr(event, "status", 503 if w.state == "dispatch_failed" else 500))
