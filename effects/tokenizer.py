@@ -189,10 +189,12 @@ class TokenizerSide:
         # State ids the side compares with (`inst.state == name`, without the property
         # and the string: its requests and groups run on these two machines).
         self._dispatched = self.requests.states.index("dispatched")
+        # REQUEST's terminal flags by state id: `req.terminal` for a request the side
+        # made is `self._ended[req._s]`, one attribute read less than `req._m.terminal`.
+        self._ended = self.requests.terminal
         self._finished = self.requests.states.index("finished")
         self._warming_up = self.sampling.states.index("warming_up")
         self._ready = self.sampling.states.index("ready")
-        self._fanned_out = self.sampling.states.index("fanned_out")
         # Instances not yet terminal, by key.
         self._live: dict[RequestKey, Instance] = {}
         # Every member of a live family (terminal ones too), by the id its client sees.
@@ -352,7 +354,7 @@ class TokenizerSide:
                 self.ledger.acquire(req, LORA, lora_id)
                 req.lora_id = lora_id
                 req.fire(LoRAAcquired((lora_id,)))
-            if req._m.terminal[req._s]:  # `req.terminal`, without the property
+            if self._ended[req._s]:  # `req.terminal`, without the property
                 return
             try:
                 req.tokens = await self.tokenizer.tokenize(req.prompt)
@@ -372,7 +374,7 @@ class TokenizerSide:
             self._end(req, "submission was interrupted")
             raise
         finally:
-            if req._m.terminal[req._s] and self._live.get(req.key) is req:
+            if self._ended[req._s] and self._live.get(req.key) is req:
                 self._request_retired(req, None)
 
     async def _run_batched(self, req: Request) -> None:
@@ -587,7 +589,7 @@ class TokenizerSide:
         req.fire(_SUBMIT)
         req.fire(_VALIDATED)
         self._send(req)
-        if req._m.terminal[req._s] and self._live.get(req.key) is req:
+        if self._ended[req._s] and self._live.get(req.key) is req:
             self._request_retired(req, None)
 
     def _send(self, req: Request) -> None:
@@ -695,7 +697,7 @@ class TokenizerSide:
             try:
                 inst.fire(event)
             finally:
-                if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
+                if self._ended[inst._s] and self._live.get(inst.key) is inst:
                     self._request_retired(inst, event)
             return True
         if inst is None:
@@ -766,9 +768,10 @@ class TokenizerSide:
         del self._live[key]
         if isinstance(inst, SamplingGroup):
             ds = self._derived.pop(key, None)
-            if inst._s != self._fanned_out:  # (fanned out: it made every one it reserved)
-                if ds is None:
-                    ds = _derived_keys(key, len(inst.prompts), inst.n)
+            if ds is None:
+                ds = _derived_keys(key, len(inst.prompts), inst.n)
+            # (none to free once it made a member with each: after its fan-out)
+            if len(inst.warmups) + len(inst.children) < len(ds):
                 for name, d in ds:
                     if self._reserved.get(name) == d:  # ids it never used are free again
                         del self._reserved[name]
