@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from terminus.fsm import Action, Ledger, Machine, Plan, Release, release_effect
 from terminus.kernels.protocols import LoRARegistry
-from terminus.states.request import REQUEST, Finished, Request, RequestKey, client_rid
+from terminus.states.request import REQUEST, Finished, Request, client_rid
 from terminus.states.sampling import SAMPLING
 
 from .output import OutputSink, TerminalOutput
@@ -96,7 +96,10 @@ def release_lora(ctx: Any, handle: Any) -> Any:
     # (`RequestResources.async_release` read as a field: no getattr for ours)
     if not (res.async_release if res.__class__ is RequestResources
             else getattr(res, "async_release", False)):
-        nowait = getattr(reg, "release_nowait", None)
+        try:  # `getattr(reg, "release_nowait", None)`, without the call
+            nowait = reg.release_nowait
+        except AttributeError:
+            nowait = None
         if nowait is not None:
             nowait(handle.value)
             return None
@@ -126,15 +129,16 @@ def terminal_output(rid: Any, outcome: str, event: Any) -> TerminalOutput:
 def stream_terminal(ctx: Any) -> None:
     """Stream the instance's terminal output; internal requests (warm-ups) stream none."""
     inst = ctx.instance
-    # (a Request's `stream` without getattr)
-    if not (inst.stream if inst.__class__ is Request else getattr(inst, "stream", True)):
-        return
-    key = inst.key
-    # `client_rid(key)`; a request of its own's without a call
-    if key.__class__ is RequestKey:
-        rid = key.group if key.role == "request" else key.rid
+    if inst.__class__ is Request:  # (its `stream` and `rid` without getattr, property)
+        if not inst.stream:
+            return
+        rid = inst._rid  # given by the side, which made its key
+        if rid is None:
+            rid = client_rid(inst.key)
+    elif getattr(inst, "stream", True):
+        rid = client_rid(inst.key)
     else:
-        rid = client_rid(key)
+        return
     event = ctx.event
     outcome = ctx.target
     ctx.resources.sink.put(

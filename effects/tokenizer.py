@@ -56,6 +56,7 @@ from terminus.states.request import (
     SubmittedNoAcquire,
     Validated,
     ValidationFailed,
+    client_rid,
 )
 from terminus.states.sampling import BatchFailed, FanOut, SamplingGroup, WarmupFinished
 
@@ -137,11 +138,13 @@ def _unknown_adapter(exc: BaseException) -> bool:
     return isinstance(exc, (KeyError, ValueError))
 
 
-def _derived_keys(group: RequestKey, prompts: int, n: int) -> list[RequestKey]:
+def _derived_keys(group: RequestKey, prompts: int, n: int) -> list[tuple[Any, RequestKey]]:
     """Every key a group of `prompts` prompts sampled `n` times may give a warm-up (one
-    per prompt) or a child (n per prompt)."""
-    return ([RequestKey(group.group, "warmup", i) for i in range(prompts)]
-            + [RequestKey(group.group, "child", k) for k in range(prompts * n)])
+    per prompt) or a child (n per prompt), with its id (`rid`): warm-ups first."""
+    g = group.group
+    keys = ([RequestKey(g, "warmup", i) for i in range(prompts)]
+            + [RequestKey(g, "child", k) for k in range(prompts * n)])
+    return [(d.rid, d) for d in keys]
 
 
 class TokenizerSide:
@@ -183,7 +186,15 @@ class TokenizerSide:
         """REQUEST bound to its plans over `ledger` (its `stats` count plans and ignores)."""
         self.sampling = bind_sampling(ledger)
         """SAMPLING bound to its plans over `ledger`."""
+        # State ids the side compares with (`inst.state == name`, without the property
+        # and the string: its requests and groups run on these two machines).
         self._dispatched = self.requests.states.index("dispatched")
+        # REQUEST's terminal flags by state id: `req.terminal` for a request the side
+        # made is `self._ended[req._s]`, one attribute read less than `req._m.terminal`.
+        self._ended = self.requests.terminal
+        self._finished = self.requests.states.index("finished")
+        self._warming_up = self.sampling.states.index("warming_up")
+        self._ready = self.sampling.states.index("ready")
         # Instances not yet terminal, by key.
         self._live: dict[RequestKey, Instance] = {}
         # Every member of a live family (terminal ones too), by the id its client sees.
@@ -192,7 +203,7 @@ class TokenizerSide:
         # no other request may take one, or it would be orphaned when the group does.
         self._reserved: dict[Any, RequestKey] = {}
         self._batches: dict[RequestKey, _Batch] = {}
-        # Each live group's `_derived_keys`, with their ids (made once, at submission).
+        # Each live group's `_derived_keys` (made once, at submission).
         self._derived: dict[RequestKey, list[tuple[Any, RequestKey]]] = {}
         self._ids = itertools.count(1)
         self.unknown_events = 0
@@ -254,6 +265,28 @@ class TokenizerSide:
         taken.add(rid)
         return rid
 
+    def _take(self, names: list[Any], group: RequestKey, taken: set[Any]) -> None:
+        """Add the ids `group` will give its warm-ups and children to `taken` (the ids
+        this call already decided); refuse the first one in use. `_take_each`, with its
+        common case (distinct ids, none in use) in a few set operations."""
+        new = set(names)
+        if (len(new) == len(names) and taken.isdisjoint(new)
+                and self._names.keys().isdisjoint(new)
+                and self._reserved.keys().isdisjoint(new)):
+            taken |= new
+        else:
+            self._take_each(names, group, taken)
+
+    def _take_each(self, names: list[Any], group: RequestKey, taken: set[Any]) -> None:
+        """`_take`, one id at a time: refuses the first id in use, having added those
+        before it to `taken` (which the refused call drops)."""
+        for name in names:
+            if name in self._names or name in self._reserved or name in taken:
+                raise ValueError(
+                    f"sampling group {group.group!r} would name a request {name!r}, "
+                    "which is already in flight or reserved; choose another group rid")
+            taken.add(name)
+
     def _not_created(self, rid: Any) -> None:
         """Raise `NotCreatedYet` if `rid` is reserved by a live group; else return."""
         name = rid.rid if isinstance(rid, RequestKey) else rid
@@ -286,14 +319,14 @@ class TokenizerSide:
         if (rid in self._names or rid in self._reserved or (
                 rid.__class__ is not str and (rid is None or isinstance(rid, RequestKey)))):
             rid = self._claim(rid, set())
-        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora)
+        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora, rid=rid)
         self._names[rid] = req  # `_new_request`, inline
         self._live[req.key] = req
         await self._run_request(req)
         return req
 
     def _new_request(self, rid: Any, prompt: Any, lora: str | None) -> Request:
-        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora)
+        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora, rid=rid)
         self._names[rid] = req
         self._live[req.key] = req
         return req
@@ -321,7 +354,7 @@ class TokenizerSide:
                 self.ledger.acquire(req, LORA, lora_id)
                 req.lora_id = lora_id
                 req.fire(LoRAAcquired((lora_id,)))
-            if req._m.terminal[req._s]:  # `req.terminal`, without the property
+            if self._ended[req._s]:  # `req.terminal`, without the property
                 return
             try:
                 req.tokens = await self.tokenizer.tokenize(req.prompt)
@@ -341,8 +374,8 @@ class TokenizerSide:
             self._end(req, "submission was interrupted")
             raise
         finally:
-            if req._m.terminal[req._s] and self._live.get(req.key) is req:
-                self._retired(req, None)  # a request of its own: no group to tell
+            if self._ended[req._s] and self._live.get(req.key) is req:
+                self._request_retired(req, None)
 
     async def _run_batched(self, req: Request) -> None:
         """`_run_request` for a request of `submit_batch`, whose gathered task starts
@@ -425,13 +458,8 @@ class TokenizerSide:
         keys = [RequestKey(r, "group") for r in names]
         derived: list[list[tuple[Any, RequestKey]]] = []
         for key, (ps, _) in zip(keys, shapes, strict=True):
-            ds = [(d.rid, d) for d in _derived_keys(key, len(ps), n)]
-            for name, _ in ds:
-                if name in self._names or name in self._reserved or name in taken:
-                    raise ValueError(
-                        f"sampling group {key.group!r} would name a request {name!r}, "
-                        "which is already in flight or reserved; choose another group rid")
-                taken.add(name)
+            ds = _derived_keys(key, len(ps), n)
+            self._take([name for name, _ in ds], key, taken)
             derived.append(ds)
         # Decided; from here on, create.
         parents = [SamplingGroup(self.sampling, key, prompts=ps, loras=los, n=n)
@@ -442,8 +470,7 @@ class TokenizerSide:
             self._live[p.key] = p
             self._batches[p.key] = batch
             self._derived[p.key] = ds
-            for name, d in ds:
-                self._reserved[name] = d
+            self._reserved.update(ds)
         try:
             if len(parents) == 1:  # one group: no task to gather (see `_GATHERED`)
                 await asyncio.sleep(0)  # where the gathered task would have started
@@ -458,7 +485,7 @@ class TokenizerSide:
 
     async def _prepare_group(self, group: SamplingGroup, batch: _Batch) -> None:
         """Acquire, tokenize and warm up one group; fan-out follows the last warm-up."""
-        if group.terminal:
+        if group._m.terminal[group._s]:  # `group.terminal`, without the property
             return  # aborted before its preparation started: it never acquired anything
         try:
             names = [lo for lo in group.loras if lo is not None for _ in range(group.n)]
@@ -490,7 +517,7 @@ class TokenizerSide:
                         "one id per name")))
                     return
                 self._fire(group, LoRAAcquired(tuple(ids)))
-            if group.terminal:
+            if group._m.terminal[group._s]:
                 return
             try:
                 prompts = group.prompts
@@ -515,15 +542,16 @@ class TokenizerSide:
                 self._fire(group, ValidationFailed(500, f"tokenizer failed: {e!r}"))
                 return
             self._fire(group, _VALIDATED)
-            if group.state != "warming_up":
+            if group._s != self._warming_up:
                 return
             handles = self.ledger.owned(group, LORA)
             derived = self._derived[group.key]  # warm-ups first (the group is live)
             k = 0
             warmups = []
             for i, (prompt, lora) in enumerate(zip(group.prompts, group.loras, strict=True)):
-                w = Request(self.requests, derived[i][1], prompt=prompt, lora=lora,
-                            stream=False, parent=group)
+                name, key = derived[i]
+                w = Request(self.requests, key, prompt=prompt, lora=lora, stream=False,
+                            parent=group, rid=name)
                 w.tokens = group.tokens[i]
                 if lora is not None:
                     # The warm-up uses the prompt's references but owns none of them.
@@ -534,10 +562,9 @@ class TokenizerSide:
                 warmups.append(w)
             group.warmups = warmups
             group.pending_warmups = len(warmups)
-            for w, (name, _) in zip(warmups, derived, strict=False):
-                self._created(w, name)
+            self._created(warmups)
             for w in warmups:
-                if group.terminal:
+                if group._m.terminal[group._s]:
                     break
                 self._start(w)
         except BaseException:
@@ -545,12 +572,15 @@ class TokenizerSide:
             self._end(group, "submission was interrupted")
             raise
 
-    def _created(self, inst: Request, name: Any) -> None:
-        """A reserved warm-up or child now exists: its id (`name`, its key's `rid`) finds
-        it."""
-        del self._reserved[name]
-        self._names[name] = inst
-        self._live[inst.key] = inst
+    def _created(self, members: list[Request]) -> None:
+        """Reserved warm-ups or children now exist: each one's id (given it when it was
+        made: its key's `rid`) finds it."""
+        reserved, names, live = self._reserved, self._names, self._live
+        for inst in members:
+            name = inst._rid
+            del reserved[name]
+            names[name] = inst
+            live[inst.key] = inst
 
     def _start(self, req: Request) -> None:
         """A tokenized warm-up or child, from its creation to its dispatch. Submitted and
@@ -559,8 +589,8 @@ class TokenizerSide:
         req.fire(_SUBMIT)
         req.fire(_VALIDATED)
         self._send(req)
-        if req._m.terminal[req._s] and self._live.get(req.key) is req:
-            self._retired(req, None)
+        if self._ended[req._s] and self._live.get(req.key) is req:
+            self._request_retired(req, None)
 
     def _send(self, req: Request) -> None:
         if req._s != self._dispatched:  # `req.state != "dispatched"`, without the property
@@ -574,15 +604,19 @@ class TokenizerSide:
         self._fire(req, DispatchFailed(f"could not send to the scheduler: {e!r}"))
 
     def _fan_out(self, batch: _Batch) -> None:
-        if (batch.fanned or batch.interrupted
-                or not all(p.terminal or p.state == "ready" for p in batch.parents)):
+        if batch.fanned or batch.interrupted:
             return
-        ready = [g for g in batch.parents if g.state == "ready"]
+        ready = []  # every parent must be ready or ended (`state`, `terminal` read direct)
+        for p in batch.parents:
+            if p._s == self._ready:
+                ready.append(p)
+            elif not p._m.terminal[p._s]:
+                return
         # Decide for the whole batch before creating any child: each child that uses a
         # LoRA must get exactly one of its group's references.
         for group in ready:
             owned = len(self.ledger.owned(group, LORA))
-            takers = sum(lo is not None for lo in group.loras) * group.n
+            takers = (len(group.loras) - group.loras.count(None)) * group.n
             if owned != takers:
                 msg = (f"sampling group {group.rid!r} owns {owned} LoRA reference(s) but "
                        f"{takers} of its children use a LoRA; each needs exactly one. No "
@@ -599,13 +633,13 @@ class TokenizerSide:
             for i, (prompt, lora) in enumerate(zip(group.prompts, group.loras, strict=True)):
                 tokens = group.tokens[i]
                 for j in range(i * group.n, (i + 1) * group.n):
-                    c = Request(self.requests, derived[j][1], prompt=prompt, lora=lora,
-                                parent=group)
+                    name, key = derived[j]
+                    c = Request(self.requests, key, prompt=prompt, lora=lora,
+                                parent=group, rid=name)
                     c.tokens = tokens
                     children.append(c)
             group.children = children
-            for c, (name, _) in zip(children, derived, strict=True):
-                self._created(c, name)
+            self._created(children)
             self._fire(group, _FAN_OUT)  # transfers one reference to each child
             for c in children:
                 self._start(c)
@@ -663,8 +697,8 @@ class TokenizerSide:
             try:
                 inst.fire(event)
             finally:
-                if inst._m.terminal[inst._s] and self._live.get(inst.key) is inst:
-                    self._retired(inst, event)
+                if self._ended[inst._s] and self._live.get(inst.key) is inst:
+                    self._request_retired(inst, event)
             return True
         if inst is None:
             # A request of its own that ended (an abort echo): `get` and `_not_created`
@@ -725,36 +759,45 @@ class TokenizerSide:
                 f"ending {len(errors)} requests of an interrupted batch raised", errors)
 
     def _retired(self, inst: Instance, event: Any) -> None:
+        """`inst` (live, in `_live`) is newly terminal: retire it, once. Callers that
+        know it is a Request call `_request_retired`."""
+        if inst.__class__ is Request or isinstance(inst, Request):
+            self._request_retired(inst, event)
+            return
         key = inst.key
         del self._live[key]
-        if inst.__class__ is Request or isinstance(inst, Request):
-            parent = inst.parent
-            if parent is None:
-                # A request of its own (`_new_request`: its key is `RequestKey(rid)`)
-                # is its whole family, and has no batch.
-                names = self._names
-                if names.get(key.group) is inst:
-                    del names[key.group]
-                return
-            # (`inst.role`, without the property: the side keys every member)
-            if (key.role if inst._role is None else inst._role) == "warmup":
-                self._warmup_ended(inst, event)
-            self._family_check(parent)  # a member of a group (see below)
-        elif isinstance(inst, SamplingGroup):
+        if isinstance(inst, SamplingGroup):
             ds = self._derived.pop(key, None)
             if ds is None:
-                ds = [(d.rid, d) for d in _derived_keys(key, len(inst.prompts), inst.n)]
-            for name, d in ds:
-                if self._reserved.get(name) == d:  # ids it never used are free again
-                    del self._reserved[name]
+                ds = _derived_keys(key, len(inst.prompts), inst.n)
+            # (none to free once it made a member with each: after its fan-out)
+            if len(inst.warmups) + len(inst.children) < len(ds):
+                for name, d in ds:
+                    if self._reserved.get(name) == d:  # ids it never used are free again
+                        del self._reserved[name]
             self._group_ended(inst, event)
             self._family_check(inst)
+
+    def _request_retired(self, req: Request, event: Any) -> None:
+        """`_retired` for a Request."""
+        key = req.key
+        del self._live[key]
+        parent = req.parent
+        if parent is None:
+            # A request of its own (`_new_request`: its key is `RequestKey(rid)`) is its
+            # whole family, and has no batch. Its id is its own while it lives (`_claim`
+            # gives no other request or group an id in `_names`): forgotten now.
+            del self._names[key.group]
+            return
+        # (`req.role`, without the property: the side keys every member)
+        if (key.role if req._role is None else req._role) == "warmup":
+            self._warmup_ended(req, event)
+        self._family_check(parent)  # a member of a group (see below)
 
     def _family_check(self, top: Instance) -> None:
         """Forget a family once every member has ended (its ids are free again)."""
         if not top._m.terminal[top._s]:  # `top.terminal`, without the property
             return
-        members: list[Instance] = [top]
         if top.__class__ is SamplingGroup or isinstance(top, SamplingGroup):
             # Every member ended? Children first, the last made first: they end last.
             # (`m.terminal`, without the property.)
@@ -764,24 +807,25 @@ class TokenizerSide:
             for m in top.warmups:
                 if not m._m.terminal[m._s]:
                     return
-            members += top.warmups + top.children
-        names = self._names
-        for m in members:
-            key = m.key
-            name = key.rid if key.__class__ is RequestKey or isinstance(key, RequestKey) \
-                else key
-            if names.get(name) is m:
-                del names[name]
+            names = self._names
+            for m in top.warmups + top.children:
+                name = m._rid  # (`m.rid`: the side made each member with its id)
+                if names.get(name) is m:
+                    del names[name]
+        name = client_rid(top.key)
+        if self._names.get(name) is top:
+            del self._names[name]
         self._batches.pop(top.key, None)
 
     def _group_ended(self, group: SamplingGroup, event: Any) -> None:
         batch = self._batches.get(group.key)
-        if group.state != "fanned_out":
+        state = group.state  # (terminal: what is fired below leaves it as it is)
+        if state != "fanned_out":
             for w in group.warmups:
                 self._fire(w, RequestAbort("its sampling group ended"))
         if batch is None:
             return
-        if group.state in ("rejected", "errored"):
+        if state in ("rejected", "errored"):
             # A batch fans out whole or not at all: one failed prompt fails its siblings.
             status = int(getattr(event, "status", 500))
             msg = getattr(event, "message", "")
@@ -790,16 +834,16 @@ class TokenizerSide:
             for p in batch.parents:
                 if not p.terminal:
                     self._fire(p, BatchFailed(status, msg))
-        elif group.state == "aborted":
+        elif state == "aborted":
             self._fan_out(batch)  # the siblings may all be ready now
 
     def _warmup_ended(self, w: Request, event: Any) -> None:
         group = w.parent
-        if w.state == "finished":
+        if w._s == self._finished:  # (`w.state`, `group.state` without the property)
             group.pending_warmups -= 1
             self._fire(group, _WARMUP_FINISHED)
             batch = self._batches.get(group.key)
-            if batch is not None and group.state == "ready":
+            if batch is not None and group._s == self._ready:
                 self._fan_out(batch)
             return
         status = int(getattr(event, "status", 503 if w.state == "dispatch_failed" else 500))

@@ -206,19 +206,24 @@ class Request(Instance):
     `role` ("request", "child" or "warmup"; by default the role of a `RequestKey` key),
     `lora_id` (the adapter id sent to the scheduler with the request; what is released
     is decided by the ledger's handles, never by this field).
+
+    `rid=` gives the id its client sees where the caller has it at hand (a driver that
+    made the key: it must be the key's `RequestKey.rid`); by default it is worked out
+    from the key when asked.
     """
 
-    __slots__ = ("_role", "lora", "lora_id", "parent", "prompt", "stream", "tokens")
+    __slots__ = ("_rid", "_role", "lora", "lora_id", "parent", "prompt", "stream", "tokens")
 
     def __init__(self, machine: Machine, key: Any = None, *, prompt: Any = None,
                  lora: str | None = None, role: str | None = None, stream: bool = True,
-                 parent: Any = None) -> None:
+                 parent: Any = None, rid: Any = None) -> None:
         Instance.__init__(self, machine, key)  # not super(): one lookup less per request
         self.prompt = prompt
         self.lora = lora
         self.tokens: Any = None
         self.lora_id: int | None = None
         self._role = role  # None: its key's (read when asked, not per request made)
+        self._rid = rid  # None: its key's (the terminal output reads it once, unformatted)
         self.stream = stream
         self.parent = parent
 
@@ -239,7 +244,8 @@ class Request(Instance):
     @property
     def rid(self) -> Any:
         """The id the client sees (`RequestKey.rid` of the key, or the key itself)."""
-        return client_rid(self.key)
+        rid = self._rid
+        return client_rid(self.key) if rid is None else rid
 
 
 def wants_lora(inst: Any, ev: Any) -> bool:

@@ -166,3 +166,80 @@ def test_on_output_and_on_finish_deliver_every_kind_of_report():
                        ("r3", "finished", 200, "weird reason")]
     assert log[11] == [("r1", "finished"), ("r2", "finished"), ("r3", "finished"),
                        ("g-warmup-0", "finished"), ("g", "fanned_out")]
+
+
+# -- submit_batch's id check: `_take` beside `_take_each` ----------------------------------
+
+
+def test_take_accepts_and_refuses_what_take_each_does():
+    """`_take` (a group's ids checked in a few set operations) against `_take_each` (one
+    at a time): the same ids taken, the same refusal naming the same id, nothing else
+    changed, for ids free, a live request's, a created warm-up's, one a live group
+    reserved, one this call already took, and one listed twice."""
+
+    async def main():
+        s = await make_side()
+        side = s.side
+        r = await side.submit("one", None, rid="y-0")
+        await side.submit_batch(["p"], None, n=2, rid="g")  # g-0, g-1 reserved
+        assert "g-warmup-0" in side._names and {"g-0", "g-1"} <= set(side._reserved)
+        group = rq.RequestKey("new", "group")
+        expected = {
+            ("x-warmup-0", "x-0", "x-1"): None,
+            ("y-warmup-0", "y-0", "y-1"): "y-0",
+            ("z-0", "g-warmup-0"): "g-warmup-0",
+            ("h-0", "g-1", "h-2"): "g-1",
+            ("t-0", "t-1"): "t-1",
+            ("d", "e", "d"): "d",
+            (): None,
+        }
+        for names, refused in expected.items():
+            outcomes = []
+            for take in (side._take, side._take_each):
+                taken = {"t-1", "q"}
+                before = (dict(side._names), dict(side._reserved))
+                try:
+                    take(list(names), group, taken)
+                    outcomes.append(("took", sorted(taken)))
+                except ValueError as e:
+                    outcomes.append(("refused", str(e)))
+                assert (dict(side._names), dict(side._reserved)) == before
+            assert outcomes[0] == outcomes[1], names
+            if refused is None:
+                assert outcomes[0] == ("took", sorted({"t-1", "q", *names}))
+            else:
+                assert outcomes[0][0] == "refused"
+                assert f"would name a request {refused!r}" in outcomes[0][1]
+        side.abort("g")
+        side.on_finish(r.key)
+        await s.finish_clean()
+
+    asyncio.run(main())
+
+
+def test_every_request_the_side_makes_carries_its_keys_id():
+    """The side gives each request it makes its client id (`Request(rid=)`), which its
+    terminal output and family bookkeeping read: it is its key's `rid`, as a request made
+    without it works out when asked."""
+
+    async def main():
+        s = await make_side()
+        side = s.side
+        plain = await side.submit("one", "a", rid="r")
+        groups = await side.submit_batch(["p", "q"], "a", n=2, rid="g")
+        warm = groups[0].warmups
+        for w in warm:
+            side.on_finish(w.key)
+        made = [plain, *warm, *side.children("g")]
+        assert len(made) == 1 + 2 + 4
+        for req in made:
+            assert req._rid == req.key.rid == req.rid
+            assert rq.Request(side.requests, req.key).rid == req.rid  # worked out
+        for req in made[3:]:
+            side.on_finish(req.key)
+        side.on_finish(plain.key)
+        assert sorted(str(o.rid) for o in s.sink.outputs.values()) == [
+            "g-0", "g-1", "g-2", "g-3", "r"]
+        await s.finish_clean()
+
+    asyncio.run(main())
