@@ -319,14 +319,16 @@ class TokenizerSide:
         if (rid in self._names or rid in self._reserved or (
                 rid.__class__ is not str and (rid is None or isinstance(rid, RequestKey)))):
             rid = self._claim(rid, set())
-        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora, rid=rid)
+        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora)
+        req._rid = rid  # its key's `rid`, known here (read by its terminal output)
         self._names[rid] = req  # `_new_request`, inline
         self._live[req.key] = req
         await self._run_request(req)
         return req
 
     def _new_request(self, rid: Any, prompt: Any, lora: str | None) -> Request:
-        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora, rid=rid)
+        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora)
+        req._rid = rid
         self._names[rid] = req
         self._live[req.key] = req
         return req
@@ -551,7 +553,8 @@ class TokenizerSide:
             for i, (prompt, lora) in enumerate(zip(group.prompts, group.loras, strict=True)):
                 name, key = derived[i]
                 w = Request(self.requests, key, prompt=prompt, lora=lora, stream=False,
-                            parent=group, rid=name)
+                            parent=group)
+                w._rid = name
                 w.tokens = group.tokens[i]
                 if lora is not None:
                     # The warm-up uses the prompt's references but owns none of them.
@@ -635,7 +638,8 @@ class TokenizerSide:
                 for j in range(i * group.n, (i + 1) * group.n):
                     name, key = derived[j]
                     c = Request(self.requests, key, prompt=prompt, lora=lora,
-                                parent=group, rid=name)
+                                parent=group)
+                    c._rid = name
                     c.tokens = tokens
                     children.append(c)
             group.children = children

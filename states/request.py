@@ -207,23 +207,24 @@ class Request(Instance):
     `lora_id` (the adapter id sent to the scheduler with the request; what is released
     is decided by the ledger's handles, never by this field).
 
-    `rid=` gives the id its client sees where the caller has it at hand (a driver that
-    made the key: it must be the key's `RequestKey.rid`); by default it is worked out
-    from the key when asked.
+    `_rid` caches the id its client sees (`RequestKey.rid` of its key): a driver that
+    made the key and has the id at hand sets it (the tokenizer side does); None, the
+    default, works it out from the key when asked. It is not a constructor argument: an
+    id that is not its key's would stream the request's output under another id.
     """
 
     __slots__ = ("_rid", "_role", "lora", "lora_id", "parent", "prompt", "stream", "tokens")
 
     def __init__(self, machine: Machine, key: Any = None, *, prompt: Any = None,
                  lora: str | None = None, role: str | None = None, stream: bool = True,
-                 parent: Any = None, rid: Any = None) -> None:
+                 parent: Any = None) -> None:
         Instance.__init__(self, machine, key)  # not super(): one lookup less per request
         self.prompt = prompt
         self.lora = lora
         self.tokens: Any = None
         self.lora_id: int | None = None
         self._role = role  # None: its key's (read when asked, not per request made)
-        self._rid = rid  # None: its key's (the terminal output reads it once, unformatted)
+        self._rid: Any = None  # its key's `rid`, where a driver that made the key sets it
         self.stream = stream
         self.parent = parent
 

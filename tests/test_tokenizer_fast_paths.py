@@ -218,7 +218,7 @@ def test_take_accepts_and_refuses_what_take_each_does():
 
 
 def test_every_request_the_side_makes_carries_its_keys_id():
-    """The side gives each request it makes its client id (`Request(rid=)`), which its
+    """The side gives each request it makes its client id (`Request._rid`), which its
     terminal output and family bookkeeping read: it is its key's `rid`, as a request made
     without it works out when asked."""
 
