@@ -1,0 +1,272 @@
+"""`terminus instructions`: `terminus bench e2e`'s two loops, counted in machine
+instructions under valgrind's callgrind instead of timed.
+
+    terminus instructions                          # 1,000 requests
+    terminus instructions --requests 4000 --json ir.json
+
+Each loop (the declared machines, the naive pre-fix logic) runs in its own process
+under `valgrind --tool=callgrind`, on the benchmark's workload, after a warm-up run of
+200 requests, with the sanitizer off; instructions are counted only inside the
+measured loop and never inside a pool call (alloc, free, prefetch, lock, unlock: the
+allocator work `terminus bench e2e` takes out of its figures too). A count does not
+depend on what else the machine is doing: repeats of one commit agree to about 0.1 %
+(objects hashed by address still order some sets), so a change of a few hundred
+instructions a request shows where timings are noise. The difference between the
+loops is `terminus bench e2e`'s `lifecycle_overhead_us_per_request`, in instructions.
+Use 1,000 requests or more: the loop's own start is spread over the requests.
+
+The difference is also split by what CPython spent it on (the C function that
+executed the instructions, by its source file and name):
+
+- `interpreter`: the bytecode loop and its frames (more Python executed);
+- `attribute_lookup`: attribute reads and writes the specialising interpreter did not
+  specialise (a site that sees many classes, a property, a module with `__getattr__`,
+  a msgspec Struct's field write);
+- `cyclic_gc`: the cycle collector (more container objects made);
+- `dicts`; `objects` (making and freeing objects: the allocator, deallocators);
+  `torch_numpy`; and `other`.
+
+Needs valgrind (with its headers, `valgrind/callgrind.h`) and a C compiler: a tiny
+shared library that switches collection on and off is built on first use. Bad input
+or a missing tool is one line on stderr and exit status 2.
+
+JSON keys: `requests`, `ir_per_request` (`machines`, `naive`),
+`overhead_ir_per_request`, `overhead_by_part` (part -> instructions a request),
+`top_functions` (the C functions whose difference is largest: `function`,
+`machines`, `naive`, `diff`, instructions a request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from terminus.fsm.cli import CliError, parser, write_json
+
+from ..sanitize import ENV as SANITIZE_ENV
+
+__all__ = ["main", "split_by_part"]
+
+_TOGGLE_C = """\
+#include <valgrind/callgrind.h>
+void terminus_cg_start(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_TOGGLE_COLLECT; }
+void terminus_cg_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
+"""
+
+_WARMUP = 200
+
+# (part, pattern on "file:function") in order: the first match names the part.
+_PARTS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("cyclic_gc", re.compile(r"gcmodule\.c|_traverse\b|visit_(decref|reachable)")),
+    ("attribute_lookup", re.compile(
+        r"_PyType_Lookup|GenericGetAttr|GenericSetAttr|PyObject_GetAttr|PyObject_SetAttr|"
+        r"PyType_IsSubtype|descrobject\.c|structmember\.c|PyUnicode_InternInPlace|"
+        r"attrgetter|module_getattro|slot_tp_getattr|member_get|find_name_in_mro")),
+    ("interpreter", re.compile(
+        r"ceval\.c|frame\.c|_PyEval_EvalFrameDefault|_PyFrame_|initialize_locals|"
+        r"_PyThreadState_(Push|Pop)Frame|call\.c|PyGen_am_send")),
+    ("dicts", re.compile(r"dictobject\.c")),
+    ("objects", re.compile(r"obmalloc\.c|malloc|free\b|memset|memcpy|_dealloc|_alloc\b|"
+                           r"_New\b|PyLong_From")),
+    ("torch_numpy", re.compile(r"libtorch|libc10|numpy|_multiarray")),
+)
+
+
+def split_by_part(diff: dict[str, float]) -> dict[str, float]:
+    """Instructions a request by part (see the module docstring), from a difference
+    per C function ("file:function" -> instructions)."""
+    out = {name: 0.0 for name, _ in _PARTS}
+    out["other"] = 0.0
+    for fn, v in diff.items():
+        part = next((name for name, pat in _PARTS if pat.search(fn)), "other")
+        out[part] += v
+    return out
+
+
+def _toggle_library(workdir: Path) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise CliError("no C compiler (cc or gcc) on PATH: install one (Debian: gcc), "
+                       "it builds the library that switches callgrind's counting on")
+    src, lib = workdir / "toggle.c", workdir / "toggle.so"
+    src.write_text(_TOGGLE_C)
+    r = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(src)],
+                       capture_output=True, text=True)
+    if r.returncode:
+        first = (r.stderr.strip().splitlines() or [""])[0]
+        raise CliError(f"building the callgrind toggle failed ({first}); install valgrind's "
+                       "headers (Debian: valgrind, which ships valgrind/callgrind.h)")
+    return lib
+
+
+def _annotate(out_file: Path) -> tuple[int, dict[str, int]]:
+    """(total, self instructions per "file:function") of one callgrind output."""
+    r = subprocess.run(["callgrind_annotate", "--threshold=100", str(out_file)],
+                       capture_output=True, text=True, check=True)
+    total = 0
+    per: dict[str, int] = {}
+    line_re = re.compile(r"\s*([\d,]+)\s+\(\s*[\d.]+%\)\s+(.*)")
+    for line in r.stdout.splitlines():
+        m = line_re.match(line)
+        if not m:
+            continue
+        n, name = int(m.group(1).replace(",", "")), m.group(2).strip()
+        if name.startswith("PROGRAM TOTALS"):
+            total = n
+            continue
+        name = re.sub(r" \[.*$", "", name)
+        name = re.sub(r"^.*/Python-[^/]+/", "", name)  # CPython's build directory
+        name = re.sub(r"'\d+$", "", name)  # callgrind's recursion depth marks
+        per[name] = per.get(name, 0) + n
+    return total, per
+
+
+def _start_arm(arm: str, n: int, lib: Path, workdir: Path) -> subprocess.Popen[str]:
+    out = workdir / f"callgrind.{arm}"
+    # The sanitizer off, as a serving engine runs (a test session turns it on in the
+    # environment its children inherit); string hashes fixed, for the same count.
+    env = dict(os.environ, PYTHONHASHSEED="0", **{SANITIZE_ENV: "0"})
+    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
+           f"--callgrind-out-file={out}", sys.executable, "-m", "terminus.fsm", "instructions",
+           "--arm", arm, "--requests", str(n), "--toggle", str(lib)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=env)
+
+
+def _finish_arm(arm: str, proc: subprocess.Popen[str], workdir: Path) -> tuple[int, dict[str, int]]:
+    _, err = proc.communicate()
+    if proc.returncode:
+        tail = "\n".join(err.strip().splitlines()[-5:])
+        raise CliError(f"the {arm} loop under callgrind exited with status {proc.returncode}: "
+                       f"{tail}")
+    return _annotate(workdir / f"callgrind.{arm}")
+
+
+def measure(n: int, top: int = 20) -> dict[str, Any]:
+    """Both loops under callgrind; the figures of the module docstring."""
+    for tool in ("valgrind", "callgrind_annotate"):
+        if shutil.which(tool) is None:
+            raise CliError(f"{tool} is not on PATH: install valgrind (Debian: apt-get install "
+                           "valgrind) to count instructions")
+    with tempfile.TemporaryDirectory(prefix="terminus-ir-") as d:
+        workdir = Path(d)
+        lib = _toggle_library(workdir)
+        # Both at once (one process each; the counts do not depend on the load).
+        procs = {arm: _start_arm(arm, n, lib, workdir) for arm in ("machines", "naive")}
+        try:
+            arms = {arm: _finish_arm(arm, p, workdir) for arm, p in procs.items()}
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    (tm, pm), (tn, pn) = arms["machines"], arms["naive"]
+    diff = {k: (pm.get(k, 0) - pn.get(k, 0)) / n for k in set(pm) | set(pn)}
+    rows = sorted(diff, key=lambda k: -abs(diff[k]))[:top]
+    return {
+        "requests": n,
+        "ir_per_request": {"machines": tm / n, "naive": tn / n},
+        "overhead_ir_per_request": (tm - tn) / n,
+        "overhead_by_part": split_by_part(diff),
+        "top_functions": [{"function": k, "machines": pm.get(k, 0) / n,
+                           "naive": pn.get(k, 0) / n, "diff": diff[k]} for k in rows],
+    }
+
+
+def _run_arm(arm: str, n: int, toggle: str) -> None:
+    """Inside valgrind: warm up, then run one loop with counting on outside pool calls."""
+    import asyncio
+    import ctypes
+    import gc
+
+    import torch
+
+    from . import workload as workload_mod
+    from .bench import _POOL_METHODS, _pools_of
+    from .naive import naive_parts
+    from .serving import ServingLoop, SimConfig, machine_parts
+    from .simulate import collector_for_run
+
+    lib = ctypes.CDLL(toggle)
+    torch.set_num_threads(1)
+    parts = naive_parts if arm == "naive" else machine_parts
+    full = workload_mod.generate(workload_mod.WorkloadConfig(requests=n, seed=11, n=3))
+    warm = workload_mod.generate(workload_mod.WorkloadConfig(requests=_WARMUP, seed=11, n=3))
+
+    def uncounted(fn: Any) -> Any:
+        def call(*a: Any, **kw: Any) -> Any:
+            lib.terminus_cg_toggle()
+            try:
+                return fn(*a, **kw)
+            finally:
+                lib.terminus_cg_toggle()
+        return call
+
+    for workload, counted in ((warm, False), (full, True)):
+        workload_mod._segment.cache_clear()
+        workload_mod._prompt.cache_clear()
+        loop = ServingLoop(workload, SimConfig(), parts=parts)
+        if counted:
+            for pool in _pools_of(loop):
+                target = getattr(pool, "__wrapped__", pool)
+                for name in _POOL_METHODS:
+                    fn = getattr(target, name, None)
+                    if fn is not None and callable(fn):
+                        setattr(pool, name, uncounted(fn))
+        gc.collect()
+        with collector_for_run():
+            if counted:
+                lib.terminus_cg_start()
+            asyncio.run(loop.run())
+            if counted:
+                lib.terminus_cg_toggle()
+
+
+def _print(r: dict[str, Any]) -> None:
+    from terminus.fsm.cli import print_table
+
+    ir = r["ir_per_request"]
+    rows = [(f"machines ({r['requests']:,} requests)", f"{ir['machines']:,.0f} Ir/req"),
+            ("naive loop", f"{ir['naive']:,.0f} Ir/req"),
+            ("overhead", f"{r['overhead_ir_per_request']:+,.0f} Ir/req")]
+    rows += [(f"  {part}", f"{v:+,.0f} Ir/req") for part, v in r["overhead_by_part"].items()]
+    rows += [(f"  {f['function'][:60]}", f"{f['diff']:+,.0f} Ir/req")
+             for f in r["top_functions"][:10]]
+    print_table("terminus instructions", rows)
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of `terminus instructions` (see the module docstring)."""
+    p = parser("terminus instructions",
+               "Count the instructions of terminus bench e2e's two loops under callgrind.")
+    p.add_argument("--requests", type=int, default=1000, metavar="N",
+                   help="requests in the measured workload (default 1000)")
+    p.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
+    p.add_argument("--top", type=int, default=20, metavar="K",
+                   help="C functions listed in top_functions (default 20)")
+    p.add_argument("--arm", choices=("machines", "naive"), help=argparse.SUPPRESS)
+    p.add_argument("--toggle", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.requests < 1:
+        raise CliError(f"--requests must be at least 1, got {a.requests}")
+    if a.top < 0:
+        raise CliError(f"--top must be 0 or more, got {a.top}")
+    if a.arm:  # the child process under valgrind
+        if not a.toggle:
+            raise CliError("--arm is internal: it needs --toggle (run terminus instructions)")
+        _run_arm(a.arm, a.requests, a.toggle)
+        return 0
+    if a.json:
+        write_json(a.json, {})  # fail on an unwritable path before minutes of work
+    r = measure(a.requests, a.top)
+    _print(r)
+    if a.json:
+        write_json(a.json, r)
+    return 0
