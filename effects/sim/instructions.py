@@ -24,7 +24,8 @@ executed the instructions, by its source file and name):
   a msgspec Struct's field write);
 - `cyclic_gc`: the cycle collector (more container objects made);
 - `dicts`; `objects` (making and freeing objects: the allocator, deallocators);
-  `torch_numpy`; and `other`.
+  `torch_numpy`; `compiled_core` (the engine's compiled core, `fsm/_engine.c`, where
+  it runs); and `other`.
 
 Needs valgrind (with its headers, `valgrind/callgrind.h`) and a C compiler: a tiny
 shared library that switches collection on and off is built on first use. Bad input
@@ -64,6 +65,7 @@ _WARMUP = 200
 
 # (part, pattern on "file:function") in order: the first match names the part.
 _PARTS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("compiled_core", re.compile(r"fsm/_engine\.c|_engine\.cpython")),
     ("cyclic_gc", re.compile(r"gcmodule\.c|_traverse\b|visit_(decref|reachable)")),
     ("attribute_lookup", re.compile(
         r"_PyType_Lookup|GenericGetAttr|GenericSetAttr|PyObject_GetAttr|PyObject_SetAttr|"
@@ -108,7 +110,8 @@ def _toggle_library(workdir: Path) -> Path:
 
 def _annotate(out_file: Path) -> tuple[int, dict[str, int]]:
     """(total, self instructions per "file:function") of one callgrind output."""
-    r = subprocess.run(["callgrind_annotate", "--threshold=100", str(out_file)],
+    # (--auto=no: no annotated source, whose call lines would read as functions)
+    r = subprocess.run(["callgrind_annotate", "--threshold=100", "--auto=no", str(out_file)],
                        capture_output=True, text=True, check=True)
     total = 0
     per: dict[str, int] = {}
