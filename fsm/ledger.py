@@ -17,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
+from ._core import C as _C
 from .errors import DoubleRelease, OwnershipError, ReleaseOutsideTerminal
 from .plan import (
     Action,
@@ -59,13 +60,14 @@ class Owner(Protocol):
 
 
 
-class Holder:
+class _PyHolder:
     """The engine's instances (`fsm.Instance` derives from it): a machine `_m`, a state
     id `_s`, `_q` (None, or the events queued while the engine runs a step of it), and
     `_owns`, where the ledger keeps what the instance owns (None, one `Handle`, or a
     list of them). Owning a handle then costs no dict entry, and an acquire costs the
     same with 10k or 200k handles outstanding. Any other `Owner` works too; the ledger
-    keeps its handles in a dict."""
+    keeps its handles in a dict. (With the compiled core, `Holder` is its type of the
+    same slots, `key` among them.)"""
 
     __slots__ = ("_m", "_owns", "_q", "_s")
 
@@ -73,6 +75,27 @@ class Holder:
     _owns: Any
     _q: Any
     _s: int
+
+
+if TYPE_CHECKING:
+    Holder = _PyHolder
+    _LedgerBase = object
+elif _C is None:
+    Holder, _LedgerBase = _PyHolder, object
+else:
+    Holder = _C.Holder  # the same slots (and `key`), in C
+    _LedgerBase = _C.LedgerCore  # the ledger's slots, and acquire/transfer/owned in C
+
+
+def compiled(cls: type, names: tuple[str, ...]) -> None:
+    """With the compiled core, `cls`'s Python methods `names` (the reference) become
+    `_<name>_py`, which the compiled ones its base class defines call for every case
+    they do not handle themselves; without it, nothing changes."""
+    if _C is None:
+        return
+    for name in names:
+        setattr(cls, f"_{name}_py", cls.__dict__[name])
+        delattr(cls, name)
 
 
 PLAN_RUNNING: list[Any] = []
@@ -115,7 +138,7 @@ class Handle(msgspec.Struct, eq=False):
         return f"Handle#{self.hid}({self.kind}, {state})"
 
 
-class Ledger:
+class Ledger(_LedgerBase):
     """Who owns what. Shared by every machine whose instances own resources.
 
     `releasers` maps a handle kind to its default release effect `fn(ctx, handle)`;
@@ -454,6 +477,10 @@ class Ledger:
             cur = self._get(owner)
             if cur is None:
                 return
+        self._sweep_failed(owner, cur, report)
+
+    def _sweep_failed(self, owner: Any, cur: Any, report: PlanReport) -> None:
+        """`_sweep`'s error: after `_SWEEPS` passes `owner` still owns `cur`."""
         left = cur if cur.__class__ is list else [cur]
         report.errors.append(EffectError(
             report.machine, report.plan, "release what no step named", False,
@@ -617,3 +644,6 @@ class Ledger:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         return list(self.errors)
+
+
+compiled(Ledger, ("acquire", "transfer", "owned"))

@@ -24,6 +24,7 @@ from types import CodeType
 from typing import TYPE_CHECKING, Any
 
 from . import observe as _obs
+from ._core import C as _C
 from .errors import (
     InvalidDefinition,
     PlanNotBound,
@@ -31,7 +32,15 @@ from .errors import (
     TransitionNotAllowed,
     UnknownEvent,
 )
-from .ledger import PLAN_RUNNING, Handle, Holder, Ledger, QueuedInPlan
+from .ledger import (
+    _SWEEPS,
+    PLAN_RUNNING,
+    Handle,
+    Holder,
+    Ledger,
+    QueuedInPlan,
+    compiled,
+)
 from .observe import Stats
 from .plan import (
     EMPTY_PLAN,
@@ -58,7 +67,13 @@ _OnCell = Callable[["Instance", Any], "PlanReport | None"]
 """What `Instance.fire` calls for a cell whose code is < 0 (an entry of `Machine._on`)."""
 
 
-class Machine:
+if TYPE_CHECKING:
+    _MachineBase = object
+else:  # with the compiled core, the slots `Instance.fire` reads are its `MachineCore`'s
+    _MachineBase = object if _C is None else _C.MachineCore
+
+
+class Machine(_MachineBase):
     """A validated, frozen, compiled machine. Build one with `Spec(...).build()`.
 
     `bind(plans=..., ledger=...)` gives a copy whose terminal transitions run those
@@ -115,7 +130,7 @@ class Machine:
         guards: Mapping[str, Guard],
     ) -> Machine:
         """The runtime of a validated declaration (called by `Spec.build`)."""
-        m = object.__new__(cls)
+        m = _MachineBase.__new__(cls)
         m.name = spec.name
         m.spec = spec
         m.states = tuple(s.name for s in spec.states)
@@ -360,10 +375,13 @@ class Machine:
                         "releaser for it",
                         f"pass releasers={{{step.kind!r}: effect}} to the Ledger, or "
                         "give the step its own effect: Release(kind, effect)")
-        m = object.__new__(type(self))
+        m = _MachineBase.__new__(type(self))
         for k, v in self.__dict__.items():
             if k not in ("_frozen",):
                 object.__setattr__(m, k, v)
+        if _C is not None:  # the compiled core's slots, which are no `__dict__` entries
+            object.__setattr__(m, "terminal", self.terminal)
+            object.__setattr__(m, "initial", self.initial)
         m._init_runtime(plans, ledger, partial=partial, bound=True)
         return m
 
@@ -1187,6 +1205,8 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
     ledger, kinds = t.ledger, t.kinds
     if ledger is None:  # no ledger: the plan's actions through `_run_terminal`
         return _compile_general(m, t)
+    if _C is not None:  # the compiled core runs every plan over a ledger
+        return _plan_cell(m, t)
     if kinds is None:  # a plan with actions
         return _compile_plan(m, t)
     target, edge, pname, pid, steps, sweep = t.target, t.edge, t.pname, t.pid, t.plan.steps, t.sweep
@@ -1287,6 +1307,25 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
     return fire_terminal
 
 
+def _plan_cell(m: Machine, t: _Terminal) -> _OnCell:
+    """`_compile_terminal` with the compiled core: its `PlanCell`, which runs the plan's
+    steps as `_compile_plan`'s unrolled function does (a `Release` of one handle
+    inline, of several each of the kind in order, then the handles no step named by
+    their default releasers), for plans of `Release` steps and plans with actions alike."""
+    assert _C is not None and t.ledger is not None
+    steps: list[tuple[str | None, Callable[..., Any] | None, tuple[str, bool]]] = []
+    for st in t.plan.steps:
+        if type(st) is Release:
+            steps.append((st.kind, None if st.fn is None else unwrapped(st.fn),
+                          (st.name, st.best_effort)))
+        else:
+            assert isinstance(st, Action)
+            steps.append((None, unwrapped(st.fn), (st.name, st.best_effort)))
+    cell: _OnCell = _C.PlanCell(t.target, t.edge, t.pname, t.pid, m.name, m.stats._runs,
+                                t.ledger, tuple(steps))
+    return cell
+
+
 class Instance(Holder):
     """One live machine: a state id and nothing else the engine needs (and, in the
     slots of its base `ledger.Holder`, what it owns).
@@ -1295,7 +1334,8 @@ class Instance(Holder):
     changes the state (`fire`); `state`, `terminal` and `busy` read it.
     """
 
-    __slots__ = ("key",)
+    # (The compiled core's `Holder` has the `key` slot, and its own __init__ and fire.)
+    __slots__ = ("key",) if TYPE_CHECKING or _C is None else ()
 
     _m: Machine
 
@@ -1355,3 +1395,13 @@ class Instance(Holder):
     def __repr__(self) -> str:
         key = "" if self.key is None else f" {self.key!r}"
         return f"<{self._m.name}{key} {self.state}>"
+
+
+if _C is not None:
+    # The compiled core's `Holder.__init__` and `Holder.fire` do what these do (the
+    # Python `fire`, kept as `_fire_py`, is where it hands a case it does not handle).
+    del Instance.__init__
+    compiled(Instance, ("fire",))
+    _C.setup(Handle=Handle, PlanReport=PlanReport, ReleaseContext=ReleaseContext,
+             QueuedInPlan=QueuedInPlan, PLAN_RUNNING=PLAN_RUNNING, step_failed=_step_failed,
+             step_returned=_step_returned, sweeps=_SWEEPS)

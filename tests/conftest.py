@@ -1,6 +1,7 @@
 """Shared test configuration: one torch thread per process; tests marked ``gpu`` run only
-where CUDA is present; the ``device`` fixture runs a kernel test on CPU and on CUDA; ``kv``
-is a strict KV pool checked full at the end."""
+where CUDA is present, those marked ``python_core`` only where the engine runs its Python
+core alone (``TERMINUS_PURE_PYTHON=1``); the ``device`` fixture runs a kernel test on CPU
+and on CUDA; ``kv`` is a strict KV pool checked full at the end."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from terminus.fsm import _core
 from terminus.kernels import TokenKVAllocator
 
 # `make test` runs two xdist workers on a two-core machine: with torch's default
@@ -39,6 +41,12 @@ def kv() -> Iterator[TokenKVAllocator]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _core.C is not None:  # the Python core's own machinery does not run
+        skip_core = pytest.mark.skip(reason="tests the Python core; the compiled one runs "
+                                     f"(set {_core.PURE_ENV}=1 to run it)")
+        for item in items:
+            if "python_core" in item.keywords:
+                item.add_marker(skip_core)
     gpu = [item for item in items if "gpu" in item.keywords]
     if not gpu or torch.cuda.is_available():
         return

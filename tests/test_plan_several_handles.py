@@ -122,6 +122,7 @@ def test_a_compiled_plan_over_several_handles_does_what_the_general_path_does(se
     assert compiled[-1] == []  # the plan released (or moved) all it owned
 
 
+@pytest.mark.python_core  # (it spies on the Python `Ledger._release_kind`)
 def test_the_seeds_cover_one_several_and_none_of_a_kind():
     """The random plans above do reach each way a step finds its handles."""
     from terminus.fsm import ledger as L

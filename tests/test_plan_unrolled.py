@@ -122,6 +122,7 @@ def note(ctx: Any) -> None:
     """An action that does nothing."""
 
 
+@pytest.mark.python_core
 @pytest.mark.usefixtures("unobserved")
 def test_the_unrolled_function_is_named_after_its_plan():
     ledger = Ledger(dict.fromkeys(KINDS, drop))
@@ -137,6 +138,7 @@ def test_the_unrolled_function_is_named_after_its_plan():
     ledger.assert_empty()
 
 
+@pytest.mark.python_core
 @pytest.mark.usefixtures("unobserved")
 def test_plans_of_one_shape_share_one_compiled_template_and_keep_their_names():
     from terminus.fsm import machine as engine
@@ -162,6 +164,7 @@ def test_plans_of_one_shape_share_one_compiled_template_and_keep_their_names():
     ledger.assert_empty()
 
 
+@pytest.mark.python_core
 @pytest.mark.usefixtures("unobserved")
 def test_a_traceback_through_an_unrolled_plan_shows_the_plans_lines():
     import traceback
