@@ -25,7 +25,7 @@
 #include <Python.h>
 #include <structmember.h>
 
-#define ENGINE_API 1
+#define ENGINE_API 2
 
 /* -- what setup() gives ------------------------------------------------------------ */
 
@@ -43,7 +43,7 @@ static PyObject *ONE = NULL;
 
 static Py_ssize_t H_KIND, H_VALUE, H_OWNER, H_RELEASED;
 static Py_ssize_t R_RELEASED, R_ERRORS;
-static Py_ssize_t C_EDGE, C_LIVE, C_EVENT, C_INSTANCE;
+static Py_ssize_t C_EDGE, C_LIVE, C_EVENT, C_INSTANCE, C_RESOURCES, C_TARGET, C_LEDGER;
 
 static PyObject *s_fire_py, *s_fire_slow, *s_acquire_py, *s_transfer_py, *s_owned_py;
 static PyObject *s_compact, *s_planning, *s_release_late, *s_sweep_failed, *s_plan_failed;
@@ -821,6 +821,8 @@ typedef struct {
     vectorcallfunc vectorcall;
     PyObject *target;   /* the terminal state's id */
     PyObject *edge;     /* plan._Edge */
+    PyObject *tname;    /* its target's name (edge.target), stored in a context it makes */
+    PyObject *eledger;  /* edge.ledger, likewise */
     PyObject *pname;
     PyObject *mname;
     PyObject *runs;     /* the machine's Stats._runs (a list) */
@@ -1039,6 +1041,8 @@ PlanCell_traverse(PlanCellObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->target);
     Py_VISIT(self->edge);
+    Py_VISIT(self->tname);
+    Py_VISIT(self->eledger);
     Py_VISIT(self->pname);
     Py_VISIT(self->mname);
     Py_VISIT(self->runs);
@@ -1057,6 +1061,8 @@ PlanCell_clear(PlanCellObject *self)
 {
     Py_CLEAR(self->target);
     Py_CLEAR(self->edge);
+    Py_CLEAR(self->tname);
+    Py_CLEAR(self->eledger);
     Py_CLEAR(self->pname);
     Py_CLEAR(self->mname);
     Py_CLEAR(self->runs);
@@ -1171,10 +1177,16 @@ PlanCell_vectorcall(PlanCellObject *self, PyObject *const *args, size_t nargsf,
     ctx = self->spare;
     self->spare = NULL;
     if (ctx == NULL) {
-        ctx = ContextType->tp_alloc(ContextType, 0);
+        ctx = ContextType->tp_alloc(ContextType, 0);  /* `plan._made(edge)` */
         if (ctx == NULL)
             goto failed;
         slot_set(ctx, C_EDGE, self->edge);
+        slot_set(ctx, C_TARGET, self->tname);
+        slot_set(ctx, C_LEDGER, self->eledger);
+    }
+    {
+        PyObject *res = ((LedgerCoreObject *)self->ledger)->resources;
+        slot_set(ctx, C_RESOURCES, res == NULL ? Py_None : res);
     }
     slot_set(ctx, C_LIVE, Py_True);  /* live until the plan is done (I1) */
     slot_set(ctx, C_INSTANCE, (PyObject *)inst);
@@ -1317,9 +1329,20 @@ PlanCell_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         arr[i].fn = fn == Py_None ? NULL : Py_NewRef(fn);
         arr[i].about = Py_NewRef(about);
     }
-    PlanCellObject *self = (PlanCellObject *)type->tp_alloc(type, 0);
-    if (self == NULL)
+    PyObject *tname = PyObject_GetAttrString(edge, "target");
+    PyObject *eledger = tname == NULL ? NULL : PyObject_GetAttrString(edge, "ledger");
+    if (eledger == NULL) {
+        Py_XDECREF(tname);
         goto bad;
+    }
+    PlanCellObject *self = (PlanCellObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        Py_DECREF(tname);
+        Py_DECREF(eledger);
+        goto bad;
+    }
+    self->tname = tname;
+    self->eledger = eledger;
     self->vectorcall = (vectorcallfunc)PlanCell_vectorcall;
     self->target = Py_NewRef(target);
     self->edge = Py_NewRef(edge);
@@ -1401,7 +1424,7 @@ engine_setup(PyObject *module, PyObject *args, PyObject *kwds)
     }
     SWEEPS = sweeps;
     PyTypeObject *ht = (PyTypeObject *)h, *rt = (PyTypeObject *)r, *ct = (PyTypeObject *)c;
-    Py_ssize_t o[10];
+    Py_ssize_t o[13];
     if ((o[0] = member_offset(ht, "kind")) < 0 || (o[1] = member_offset(ht, "value")) < 0
             || (o[2] = member_offset(ht, "owner")) < 0
             || (o[3] = member_offset(ht, "released")) < 0
@@ -1410,11 +1433,15 @@ engine_setup(PyObject *module, PyObject *args, PyObject *kwds)
             || (o[6] = member_offset(ct, "_edge")) < 0
             || (o[7] = member_offset(ct, "_live")) < 0
             || (o[8] = member_offset(ct, "event")) < 0
-            || (o[9] = member_offset(ct, "instance")) < 0)
+            || (o[9] = member_offset(ct, "instance")) < 0
+            || (o[10] = member_offset(ct, "resources")) < 0
+            || (o[11] = member_offset(ct, "target")) < 0
+            || (o[12] = member_offset(ct, "ledger")) < 0)
         return NULL;
     H_KIND = o[0], H_VALUE = o[1], H_OWNER = o[2], H_RELEASED = o[3];
     R_RELEASED = o[4], R_ERRORS = o[5];
     C_EDGE = o[6], C_LIVE = o[7], C_EVENT = o[8], C_INSTANCE = o[9];
+    C_RESOURCES = o[10], C_TARGET = o[11], C_LEDGER = o[12];
     Py_XSETREF(HandleType, (PyTypeObject *)Py_NewRef(h));
     Py_XSETREF(ReportType, (PyTypeObject *)Py_NewRef(r));
     Py_XSETREF(ContextType, (PyTypeObject *)Py_NewRef(c));

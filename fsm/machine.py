@@ -51,6 +51,8 @@ from .plan import (
     Release,
     ReleaseContext,
     _Edge,
+    _made,
+    _open,
     step_result,
     unwrapped,
 )
@@ -595,11 +597,7 @@ class Machine(_MachineBase):
 
     def _run_terminal(self, inst: Instance, event: Any, t: _Terminal) -> PlanReport:
         """Run the plan of terminal edge `t` for `inst` (already in its target state)."""
-        ctx: ReleaseContext = _new(ReleaseContext)  # live until the finally below (I1)
-        ctx._live = True
-        ctx.instance = inst
-        ctx.event = event
-        ctx._edge = t.edge
+        ctx = _open(inst, event, t.edge)  # live until the finally below (I1)
         report = PlanReport(self.name, inst, t.pname)
         ledger = t.ledger
         try:
@@ -1011,8 +1009,8 @@ def _compile_plan(m: Machine, t: _Terminal) -> _OnCell:
     env: dict[str, Any] = {
         "target": t.target, "edge": t.edge, "pname": t.pname, "pid": t.pid,
         "mname": m.name, "runs": m.stats._runs, "ledger": ledger,
-        "observers": ledger._observers, "raw": ledger._raw, "new": _new,
-        "Context": ReleaseContext, "Report": PlanReport, "Hd": Handle, "busy": _BUSY,
+        "observers": ledger._observers, "raw": ledger._raw, "made": _made,
+        "holds": t.edge._holds, "Report": PlanReport, "Hd": Handle, "busy": _BUSY,
         "refs": _refs, "step_failed": _step_failed,
         "step_returned": _step_returned,
     }
@@ -1087,8 +1085,8 @@ def make():
             ctx = spare
             spare = None  # taken (no jump or call between: no other thread runs between)
             if ctx is None:
-                ctx = new(Context)
-                ctx._edge = edge
+                ctx = made(edge)
+            ctx.resources = holds.resources
             ctx._live = True  # live until the finally below (I1)
             ctx.instance = inst
             ctx.event = event
@@ -1214,7 +1212,7 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
     observers, raw = ledger._observers, ledger._raw
     kind0, step0 = next(iter(kinds.items()), (None, sweep))
     fn0 = step0[1]
-    new, Context, Report, Hd, busy = _new, ReleaseContext, PlanReport, Handle, _BUSY
+    made, holds, Report, Hd, busy = _made, t.edge._holds, PlanReport, Handle, _BUSY
     # A dead context this cell may reuse: one that nobody kept after its plan (its only
     # references were ours), so nobody can see it live again (`_REUSE`). It saves
     # building one per plan (about a fifth of a terminal fire).
@@ -1248,8 +1246,8 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
             ctx = spare
             spare = None  # taken (no jump or call between: no other thread runs between)
             if ctx is None:  # none, or a plan run meanwhile (an effect's fire) holds it
-                ctx = new(Context)
-                ctx._edge = edge
+                ctx = made(edge)
+            ctx.resources = holds.resources
             ctx._live = True  # live until the finally below (I1)
             ctx.instance = inst
             ctx.event = event

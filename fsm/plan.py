@@ -77,37 +77,40 @@ class ReleaseContext:
     rows that took an edge running it in this step; None for a scalar instance).
 
     Only the engine makes one, through `release_context()` (or, on its compiled
-    terminal paths, by setting those four fields itself); calling the class raises
-    `ReleaseOutsideTerminal`.
+    terminal paths, `_made()` and the stores of `_open()` itself); calling the class
+    raises `ReleaseOutsideTerminal`.
     """
 
-    __slots__ = ("_edge", "_live", "event", "instance")
+    # What effects read in every step is a slot (the interpreter's quickest read:
+    # `resources` stored when the context is opened, `target` and `ledger` when it is
+    # made for its edge); the rest is read through C getters below.
+    __slots__ = ("_edge", "_live", "event", "instance", "ledger", "resources", "target")
 
     _edge: _Edge
     _live: bool
     event: Any
     instance: Any
+    ledger: Any
+    """The machine's `Ledger`, or None."""
+    resources: Any
+    """The resources object given to the ledger (`Ledger(resources=...)`)."""
+    target: str
+    """The terminal state it entered."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise ReleaseOutsideTerminal("ReleaseContext()")
 
-    # The fields are read through C getters (`operator.attrgetter`): effects read them in
-    # every step (`ctx.resources` above all), and a getter of this kind runs no Python
-    # frame, where a `def` property runs one per read.
+    # The other fields are read through C getters (`operator.attrgetter`): a getter of
+    # this kind runs no Python frame, where a `def` property runs one per read.
     live = property(attrgetter("_live"),
                     doc="True while the engine is running the plan this context was made for.")
     machine = property(attrgetter("_edge.machine"), doc="The machine's name.")
     plan = property(attrgetter("_edge.plan"), doc="The plan's name.")
     source = property(attrgetter("_edge.source"),
                       doc="The state the terminal transition left.")
-    target = property(attrgetter("_edge.target"), doc="The terminal state it entered.")
-    ledger = property(attrgetter("_edge.ledger"), doc="The machine's `Ledger`, or None.")
     rows = property(attrgetter("_edge.rows"),
                     doc="For a batched plan, the int64 indices of its rows in this step; "
                         "else None.")
-    resources = property(attrgetter("_edge._holds.resources"),
-                         doc="The resources object given to the ledger "
-                             "(`Ledger(resources=...)`).")
 
     def __enter__(self) -> ReleaseContext:
         return self
@@ -124,14 +127,25 @@ class ReleaseContext:
 _new = object.__new__
 
 
+def _made(edge: _Edge) -> ReleaseContext:
+    """A new context over `edge`, not live (engine only): what it says of its edge is
+    stored once; `_open` (or a compiled terminal step reusing it) opens it."""
+    ctx: ReleaseContext = _new(ReleaseContext)
+    ctx._edge = edge
+    ctx.target = edge.target
+    ctx.ledger = edge.ledger
+    ctx._live = False
+    return ctx
+
+
 def _open(instance: Any, event: Any, edge: _Edge) -> ReleaseContext:
     """A live context over `edge` (engine only; the machine inlines these stores on its
     terminal fast path)."""
-    ctx: ReleaseContext = _new(ReleaseContext)
+    ctx = _made(edge)
+    ctx.resources = edge._holds.resources
     ctx._live = True
     ctx.instance = instance
     ctx.event = event
-    ctx._edge = edge
     return ctx
 
 
