@@ -142,7 +142,7 @@ ROLES = ("request", "group", "warmup", "child")
 warm-up (one per prompt), a group's child (n per prompt)."""
 
 
-class RequestKey(msgspec.Struct, frozen=True):
+class RequestKey(msgspec.Struct, frozen=True, cache_hash=True):
     """The identity of a tokenizer-side request: `group`, `role` and `index`.
 
     `group` is the rid the client chose (or was given) for its request or its sampling
