@@ -87,13 +87,11 @@ _FINISHED = {r: Finished(r) for r in ("stop", "length", "abort")}
 
 
 # `_GATHERED`: one coroutine is awaited directly rather than through `asyncio.gather`,
-# which wraps it in a task, runs it at the loop's next iteration, and wakes the caller
-# two iterations after it ends (its done callback, then the caller's wake-up). The direct
-# await yields to the loop at those same points (`asyncio.sleep(0)`; on the way out only
-# where the caller still has lifecycle work to do, when it returned or raised: a
-# cancellation passes at once, as through the gather), so
-# concurrent requests interleave as they did through the gather (a simulation's figures
-# do not move), without a task, a future and two callbacks.
+# which would wrap it in a task, run it at the loop's next iteration, and wake the caller
+# two iterations after it ends (its done callback, then the caller's wake-up): the
+# direct await yields to the loop only where the awaited call does, as a single
+# request's `submit` does (the loop iterations the gather took are not kept: they cost
+# a sampling group five trips through the event loop, and decided nothing).
 
 
 class InvalidRequest(Exception):
@@ -475,7 +473,6 @@ class TokenizerSide:
             self._reserved.update(ds)
         try:
             if len(parents) == 1:  # one group: no task to gather (see `_GATHERED`)
-                await asyncio.sleep(0)  # where the gathered task would have started
                 await self._prepare_group(parents[0], batch)  # (nothing follows it)
             else:
                 await asyncio.gather(*(self._prepare_group(p, batch) for p in parents))
@@ -524,16 +521,7 @@ class TokenizerSide:
             try:
                 prompts = group.prompts
                 if len(prompts) == 1:  # one prompt: no task to gather (see `_GATHERED`)
-                    await asyncio.sleep(0)  # where the gathered task would have started
-                    try:
-                        tok = await self.tokenizer.tokenize(prompts[0])
-                    except Exception:  # an error reaches us when it reached the gather
-                        await asyncio.sleep(0)
-                        await asyncio.sleep(0)
-                        raise
-                    await asyncio.sleep(0)  # the gather's done callback,
-                    await asyncio.sleep(0)  # then this task's wake-up
-                    group.tokens = [tok]
+                    group.tokens = [await self.tokenizer.tokenize(prompts[0])]
                 else:
                     group.tokens = list(await asyncio.gather(
                         *(self.tokenizer.tokenize(p) for p in prompts)))

@@ -326,18 +326,22 @@ def test_fan_out_mismatch_releases_the_references_instead_of_leaking_them():
 def test_a_group_aborted_before_its_preparation_ran_acquires_nothing_and_streams_one_abort():
     async def main():
         s = await make_side()
-        task = asyncio.create_task(s.side.submit_batch(["one", "two"], "a", n=3, rid="g"))
-        await asyncio.sleep(0)  # submit_batch registers the group; its preparation is queued
-        g = s.side.get("g")
-        assert g is not None and g.state == "created"
-        assert s.side.abort("g")
-        assert g.state == "aborted"
-        assert await task == [g]  # the queued preparation finds it terminal and returns
+        # Two groups: their preparations are gathered, so they start at the loop's next
+        # iteration (one group's is awaited at once, with nothing between).
+        task = asyncio.create_task(s.side.submit_batch(["one", "two"], "a", n=3,
+                                                       rids=["g", "h"]))
+        await asyncio.sleep(0)  # submit_batch registers the groups; their preparation is queued
+        g, h = s.side.get("g"), s.side.get("h")
+        assert g is not None and h is not None and g.state == h.state == "created"
+        assert s.side.abort("g") and s.side.abort("h")
+        assert g.state == h.state == "aborted"
+        assert await task == [g, h]  # the queued preparations find them terminal, return
         assert s.registry.counts() == {s.adapters["a"]: 0, s.adapters["b"]: 0}
         assert s.ledger.released == 0 and s.ledger.late_released == 0
         assert s.tokenizer.calls == 0 and s.scheduler.sent == {}
-        assert g.warmups == [] and g.children == []
-        assert list(s.sink.outputs) == ["g"] and s.sink.outcome("g") == "aborted"
+        assert g.warmups == [] and g.children == [] and h.warmups == []
+        assert sorted(s.sink.outputs) == ["g", "h"]
+        assert s.sink.outcome("g") == s.sink.outcome("h") == "aborted"
         assert s.side.live == {}
         await s.finish_clean()  # counters zero, and each adapter's unload completes
 
