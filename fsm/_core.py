@@ -21,7 +21,7 @@ from types import ModuleType
 
 __all__ = ["API", "PURE_ENV", "C", "load"]
 
-API = 2
+API = 3
 """What the compiled module must say it implements (`_engine.API`)."""
 
 PURE_ENV = "TERMINUS_PURE_PYTHON"

@@ -25,7 +25,7 @@
 #include <Python.h>
 #include <structmember.h>
 
-#define ENGINE_API 2
+#define ENGINE_API 3
 
 /* -- what setup() gives ------------------------------------------------------------ */
 
@@ -39,6 +39,7 @@ static PyObject *step_failed = NULL;      /* fn(report, (name, best_effort), exc
 static PyObject *step_returned = NULL;    /* fn(ledger, res, report, (name, best_effort)) */
 static PyObject *SWEPT = NULL;            /* (None, False): about of the sweep */
 static Py_ssize_t SWEEPS = 16;            /* ledger._SWEEPS */
+static Py_ssize_t COMPACT_MIN = 4096;     /* ledger._COMPACT_MIN */
 static PyObject *ONE = NULL;
 
 static Py_ssize_t H_KIND, H_VALUE, H_OWNER, H_RELEASED;
@@ -46,7 +47,7 @@ static Py_ssize_t R_RELEASED, R_ERRORS;
 static Py_ssize_t C_EDGE, C_LIVE, C_EVENT, C_INSTANCE, C_RESOURCES, C_TARGET, C_LEDGER;
 
 static PyObject *s_fire_py, *s_fire_slow, *s_acquire_py, *s_transfer_py, *s_owned_py;
-static PyObject *s_compact, *s_planning, *s_release_late, *s_sweep_failed, *s_plan_failed;
+static PyObject *s_compact_py, *s_planning, *s_release_late, *s_sweep_failed, *s_plan_failed;
 static PyObject *s_drain_after_plan, *s_initial;
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
@@ -602,6 +603,59 @@ fallback(PyObject *self, PyObject *name, PyObject *const *args, size_t nargsf,
     return r;
 }
 
+/* Ledger._compact: drop released handles from `_all`, in place (the list is the
+ * ledger's own), the next compaction when it doubles (`_compact_py` decides the same).
+ * The released handles are let go of only once the list is whole again: freeing one may
+ * run code (its last owner's finalizer) that acquires. */
+static int
+ledger_compact(LedgerCoreObject *self)
+{
+    PyObject *all = self->all;
+    if (all == NULL || !PyList_CheckExact(all)) {
+        PyObject *r = call_method((PyObject *)self, s_compact_py, NULL, 0);
+        Py_XDECREF(r);
+        return r == NULL ? -1 : 0;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(all), kept = 0, dropped = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {  /* every one ours? (else: the Python) */
+        PyObject *h = PyList_GET_ITEM(all, i);
+        if (Py_TYPE(h) != HandleType) {
+            PyObject *r = call_method((PyObject *)self, s_compact_py, NULL, 0);
+            Py_XDECREF(r);
+            return r == NULL ? -1 : 0;
+        }
+    }
+    PyObject **gone = PyMem_Malloc((n ? n : 1) * sizeof(PyObject *));
+    if (gone == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyObject **items = ((PyListObject *)all)->ob_item;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = items[i];
+        if (SLOT(h, H_RELEASED) == Py_False)
+            items[kept++] = h;
+        else
+            gone[dropped++] = h;
+    }
+    Py_SET_SIZE(all, kept);
+    self->compact_at = 2 * kept > COMPACT_MIN ? 2 * kept : COMPACT_MIN;
+    for (Py_ssize_t i = 0; i < dropped; i++)
+        Py_DECREF(gone[i]);
+    PyMem_Free(gone);
+    return 0;
+}
+
+static PyObject *
+LedgerCore_compact(LedgerCoreObject *self, PyObject *unused)
+{
+    if (!configured)
+        return call_method((PyObject *)self, s_compact_py, NULL, 0);
+    if (ledger_compact(self) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 /* Ledger.acquire(owner, kind, value): see `Ledger._acquire_py`. */
 static PyObject *
 LedgerCore_acquire(LedgerCoreObject *self, PyObject *const *args, size_t nargsf,
@@ -630,12 +684,8 @@ LedgerCore_acquire(LedgerCoreObject *self, PyObject *const *args, size_t nargsf,
         goto error;
     if (PyList_Append(self->all, h) < 0)
         goto error;
-    if (PyList_GET_SIZE(self->all) >= self->compact_at) {
-        PyObject *r = call_method((PyObject *)self, s_compact, NULL, 0);
-        if (r == NULL)
-            goto error;
-        Py_DECREF(r);
-    }
+    if (PyList_GET_SIZE(self->all) >= self->compact_at && ledger_compact(self) < 0)
+        goto error;
     if (release_if_late(self, o, h) < 0)
         goto error;
     return h;
@@ -769,6 +819,8 @@ static PyMethodDef LedgerCore_methods[] = {
      "Move ownership of `handle` to `to`; released at once if `to` is terminal."},
     {"owned", (PyCFunction)(void (*)(void))LedgerCore_owned, METH_FASTCALL | METH_KEYWORDS,
      "The unreleased handles `owner` owns now, of `kind` if given, in acquire order."},
+    {"_compact", (PyCFunction)LedgerCore_compact, METH_NOARGS,
+     "Drop released handles from `_all`; the next compaction waits until it doubles."},
     {NULL}
 };
 
@@ -1411,18 +1463,21 @@ static PyObject *
 engine_setup(PyObject *module, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"Handle", "PlanReport", "ReleaseContext", "QueuedInPlan",
-                             "PLAN_RUNNING", "step_failed", "step_returned", "sweeps", NULL};
+                             "PLAN_RUNNING", "step_failed", "step_returned", "sweeps",
+                             "compact_min", NULL};
     PyObject *h, *r, *c, *qd, *busy, *failed, *returned;
-    Py_ssize_t sweeps;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!O!OOn:setup", kwlist, &PyType_Type,
+    Py_ssize_t sweeps, compact_min;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!O!OOnn:setup", kwlist, &PyType_Type,
                                      &h, &PyType_Type, &r, &PyType_Type, &c, &PyType_Type,
-                                     &qd, &PyList_Type, &busy, &failed, &returned, &sweeps))
+                                     &qd, &PyList_Type, &busy, &failed, &returned, &sweeps,
+                                     &compact_min))
         return NULL;
-    if (sweeps < 1) {
-        PyErr_SetString(PyExc_ValueError, "sweeps must be >= 1");
+    if (sweeps < 1 || compact_min < 1) {
+        PyErr_SetString(PyExc_ValueError, "sweeps and compact_min must be >= 1");
         return NULL;
     }
     SWEEPS = sweeps;
+    COMPACT_MIN = compact_min;
     PyTypeObject *ht = (PyTypeObject *)h, *rt = (PyTypeObject *)r, *ct = (PyTypeObject *)c;
     Py_ssize_t o[13];
     if ((o[0] = member_offset(ht, "kind")) < 0 || (o[1] = member_offset(ht, "value")) < 0
@@ -1475,7 +1530,7 @@ PyInit__engine(void)
     INTERN(s_acquire_py, "_acquire_py");
     INTERN(s_transfer_py, "_transfer_py");
     INTERN(s_owned_py, "_owned_py");
-    INTERN(s_compact, "_compact");
+    INTERN(s_compact_py, "_compact_py");
     INTERN(s_planning, "_planning");
     INTERN(s_release_late, "_release_late");
     INTERN(s_sweep_failed, "_sweep_failed");

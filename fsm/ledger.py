@@ -646,4 +646,4 @@ class Ledger(_LedgerBase):
         return list(self.errors)
 
 
-compiled(Ledger, ("acquire", "transfer", "owned"))
+compiled(Ledger, ("acquire", "transfer", "owned", "_compact"))

@@ -33,6 +33,7 @@ from .errors import (
     UnknownEvent,
 )
 from .ledger import (
+    _COMPACT_MIN,
     _SWEEPS,
     PLAN_RUNNING,
     Handle,
@@ -1402,4 +1403,4 @@ if _C is not None:
     compiled(Instance, ("fire",))
     _C.setup(Handle=Handle, PlanReport=PlanReport, ReleaseContext=ReleaseContext,
              QueuedInPlan=QueuedInPlan, PLAN_RUNNING=PLAN_RUNNING, step_failed=_step_failed,
-             step_returned=_step_returned, sweeps=_SWEEPS)
+             step_returned=_step_returned, sweeps=_SWEEPS, compact_min=_COMPACT_MIN)
