@@ -1,7 +1,8 @@
 """Shared test configuration: one torch thread per process; tests marked ``gpu`` run only
 where CUDA is present, those marked ``python_core`` only where the engine runs its Python
 core alone (``TERMINUS_PURE_PYTHON=1``); the ``device`` fixture runs a kernel test on CPU
-and on CUDA; ``kv`` is a strict KV pool checked full at the end."""
+and on CUDA; ``kv`` is a strict KV pool checked full at the end; ``unobserved`` detaches
+the coverage recorder for a test."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from terminus.fsm import _core
+from terminus.fsm import _core, observe
 from terminus.kernels import TokenKVAllocator
 
 # `make test` runs two xdist workers on a two-core machine: with torch's default
@@ -29,6 +30,18 @@ def device(request: pytest.FixtureRequest) -> str:
     share across the examples of a Hypothesis ``@given`` test.
     """
     return request.param
+
+
+@pytest.fixture
+def unobserved() -> Iterator[None]:
+    """No coverage recorder attached for the test (the suite's plugin attaches one): the
+    machines run as in a serving engine, their compiled cells unwrapped (`m._on` holds
+    them, not their recording wrappers), a quiet batched step not read back."""
+    previous = observe.set_recorder(None)
+    try:
+        yield
+    finally:
+        observe.set_recorder(previous)
 
 
 @pytest.fixture

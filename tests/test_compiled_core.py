@@ -32,7 +32,6 @@ from terminus.fsm import (
     ReleaseFailed,
     ReleaseOutsideTerminal,
     _core,
-    observe,
     release_effect,
 )
 from terminus.fsm.ledger import Holder
@@ -42,18 +41,6 @@ from tests.lifecycle import LIFECYCLE, Abort, Chunk, Finish, Job, Start
 compiled = pytest.mark.skipif(_core.C is None, reason="the compiled core is not in use")
 
 KINDS = ("a", "b")
-
-
-@pytest.fixture
-def unobserved() -> Any:
-    """No recorder (the coverage plugin's may be on): the compiled cells run as they do
-    in a serving engine."""
-    prev = observe.recorder()
-    observe.set_recorder(None)
-    try:
-        yield
-    finally:
-        observe.set_recorder(prev)
 
 
 def _world(plans: dict[str, Plan] | None = None, log: list[Any] | None = None) -> Any:

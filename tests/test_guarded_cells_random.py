@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from terminus.fsm import IGNORE, Ledger, Plan, Release, Spec, go, observe, release_effect
+from terminus.fsm import IGNORE, Ledger, Plan, Release, Spec, go, release_effect
 from terminus.kernels import TokenKVAllocator
 from tests.lifecycle import EVENTS, GUARDS, STATES, TABLE, Abort, Chunk, Finish, Job, Start
 
@@ -103,16 +103,6 @@ def _run(seed: int, observed: bool) -> tuple[Any, ...]:
     ledger.assert_empty()
     kv.assert_full()
     return out
-
-
-@pytest.fixture
-def unobserved() -> Any:
-    prev = observe.recorder()
-    observe.set_recorder(None)
-    try:
-        yield
-    finally:
-        observe.set_recorder(prev)
 
 
 @pytest.mark.usefixtures("unobserved")

@@ -10,23 +10,11 @@ from typing import Any
 
 import pytest
 
-from terminus.fsm import Action, Ledger, Plan, Release, ReleaseFailed, observe, release_effect
+from terminus.fsm import Action, Ledger, Plan, Release, ReleaseFailed, release_effect
 from terminus.kernels import TokenKVAllocator
 from tests.lifecycle import LIFECYCLE, Abort, Chunk, Finish, Job, Start
 
 KINDS = ("a", "b", "c")
-
-
-@pytest.fixture
-def unobserved() -> Any:
-    """No recorder (the coverage plugin's may be on): `m._on` holds the compiled
-    functions themselves, not their recording wrappers."""
-    prev = observe.recorder()
-    observe.set_recorder(None)
-    try:
-        yield
-    finally:
-        observe.set_recorder(prev)
 
 
 def _sink(record: Any) -> None:

@@ -420,17 +420,6 @@ def test_the_rows_admit_returns_are_the_callers_the_batch_keeps_its_own(pools):
     assert rb.retired["aborted"] == 2
 
 
-@pytest.fixture
-def unobserved():
-    """No recorder attached (the suite's coverage recorder is): an observed step always
-    reads back, so a quiet step's refusal would not be deferred."""
-    from terminus.fsm import observe
-
-    previous = observe.set_recorder(None)
-    yield
-    observe.set_recorder(previous)
-
-
 def test_a_quiet_step_refused_on_the_device_still_admits_its_rows(pools, unobserved):
     rb = RunningBatch(pools)
     old = rb.admit(1, mamba=False)
