@@ -38,6 +38,7 @@ from terminus.effects.transport import Poll, TransportError
 from terminus.kernels import ReleaseUnderflow
 from terminus.states.request import RequestKey
 
+from .scenarios import _SeedAbort
 from .serving import Parts, Shared, SimConfig, SimPrefetch, SimScheduler, disagg_leaks
 from .transport import FakeTransport
 from .workload import prompt_tokens
@@ -259,7 +260,7 @@ class _PrefillReq:
         self.state = "bootstrapping"
 
 
-class _NaivePrefill:
+class _NaivePrefill(_SeedAbort):
     """The pre-fix disaggregated-prefill result loop as a serving prefill server.
 
     The same bugs as `scenarios._Naive` (the seed's reproduction, which this does not
@@ -335,19 +336,6 @@ class _NaivePrefill:
         self.transport.abort(r.rid)  # raises before the local releases: the bug
         self._release_local(r)
         self.sink.put(TerminalOutput(r.rid, "aborted", message="aborted"))
-
-    def abort(self, rid: str) -> None:
-        """The client aborts `rid`."""
-        r = self.reqs[rid]
-        if r.state in ("aborted", "succeeded"):
-            return
-        if r.in_flight:
-            r.aborted = True  # cleanup deferred to the result path
-            return
-        try:
-            self._cleanup_abort(r)
-        except TransportError:
-            pass
 
     def schedule(self, r: _PrefillReq) -> int | None:
         """Launch the next chunk of `r`: its index, or None."""

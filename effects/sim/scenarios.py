@@ -116,7 +116,33 @@ class _NaiveReq:
     state: str = "bootstrapping"
 
 
-class _Naive:
+class _SeedAbort:
+    """The pre-fix abort of a disaggregated-prefill request (the seed's): with chunks in
+    flight it only marks the request, its cleanup deferred to a result path that drops
+    it; otherwise the sender is told first, and when that raises the local releases are
+    skipped. Shared by the seed's reproduction (`_Naive`) and the naive baseline's
+    prefill server (`terminus.effects.sim.naive`), each with its own `_cleanup_abort`."""
+
+    reqs: dict[str, Any]
+
+    def _cleanup_abort(self, r: Any) -> None:
+        raise NotImplementedError
+
+    def abort(self, rid: str) -> None:
+        """The client aborts `rid`."""
+        r = self.reqs[rid]
+        if r.state in ("aborted", "succeeded"):
+            return
+        if r.in_flight:
+            r.aborted = True  # cleanup deferred to the result path
+            return
+        try:
+            self._cleanup_abort(r)
+        except TransportError:
+            pass
+
+
+class _Naive(_SeedAbort):
     """The pre-fix result loop, kept deliberately as it was (see the module docstring)."""
 
     def __init__(self, pools: DisaggPools, transport: FakeTransport, cache: PrefixCache,
@@ -163,18 +189,6 @@ class _Naive:
         self.transport.abort(r.plan.rid)  # raises before the local releases: the bug
         self._release_local(r)
         self.sink.put(TerminalOutput(r.plan.rid, "aborted", message="aborted"))
-
-    def abort(self, rid: str) -> None:
-        r = self.reqs[rid]
-        if r.state in ("aborted", "succeeded"):
-            return
-        if r.in_flight:
-            r.aborted = True  # cleanup deferred to the result path
-            return
-        try:
-            self._cleanup_abort(r)
-        except TransportError:
-            pass
 
     def schedule(self, rid: str) -> int | None:
         r = self.reqs[rid]
