@@ -317,7 +317,7 @@ class TokenizerSide:
         if (rid in self._names or rid in self._reserved or (
                 rid.__class__ is not str and (rid is None or isinstance(rid, RequestKey)))):
             rid = self._claim(rid, set())
-        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora)
+        req = Request(self.requests, RequestKey(rid), prompt, lora)  # (by position: no dict)
         req._rid = rid  # its key's `rid`, known here (read by its terminal output)
         self._names[rid] = req  # `_new_request`, inline
         self._live[req.key] = req
@@ -325,7 +325,7 @@ class TokenizerSide:
         return req
 
     def _new_request(self, rid: Any, prompt: Any, lora: str | None) -> Request:
-        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora)
+        req = Request(self.requests, RequestKey(rid), prompt, lora)
         req._rid = rid
         self._names[rid] = req
         self._live[req.key] = req
@@ -462,7 +462,7 @@ class TokenizerSide:
             self._take([name for name, _ in ds], key, taken)
             derived.append(ds)
         # Decided; from here on, create.
-        parents = [SamplingGroup(self.sampling, key, prompts=ps, loras=los, n=n)
+        parents = [SamplingGroup(self.sampling, key, ps, los, n)  # (by position: no dict)
                    for key, (ps, los) in zip(keys, shapes, strict=True)]
         batch = _Batch(parents)
         for p, ds in zip(parents, derived, strict=True):
@@ -540,8 +540,7 @@ class TokenizerSide:
             warmups = []
             for i, (prompt, lora) in enumerate(zip(group.prompts, group.loras, strict=True)):
                 name, key = derived[i]
-                w = Request(self.requests, key, prompt=prompt, lora=lora, stream=False,
-                            parent=group)
+                w = Request(self.requests, key, prompt, lora, False, group)  # no stream
                 w._rid = name
                 w.tokens = group.tokens[i]
                 if lora is not None:
@@ -625,8 +624,7 @@ class TokenizerSide:
                 tokens = group.tokens[i]
                 for j in range(i * group.n, (i + 1) * group.n):
                     name, key = derived[j]
-                    c = Request(self.requests, key, prompt=prompt, lora=lora,
-                                parent=group)
+                    c = Request(self.requests, key, prompt, lora, True, group)
                     c._rid = name
                     c.tokens = tokens
                     children.append(c)

@@ -74,6 +74,9 @@ class FanOut(Event):
     """Every parent of the batch is ready: hand each child its reference and send it."""
 
 
+_instance_init = Instance.__init__  # (the engine's: a global, not a class attribute read)
+
+
 class SamplingGroup(Instance):
     """A parallel-sampling parent. `key` is its `RequestKey` (role "group"); `rid` the
     id its client uses.
@@ -86,10 +89,12 @@ class SamplingGroup(Instance):
 
     __slots__ = ("children", "loras", "n", "pending_warmups", "prompts", "tokens", "warmups")
 
-    def __init__(self, machine: Machine, key: Any = None, *, prompts: list[Any] | None = None,
+    def __init__(self, machine: Machine, key: Any = None, prompts: list[Any] | None = None,
                  loras: list[str | None] | None = None, n: int = 2) -> None:
-        super().__init__(machine, key)
-        self.prompts: list[Any] = list(prompts or [])
+        # (`prompts`, `loras` and `n` may be passed by position, as the tokenizer side
+        # does: a call with keywords builds a dict for them, per group.)
+        _instance_init(self, machine, key)  # not super(): no lookup per group
+        self.prompts: list[Any] = list(prompts or ())
         self.loras: list[str | None] = list(loras or [None] * len(self.prompts))
         self.n = n
         self.tokens: list[Any] = []
