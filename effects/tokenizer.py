@@ -56,7 +56,6 @@ from terminus.states.request import (
     SubmittedNoAcquire,
     Validated,
     ValidationFailed,
-    client_rid,
 )
 from terminus.states.sampling import BatchFailed, FanOut, SamplingGroup, WarmupFinished
 
@@ -191,8 +190,12 @@ class TokenizerSide:
         # made is `self._ended[req._s]`, one attribute read less than `req._m.terminal`.
         self._ended = self.requests.terminal
         self._finished = self.requests.states.index("finished")
-        self._warming_up = self.sampling.states.index("warming_up")
-        self._ready = self.sampling.states.index("ready")
+        sampling = self.sampling.states
+        self._warming_up = sampling.index("warming_up")
+        self._ready = sampling.index("ready")
+        self._fanned_out = sampling.index("fanned_out")
+        self._group_aborted = sampling.index("aborted")
+        self._group_failed = (sampling.index("rejected"), sampling.index("errored"))
         # Instances not yet terminal, by key.
         self._live: dict[RequestKey, Instance] = {}
         # Every member of a live family (terminal ones too), by the id its client sees.
@@ -552,7 +555,7 @@ class TokenizerSide:
                 warmups.append(w)
             group.warmups = warmups
             group.pending_warmups = len(warmups)
-            self._created(warmups)
+            self._created(group, warmups)
             for w in warmups:
                 if group._m.terminal[group._s]:
                     break
@@ -562,9 +565,10 @@ class TokenizerSide:
             self._end(group, "submission was interrupted")
             raise
 
-    def _created(self, members: list[Request]) -> None:
-        """Reserved warm-ups or children now exist: each one's id (given it when it was
-        made: its key's `rid`) finds it."""
+    def _created(self, group: SamplingGroup, members: list[Request]) -> None:
+        """Reserved warm-ups or children of `group` now exist: each one's id (given it
+        when it was made: its key's `rid`) finds it, and it is live until it is retired."""
+        group.live_members += len(members)
         reserved, names, live = self._reserved, self._names, self._live
         for inst in members:
             name = inst._rid
@@ -629,7 +633,7 @@ class TokenizerSide:
                     c.tokens = tokens
                     children.append(c)
             group.children = children
-            self._created(children)
+            self._created(group, children)
             self._fire(group, _FAN_OUT)  # transfers one reference to each child
             for c in children:
                 self._start(c)
@@ -766,7 +770,8 @@ class TokenizerSide:
                     if self._reserved.get(name) == d:  # ids it never used are free again
                         del self._reserved[name]
             self._group_ended(inst, event)
-            self._family_check(inst)
+            if not inst.live_members:
+                self._forget(inst)
 
     def _request_retired(self, req: Request, event: Any) -> None:
         """`_retired` for a Request."""
@@ -779,43 +784,39 @@ class TokenizerSide:
             # gives no other request or group an id in `_names`): forgotten now.
             del self._names[key.group]
             return
+        # A member of a group: one live member less (see `_created`).
+        parent.live_members -= 1
         # (`req.role`, without the property: the side keys every member)
         if (key.role if req._role is None else req._role) == "warmup":
             self._warmup_ended(req, event)
-        self._family_check(parent)  # a member of a group (see below)
+        if not parent.live_members and parent._m.terminal[parent._s]:
+            self._forget(parent)  # it was the family's last (`parent.terminal`, direct)
 
-    def _family_check(self, top: Instance) -> None:
-        """Forget a family once every member has ended (its ids are free again)."""
-        if not top._m.terminal[top._s]:  # `top.terminal`, without the property
-            return
-        if top.__class__ is SamplingGroup or isinstance(top, SamplingGroup):
-            # Every member ended? Children first, the last made first: they end last.
-            # (`m.terminal`, without the property.)
-            for m in reversed(top.children):
-                if not m._m.terminal[m._s]:
-                    return
-            for m in top.warmups:
-                if not m._m.terminal[m._s]:
-                    return
-            names = self._names
-            for m in top.warmups + top.children:
+    def _forget(self, group: SamplingGroup) -> None:
+        """Forget the family of a terminal group none of whose members is live any more:
+        its ids are free again."""
+        names = self._names
+        key = group.key
+        name = key.group  # (`client_rid(key)`: the side keys its groups by their rid)
+        if names.get(name) is not group:
+            return  # forgotten already (its last member ended inside its end)
+        del names[name]
+        self._batches.pop(key, None)
+        for members in (group.warmups, group.children):
+            for m in members:
                 name = m._rid  # (`m.rid`: the side made each member with its id)
                 if names.get(name) is m:
                     del names[name]
-        name = client_rid(top.key)
-        if self._names.get(name) is top:
-            del self._names[name]
-        self._batches.pop(top.key, None)
 
     def _group_ended(self, group: SamplingGroup, event: Any) -> None:
         batch = self._batches.get(group.key)
-        state = group.state  # (terminal: what is fired below leaves it as it is)
-        if state != "fanned_out":
+        s = group._s  # (terminal: what is fired below leaves it as it is)
+        if s != self._fanned_out:  # (`group.state`, without the property and the string)
             for w in group.warmups:
                 self._fire(w, RequestAbort("its sampling group ended"))
         if batch is None:
             return
-        if state in ("rejected", "errored"):
+        if s in self._group_failed:
             # A batch fans out whole or not at all: one failed prompt fails its siblings.
             status = int(getattr(event, "status", 500))
             msg = getattr(event, "message", "")
@@ -824,7 +825,7 @@ class TokenizerSide:
             for p in batch.parents:
                 if not p.terminal:
                     self._fire(p, BatchFailed(status, msg))
-        elif state == "aborted":
+        elif s == self._group_aborted:
             self._fan_out(batch)  # the siblings may all be ready now
 
     def _warmup_ended(self, w: Request, event: Any) -> None:

@@ -84,10 +84,13 @@ class SamplingGroup(Instance):
     Fields for the driver: `prompts`, `loras` (one adapter name or None per prompt), `n`,
     `tokens` (per prompt, once tokenized), `pending_warmups` (warm-ups not yet finished;
     the driver lowers it before firing WarmupFinished), `warmups` and `children` (request
-    instances; `children` is in reference order: prompt-major, then sample).
+    instances; `children` is in reference order: prompt-major, then sample),
+    `live_members` (the warm-ups and children the driver made and has not retired yet:
+    the driver raises it when it makes them and lowers it as each one is retired).
     """
 
-    __slots__ = ("children", "loras", "n", "pending_warmups", "prompts", "tokens", "warmups")
+    __slots__ = ("children", "live_members", "loras", "n", "pending_warmups", "prompts",
+                 "tokens", "warmups")
 
     def __init__(self, machine: Machine, key: Any = None, prompts: list[Any] | None = None,
                  loras: list[str | None] | None = None, n: int = 2) -> None:
@@ -99,6 +102,7 @@ class SamplingGroup(Instance):
         self.n = n
         self.tokens: list[Any] = []
         self.pending_warmups = 0
+        self.live_members = 0
         self.warmups: list[Any] = []
         self.children: list[Any] = []
 
