@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -135,13 +135,18 @@ def _unknown_adapter(exc: BaseException) -> bool:
     return isinstance(exc, (KeyError, ValueError))
 
 
-def _derived_keys(group: RequestKey, prompts: int, n: int) -> list[tuple[Any, RequestKey]]:
+def _derived_keys(group: RequestKey, prompts: int, n: int) -> dict[Any, RequestKey]:
     """Every key a group of `prompts` prompts sampled `n` times may give a warm-up (one
-    per prompt) or a child (n per prompt), with its id (`rid`): warm-ups first."""
+    per prompt) or a child (n per prompt), by its id: warm-ups first, in index order.
+    Each id is its key's `rid`, written out as `RequestKey.rid` writes it (without the
+    property, for keys the side makes itself; a test checks that the two agree)."""
     g = group.group
-    keys = ([RequestKey(g, "warmup", i) for i in range(prompts)]
-            + [RequestKey(g, "child", k) for k in range(prompts * n)])
-    return [(d.rid, d) for d in keys]
+    derived = {}
+    for i in range(prompts):
+        derived[f"{g}-warmup-{i}"] = RequestKey(g, "warmup", i)
+    for k in range(prompts * n):
+        derived[f"{g}-{k}"] = RequestKey(g, "child", k)
+    return derived
 
 
 class TokenizerSide:
@@ -204,8 +209,9 @@ class TokenizerSide:
         # no other request may take one, or it would be orphaned when the group does.
         self._reserved: dict[Any, RequestKey] = {}
         self._batches: dict[RequestKey, _Batch] = {}
-        # Each live group's `_derived_keys` (made once, at submission).
-        self._derived: dict[RequestKey, list[tuple[Any, RequestKey]]] = {}
+        # Each live group's `_derived_keys` ids, in order (made once, at submission; their
+        # keys are in `_reserved` until each member is made).
+        self._derived: dict[RequestKey, list[Any]] = {}
         self._ids = itertools.count(1)
         self.unknown_events = 0
         """Events for ids no live family has (dropped: nothing they could reach owns
@@ -266,7 +272,7 @@ class TokenizerSide:
         taken.add(rid)
         return rid
 
-    def _take(self, names: list[Any], group: RequestKey, taken: set[Any]) -> None:
+    def _take(self, names: Collection[Any], group: RequestKey, taken: set[Any]) -> None:
         """Add the ids `group` will give its warm-ups and children to `taken` (the ids
         this call already decided); refuse the first one in use. `_take_each`, with its
         common case (distinct ids, none in use) in a few set operations."""
@@ -278,7 +284,7 @@ class TokenizerSide:
         else:
             self._take_each(names, group, taken)
 
-    def _take_each(self, names: list[Any], group: RequestKey, taken: set[Any]) -> None:
+    def _take_each(self, names: Iterable[Any], group: RequestKey, taken: set[Any]) -> None:
         """`_take`, one id at a time: refuses the first id in use, having added those
         before it to `taken` (which the refused call drops)."""
         for name in names:
@@ -368,7 +374,7 @@ class TokenizerSide:
                 self._fire(req, ValidationFailed(500, f"tokenizer failed: {e!r}"))
                 return
             req.fire(_VALIDATED)  # absorbed when an abort came first
-            if req._s == self._dispatched:  # `_send`, without its call
+            if req._s == self._dispatched:  # (as `_start` sends)
                 try:
                     self.scheduler.send(req.key, req.tokens, req.lora_id)
                 except Exception as e:
@@ -454,26 +460,28 @@ class TokenizerSide:
                 self._end_all(reqs, "its batch was interrupted")
                 raise
             return list(reqs)
+        # Each group's name, prompts and LoRA names.
         if rids is not None:
-            shapes = [([p], [lo]) for p, lo in zip(prompts, per_prompt, strict=True)]
+            shapes = [(r, [p], [lo]) for r, p, lo in zip(names, prompts, per_prompt, strict=True)]
         else:
-            shapes = [(prompts, per_prompt)]
-        keys = [RequestKey(r, "group") for r in names]
-        derived: list[list[tuple[Any, RequestKey]]] = []
-        for key, (ps, _) in zip(keys, shapes, strict=True):
-            ds = _derived_keys(key, len(ps), n)
-            self._take([name for name, _ in ds], key, taken)
-            derived.append(ds)
+            shapes = [(names[0], prompts, per_prompt)]
+        decided = []
+        for r, ps, los in shapes:
+            key = RequestKey(r, "group")
+            derived = _derived_keys(key, len(ps), n)
+            self._take(derived, key, taken)
+            decided.append((key, ps, los, derived))
         # Decided; from here on, create.
-        parents = [SamplingGroup(self.sampling, key, ps, los, n)  # (by position: no dict)
-                   for key, (ps, los) in zip(keys, shapes, strict=True)]
+        parents: list[SamplingGroup] = []
         batch = _Batch(parents)
-        for p, ds in zip(parents, derived, strict=True):
-            self._names[p.key.group] = p
-            self._live[p.key] = p
-            self._batches[p.key] = batch
-            self._derived[p.key] = ds
-            self._reserved.update(ds)
+        for key, ps, los, derived in decided:
+            p = SamplingGroup(self.sampling, key, ps, los, n)  # (by position: no dict)
+            parents.append(p)
+            self._names[key.group] = p
+            self._live[key] = p
+            self._batches[key] = batch
+            self._derived[key] = list(derived)
+            self._reserved.update(derived)
         try:
             if len(parents) == 1:  # one group: no task to gather (see `_GATHERED`)
                 await self._prepare_group(parents[0], batch)  # (nothing follows it)
@@ -524,9 +532,9 @@ class TokenizerSide:
             try:
                 prompts = group.prompts
                 if len(prompts) == 1:  # one prompt: no task to gather (see `_GATHERED`)
-                    group.tokens = [await self.tokenizer.tokenize(prompts[0])]
+                    group.tokens.append(await self.tokenizer.tokenize(prompts[0]))
                 else:
-                    group.tokens = list(await asyncio.gather(
+                    group.tokens.extend(await asyncio.gather(
                         *(self.tokenizer.tokenize(p) for p in prompts)))
             except InvalidRequest as e:
                 self._fire(group, ValidationFailed(e.status, str(e)))
@@ -538,22 +546,24 @@ class TokenizerSide:
             if group._s != self._warming_up:
                 return
             handles = self.ledger.owned(group, LORA)
-            derived = self._derived[group.key]  # warm-ups first (the group is live)
+            names = self._derived[group.key]  # warm-ups first (the group is live)
+            reserved = self._reserved
+            loras, tokens, n = group.loras, group.tokens, group.n
             k = 0
-            warmups = []
-            for i, (prompt, lora) in enumerate(zip(group.prompts, group.loras, strict=True)):
-                name, key = derived[i]
-                w = Request(self.requests, key, prompt, lora, False, group)  # no stream
+            warmups = group.warmups
+            for i, prompt in enumerate(group.prompts):  # (a lora and tokens each)
+                lora, name = loras[i], names[i]
+                # (its key, out of the reservation; a warm-up streams nothing)
+                w = Request(self.requests, reserved.pop(name), prompt, lora, False, group)
                 w._rid = name
-                w.tokens = group.tokens[i]
+                w.tokens = tokens[i]
                 if lora is not None:
                     # The warm-up uses the prompt's references but owns none of them.
-                    for h in handles[k:k + group.n]:
+                    for h in handles[k:k + n]:
                         self.ledger.observe(h, w)
                     w.lora_id = handles[k].value
-                    k += group.n
+                    k += n
                 warmups.append(w)
-            group.warmups = warmups
             group.pending_warmups = len(warmups)
             self._created(group, warmups)
             for w in warmups:
@@ -566,33 +576,29 @@ class TokenizerSide:
             raise
 
     def _created(self, group: SamplingGroup, members: list[Request]) -> None:
-        """Reserved warm-ups or children of `group` now exist: each one's id (given it
-        when it was made: its key's `rid`) finds it, and it is live until it is retired."""
+        """Reserved warm-ups or children of `group` now exist (each made with the key its
+        id reserved, taken out of `_reserved`): each one's id (given it when it was made:
+        its key's `rid`) finds it, and it is live until it is retired."""
         group.live_members += len(members)
-        reserved, names, live = self._reserved, self._names, self._live
+        names, live = self._names, self._live
         for inst in members:
             name = inst._rid
-            del reserved[name]
             names[name] = inst
             live[inst.key] = inst
 
     def _start(self, req: Request) -> None:
         """A tokenized warm-up or child, from its creation to its dispatch. Submitted and
         Validated never end a request (see `_run_request`): they are fired without
-        `_fire`'s retire check, made once after `_send` for an observer that ended it."""
+        `_fire`'s retire check, made once after the send for an observer that ended it."""
         req.fire(_SUBMIT)
         req.fire(_VALIDATED)
-        self._send(req)
+        if req._s == self._dispatched:  # else aborted (or failed) before it could be sent
+            try:
+                self.scheduler.send(req.key, req.tokens, req.lora_id)
+            except Exception as e:
+                self._send_failed(req, e)
         if self._ended[req._s] and self._live.get(req.key) is req:
             self._request_retired(req, None)
-
-    def _send(self, req: Request) -> None:
-        if req._s != self._dispatched:  # `req.state != "dispatched"`, without the property
-            return  # aborted (or failed) before it could be sent
-        try:
-            self.scheduler.send(req.key, req.tokens, req.lora_id)
-        except Exception as e:
-            self._send_failed(req, e)
 
     def _send_failed(self, req: Request, e: Exception) -> None:
         self._fire(req, DispatchFailed(f"could not send to the scheduler: {e!r}"))
@@ -622,17 +628,20 @@ class TokenizerSide:
         batch.fanned = True
         for group in ready:
             # The children's ids and keys, made at submission, after the warm-ups'.
-            derived = self._derived[group.key][len(group.prompts):]
-            children = []
-            for i, (prompt, lora) in enumerate(zip(group.prompts, group.loras, strict=True)):
-                tokens = group.tokens[i]
-                for j in range(i * group.n, (i + 1) * group.n):
-                    name, key = derived[j]
-                    c = Request(self.requests, key, prompt, lora, True, group)
+            names = self._derived[group.key]
+            reserved = self._reserved
+            prompts, loras, tokens, n = group.prompts, group.loras, group.tokens, group.n
+            j = len(prompts)
+            children = group.children
+            for i, prompt in enumerate(prompts):  # (a lora and tokens each)
+                lora, toks = loras[i], tokens[i]
+                for _ in range(n):
+                    name = names[j]  # (its key, out of the reservation)
+                    c = Request(self.requests, reserved.pop(name), prompt, lora, True, group)
                     c._rid = name
-                    c.tokens = tokens
+                    c.tokens = toks
                     children.append(c)
-            group.children = children
+                    j += 1
             self._created(group, children)
             self._fire(group, _FAN_OUT)  # transfers one reference to each child
             for c in children:
@@ -761,14 +770,16 @@ class TokenizerSide:
         key = inst.key
         del self._live[key]
         if isinstance(inst, SamplingGroup):
-            ds = self._derived.pop(key, None)
-            if ds is None:
-                ds = _derived_keys(key, len(inst.prompts), inst.n)
+            names = self._derived.pop(key, None)
+            if names is None:
+                names = list(_derived_keys(key, len(inst.prompts), inst.n))
             # (none to free once it made a member with each: after its fan-out)
-            if len(inst.warmups) + len(inst.children) < len(ds):
-                for name, d in ds:
-                    if self._reserved.get(name) == d:  # ids it never used are free again
-                        del self._reserved[name]
+            if len(inst.warmups) + len(inst.children) < len(names):
+                reserved, g = self._reserved, key.group
+                for name in names:
+                    d = reserved.get(name)
+                    if d is not None and d.group == g:  # ids it never used are free again
+                        del reserved[name]
             self._group_ended(inst, event)
             if not inst.live_members:
                 self._forget(inst)

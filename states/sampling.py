@@ -114,7 +114,7 @@ class SamplingGroup(Instance):
 
 def warmups_pending(inst: Any, ev: Any) -> bool:
     """Some prefix warm-up of the group has not finished yet."""
-    return bool(inst.pending_warmups > 0)
+    return inst.pending_warmups > 0  # (an int's comparison: a bool, without bool())
 
 
 _aborted = go("aborted", plan="release_aborted")
