@@ -107,7 +107,7 @@ CALL_SITES: tuple[CallSite, ...] = tuple([
     *_c("registry", "lora_registry", "release release_nowait", "release effect "
         "release_lora"),
     *_c("tokenizer", "tokenizer", "tokenize", "TokenizerSide.submit, _prepare_group"),
-    *_c("transport", "scheduler", "send", "TokenizerSide.submit (_run_request), _send",
+    *_c("transport", "scheduler", "send", "TokenizerSide.submit (_run_request), _start",
         ConnectionError),
     *_c("transport", "scheduler", "abort", "plan release_aborted (tell_scheduler_abort, "
         "best-effort)", ConnectionError),

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -56,7 +56,6 @@ from terminus.states.request import (
     SubmittedNoAcquire,
     Validated,
     ValidationFailed,
-    client_rid,
 )
 from terminus.states.sampling import BatchFailed, FanOut, SamplingGroup, WarmupFinished
 
@@ -136,13 +135,18 @@ def _unknown_adapter(exc: BaseException) -> bool:
     return isinstance(exc, (KeyError, ValueError))
 
 
-def _derived_keys(group: RequestKey, prompts: int, n: int) -> list[tuple[Any, RequestKey]]:
+def _derived_keys(group: RequestKey, prompts: int, n: int) -> dict[Any, RequestKey]:
     """Every key a group of `prompts` prompts sampled `n` times may give a warm-up (one
-    per prompt) or a child (n per prompt), with its id (`rid`): warm-ups first."""
+    per prompt) or a child (n per prompt), by its id: warm-ups first, in index order.
+    Each id is its key's `rid`, written out as `RequestKey.rid` writes it (without the
+    property, for keys the side makes itself; a test checks that the two agree)."""
     g = group.group
-    keys = ([RequestKey(g, "warmup", i) for i in range(prompts)]
-            + [RequestKey(g, "child", k) for k in range(prompts * n)])
-    return [(d.rid, d) for d in keys]
+    derived = {}
+    for i in range(prompts):
+        derived[f"{g}-warmup-{i}"] = RequestKey(g, "warmup", i)
+    for k in range(prompts * n):
+        derived[f"{g}-{k}"] = RequestKey(g, "child", k)
+    return derived
 
 
 class TokenizerSide:
@@ -191,8 +195,12 @@ class TokenizerSide:
         # made is `self._ended[req._s]`, one attribute read less than `req._m.terminal`.
         self._ended = self.requests.terminal
         self._finished = self.requests.states.index("finished")
-        self._warming_up = self.sampling.states.index("warming_up")
-        self._ready = self.sampling.states.index("ready")
+        sampling = self.sampling.states
+        self._warming_up = sampling.index("warming_up")
+        self._ready = sampling.index("ready")
+        self._fanned_out = sampling.index("fanned_out")
+        self._group_aborted = sampling.index("aborted")
+        self._group_failed = (sampling.index("rejected"), sampling.index("errored"))
         # Instances not yet terminal, by key.
         self._live: dict[RequestKey, Instance] = {}
         # Every member of a live family (terminal ones too), by the id its client sees.
@@ -201,8 +209,9 @@ class TokenizerSide:
         # no other request may take one, or it would be orphaned when the group does.
         self._reserved: dict[Any, RequestKey] = {}
         self._batches: dict[RequestKey, _Batch] = {}
-        # Each live group's `_derived_keys` (made once, at submission).
-        self._derived: dict[RequestKey, list[tuple[Any, RequestKey]]] = {}
+        # Each live group's `_derived_keys` ids, in order (made once, at submission; their
+        # keys are in `_reserved` until each member is made).
+        self._derived: dict[RequestKey, list[Any]] = {}
         self._ids = itertools.count(1)
         self.unknown_events = 0
         """Events for ids no live family has (dropped: nothing they could reach owns
@@ -263,7 +272,7 @@ class TokenizerSide:
         taken.add(rid)
         return rid
 
-    def _take(self, names: list[Any], group: RequestKey, taken: set[Any]) -> None:
+    def _take(self, names: Collection[Any], group: RequestKey, taken: set[Any]) -> None:
         """Add the ids `group` will give its warm-ups and children to `taken` (the ids
         this call already decided); refuse the first one in use. `_take_each`, with its
         common case (distinct ids, none in use) in a few set operations."""
@@ -275,7 +284,7 @@ class TokenizerSide:
         else:
             self._take_each(names, group, taken)
 
-    def _take_each(self, names: list[Any], group: RequestKey, taken: set[Any]) -> None:
+    def _take_each(self, names: Iterable[Any], group: RequestKey, taken: set[Any]) -> None:
         """`_take`, one id at a time: refuses the first id in use, having added those
         before it to `taken` (which the refused call drops)."""
         for name in names:
@@ -317,7 +326,7 @@ class TokenizerSide:
         if (rid in self._names or rid in self._reserved or (
                 rid.__class__ is not str and (rid is None or isinstance(rid, RequestKey)))):
             rid = self._claim(rid, set())
-        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora)
+        req = Request(self.requests, RequestKey(rid), prompt, lora)  # (by position: no dict)
         req._rid = rid  # its key's `rid`, known here (read by its terminal output)
         self._names[rid] = req  # `_new_request`, inline
         self._live[req.key] = req
@@ -325,7 +334,7 @@ class TokenizerSide:
         return req
 
     def _new_request(self, rid: Any, prompt: Any, lora: str | None) -> Request:
-        req = Request(self.requests, RequestKey(rid), prompt=prompt, lora=lora)
+        req = Request(self.requests, RequestKey(rid), prompt, lora)
         req._rid = rid
         self._names[rid] = req
         self._live[req.key] = req
@@ -365,7 +374,7 @@ class TokenizerSide:
                 self._fire(req, ValidationFailed(500, f"tokenizer failed: {e!r}"))
                 return
             req.fire(_VALIDATED)  # absorbed when an abort came first
-            if req._s == self._dispatched:  # `_send`, without its call
+            if req._s == self._dispatched:  # (as `_start` sends)
                 try:
                     self.scheduler.send(req.key, req.tokens, req.lora_id)
                 except Exception as e:
@@ -451,26 +460,28 @@ class TokenizerSide:
                 self._end_all(reqs, "its batch was interrupted")
                 raise
             return list(reqs)
+        # Each group's name, prompts and LoRA names.
         if rids is not None:
-            shapes = [([p], [lo]) for p, lo in zip(prompts, per_prompt, strict=True)]
+            shapes = [(r, [p], [lo]) for r, p, lo in zip(names, prompts, per_prompt, strict=True)]
         else:
-            shapes = [(prompts, per_prompt)]
-        keys = [RequestKey(r, "group") for r in names]
-        derived: list[list[tuple[Any, RequestKey]]] = []
-        for key, (ps, _) in zip(keys, shapes, strict=True):
-            ds = _derived_keys(key, len(ps), n)
-            self._take([name for name, _ in ds], key, taken)
-            derived.append(ds)
+            shapes = [(names[0], prompts, per_prompt)]
+        decided = []
+        for r, ps, los in shapes:
+            key = RequestKey(r, "group")
+            derived = _derived_keys(key, len(ps), n)
+            self._take(derived, key, taken)
+            decided.append((key, ps, los, derived))
         # Decided; from here on, create.
-        parents = [SamplingGroup(self.sampling, key, prompts=ps, loras=los, n=n)
-                   for key, (ps, los) in zip(keys, shapes, strict=True)]
+        parents: list[SamplingGroup] = []
         batch = _Batch(parents)
-        for p, ds in zip(parents, derived, strict=True):
-            self._names[p.key.group] = p
-            self._live[p.key] = p
-            self._batches[p.key] = batch
-            self._derived[p.key] = ds
-            self._reserved.update(ds)
+        for key, ps, los, derived in decided:
+            p = SamplingGroup(self.sampling, key, ps, los, n)  # (by position: no dict)
+            parents.append(p)
+            self._names[key.group] = p
+            self._live[key] = p
+            self._batches[key] = batch
+            self._derived[key] = list(derived)
+            self._reserved.update(derived)
         try:
             if len(parents) == 1:  # one group: no task to gather (see `_GATHERED`)
                 await self._prepare_group(parents[0], batch)  # (nothing follows it)
@@ -521,9 +532,9 @@ class TokenizerSide:
             try:
                 prompts = group.prompts
                 if len(prompts) == 1:  # one prompt: no task to gather (see `_GATHERED`)
-                    group.tokens = [await self.tokenizer.tokenize(prompts[0])]
+                    group.tokens.append(await self.tokenizer.tokenize(prompts[0]))
                 else:
-                    group.tokens = list(await asyncio.gather(
+                    group.tokens.extend(await asyncio.gather(
                         *(self.tokenizer.tokenize(p) for p in prompts)))
             except InvalidRequest as e:
                 self._fire(group, ValidationFailed(e.status, str(e)))
@@ -535,25 +546,26 @@ class TokenizerSide:
             if group._s != self._warming_up:
                 return
             handles = self.ledger.owned(group, LORA)
-            derived = self._derived[group.key]  # warm-ups first (the group is live)
+            names = self._derived[group.key]  # warm-ups first (the group is live)
+            reserved = self._reserved
+            loras, tokens, n = group.loras, group.tokens, group.n
             k = 0
-            warmups = []
-            for i, (prompt, lora) in enumerate(zip(group.prompts, group.loras, strict=True)):
-                name, key = derived[i]
-                w = Request(self.requests, key, prompt=prompt, lora=lora, stream=False,
-                            parent=group)
+            warmups = group.warmups
+            for i, prompt in enumerate(group.prompts):  # (a lora and tokens each)
+                lora, name = loras[i], names[i]
+                # (its key, out of the reservation; a warm-up streams nothing)
+                w = Request(self.requests, reserved.pop(name), prompt, lora, False, group)
                 w._rid = name
-                w.tokens = group.tokens[i]
+                w.tokens = tokens[i]
                 if lora is not None:
                     # The warm-up uses the prompt's references but owns none of them.
-                    for h in handles[k:k + group.n]:
+                    for h in handles[k:k + n]:
                         self.ledger.observe(h, w)
                     w.lora_id = handles[k].value
-                    k += group.n
+                    k += n
                 warmups.append(w)
-            group.warmups = warmups
             group.pending_warmups = len(warmups)
-            self._created(warmups)
+            self._created(group, warmups)
             for w in warmups:
                 if group._m.terminal[group._s]:
                     break
@@ -563,33 +575,30 @@ class TokenizerSide:
             self._end(group, "submission was interrupted")
             raise
 
-    def _created(self, members: list[Request]) -> None:
-        """Reserved warm-ups or children now exist: each one's id (given it when it was
-        made: its key's `rid`) finds it."""
-        reserved, names, live = self._reserved, self._names, self._live
+    def _created(self, group: SamplingGroup, members: list[Request]) -> None:
+        """Reserved warm-ups or children of `group` now exist (each made with the key its
+        id reserved, taken out of `_reserved`): each one's id (given it when it was made:
+        its key's `rid`) finds it, and it is live until it is retired."""
+        group.live_members += len(members)
+        names, live = self._names, self._live
         for inst in members:
             name = inst._rid
-            del reserved[name]
             names[name] = inst
             live[inst.key] = inst
 
     def _start(self, req: Request) -> None:
         """A tokenized warm-up or child, from its creation to its dispatch. Submitted and
         Validated never end a request (see `_run_request`): they are fired without
-        `_fire`'s retire check, made once after `_send` for an observer that ended it."""
+        `_fire`'s retire check, made once after the send for an observer that ended it."""
         req.fire(_SUBMIT)
         req.fire(_VALIDATED)
-        self._send(req)
+        if req._s == self._dispatched:  # else aborted (or failed) before it could be sent
+            try:
+                self.scheduler.send(req.key, req.tokens, req.lora_id)
+            except Exception as e:
+                self._send_failed(req, e)
         if self._ended[req._s] and self._live.get(req.key) is req:
             self._request_retired(req, None)
-
-    def _send(self, req: Request) -> None:
-        if req._s != self._dispatched:  # `req.state != "dispatched"`, without the property
-            return  # aborted (or failed) before it could be sent
-        try:
-            self.scheduler.send(req.key, req.tokens, req.lora_id)
-        except Exception as e:
-            self._send_failed(req, e)
 
     def _send_failed(self, req: Request, e: Exception) -> None:
         self._fire(req, DispatchFailed(f"could not send to the scheduler: {e!r}"))
@@ -619,19 +628,21 @@ class TokenizerSide:
         batch.fanned = True
         for group in ready:
             # The children's ids and keys, made at submission, after the warm-ups'.
-            derived = self._derived[group.key][len(group.prompts):]
-            children = []
-            for i, (prompt, lora) in enumerate(zip(group.prompts, group.loras, strict=True)):
-                tokens = group.tokens[i]
-                for j in range(i * group.n, (i + 1) * group.n):
-                    name, key = derived[j]
-                    c = Request(self.requests, key, prompt=prompt, lora=lora,
-                                parent=group)
+            names = self._derived[group.key]
+            reserved = self._reserved
+            prompts, loras, tokens, n = group.prompts, group.loras, group.tokens, group.n
+            j = len(prompts)
+            children = group.children
+            for i, prompt in enumerate(prompts):  # (a lora and tokens each)
+                lora, toks = loras[i], tokens[i]
+                for _ in range(n):
+                    name = names[j]  # (its key, out of the reservation)
+                    c = Request(self.requests, reserved.pop(name), prompt, lora, True, group)
                     c._rid = name
-                    c.tokens = tokens
+                    c.tokens = toks
                     children.append(c)
-            group.children = children
-            self._created(children)
+                    j += 1
+            self._created(group, children)
             self._fire(group, _FAN_OUT)  # transfers one reference to each child
             for c in children:
                 self._start(c)
@@ -759,16 +770,19 @@ class TokenizerSide:
         key = inst.key
         del self._live[key]
         if isinstance(inst, SamplingGroup):
-            ds = self._derived.pop(key, None)
-            if ds is None:
-                ds = _derived_keys(key, len(inst.prompts), inst.n)
+            names = self._derived.pop(key, None)
+            if names is None:
+                names = list(_derived_keys(key, len(inst.prompts), inst.n))
             # (none to free once it made a member with each: after its fan-out)
-            if len(inst.warmups) + len(inst.children) < len(ds):
-                for name, d in ds:
-                    if self._reserved.get(name) == d:  # ids it never used are free again
-                        del self._reserved[name]
+            if len(inst.warmups) + len(inst.children) < len(names):
+                reserved, g = self._reserved, key.group
+                for name in names:
+                    d = reserved.get(name)
+                    if d is not None and d.group == g:  # ids it never used are free again
+                        del reserved[name]
             self._group_ended(inst, event)
-            self._family_check(inst)
+            if not inst.live_members:
+                self._forget(inst)
 
     def _request_retired(self, req: Request, event: Any) -> None:
         """`_retired` for a Request."""
@@ -781,43 +795,39 @@ class TokenizerSide:
             # gives no other request or group an id in `_names`): forgotten now.
             del self._names[key.group]
             return
+        # A member of a group: one live member less (see `_created`).
+        parent.live_members -= 1
         # (`req.role`, without the property: the side keys every member)
         if (key.role if req._role is None else req._role) == "warmup":
             self._warmup_ended(req, event)
-        self._family_check(parent)  # a member of a group (see below)
+        if not parent.live_members and parent._m.terminal[parent._s]:
+            self._forget(parent)  # it was the family's last (`parent.terminal`, direct)
 
-    def _family_check(self, top: Instance) -> None:
-        """Forget a family once every member has ended (its ids are free again)."""
-        if not top._m.terminal[top._s]:  # `top.terminal`, without the property
-            return
-        if top.__class__ is SamplingGroup or isinstance(top, SamplingGroup):
-            # Every member ended? Children first, the last made first: they end last.
-            # (`m.terminal`, without the property.)
-            for m in reversed(top.children):
-                if not m._m.terminal[m._s]:
-                    return
-            for m in top.warmups:
-                if not m._m.terminal[m._s]:
-                    return
-            names = self._names
-            for m in top.warmups + top.children:
+    def _forget(self, group: SamplingGroup) -> None:
+        """Forget the family of a terminal group none of whose members is live any more:
+        its ids are free again."""
+        names = self._names
+        key = group.key
+        name = key.group  # (`client_rid(key)`: the side keys its groups by their rid)
+        if names.get(name) is not group:
+            return  # forgotten already (its last member ended inside its end)
+        del names[name]
+        self._batches.pop(key, None)
+        for members in (group.warmups, group.children):
+            for m in members:
                 name = m._rid  # (`m.rid`: the side made each member with its id)
                 if names.get(name) is m:
                     del names[name]
-        name = client_rid(top.key)
-        if self._names.get(name) is top:
-            del self._names[name]
-        self._batches.pop(top.key, None)
 
     def _group_ended(self, group: SamplingGroup, event: Any) -> None:
         batch = self._batches.get(group.key)
-        state = group.state  # (terminal: what is fired below leaves it as it is)
-        if state != "fanned_out":
+        s = group._s  # (terminal: what is fired below leaves it as it is)
+        if s != self._fanned_out:  # (`group.state`, without the property and the string)
             for w in group.warmups:
                 self._fire(w, RequestAbort("its sampling group ended"))
         if batch is None:
             return
-        if state in ("rejected", "errored"):
+        if s in self._group_failed:
             # A batch fans out whole or not at all: one failed prompt fails its siblings.
             status = int(getattr(event, "status", 500))
             msg = getattr(event, "message", "")
@@ -826,7 +836,7 @@ class TokenizerSide:
             for p in batch.parents:
                 if not p.terminal:
                     self._fire(p, BatchFailed(status, msg))
-        elif state == "aborted":
+        elif s == self._group_aborted:
             self._fan_out(batch)  # the siblings may all be ready now
 
     def _warmup_ended(self, w: Request, event: Any) -> None:

@@ -195,6 +195,8 @@ def client_rid(key: Any) -> Any:
 
 # -- instance data and guards ------------------------------------------------------------
 
+_instance_init = Instance.__init__  # (the engine's: a global, not a class attribute read)
+
 
 class Request(Instance):
     """A tokenizer-side request. `key` is its `RequestKey` (any hashable will do for a
@@ -215,10 +217,12 @@ class Request(Instance):
 
     __slots__ = ("_rid", "_role", "lora", "lora_id", "parent", "prompt", "stream", "tokens")
 
-    def __init__(self, machine: Machine, key: Any = None, *, prompt: Any = None,
-                 lora: str | None = None, role: str | None = None, stream: bool = True,
-                 parent: Any = None) -> None:
-        Instance.__init__(self, machine, key)  # not super(): one lookup less per request
+    def __init__(self, machine: Machine, key: Any = None, prompt: Any = None,
+                 lora: str | None = None, stream: bool = True, parent: Any = None, *,
+                 role: str | None = None) -> None:
+        # (`prompt`, `lora`, `stream` and `parent` may be passed by position, as the
+        # tokenizer side does: a call with keywords builds a dict for them, per request.)
+        _instance_init(self, machine, key)  # not super(): no lookup per request
         self.prompt = prompt
         self.lora = lora
         self.tokens: Any = None

@@ -74,6 +74,9 @@ class FanOut(Event):
     """Every parent of the batch is ready: hand each child its reference and send it."""
 
 
+_instance_init = Instance.__init__  # (the engine's: a global, not a class attribute read)
+
+
 class SamplingGroup(Instance):
     """A parallel-sampling parent. `key` is its `RequestKey` (role "group"); `rid` the
     id its client uses.
@@ -81,19 +84,25 @@ class SamplingGroup(Instance):
     Fields for the driver: `prompts`, `loras` (one adapter name or None per prompt), `n`,
     `tokens` (per prompt, once tokenized), `pending_warmups` (warm-ups not yet finished;
     the driver lowers it before firing WarmupFinished), `warmups` and `children` (request
-    instances; `children` is in reference order: prompt-major, then sample).
+    instances; `children` is in reference order: prompt-major, then sample),
+    `live_members` (the warm-ups and children the driver made and has not retired yet:
+    the driver raises it when it makes them and lowers it as each one is retired).
     """
 
-    __slots__ = ("children", "loras", "n", "pending_warmups", "prompts", "tokens", "warmups")
+    __slots__ = ("children", "live_members", "loras", "n", "pending_warmups", "prompts",
+                 "tokens", "warmups")
 
-    def __init__(self, machine: Machine, key: Any = None, *, prompts: list[Any] | None = None,
+    def __init__(self, machine: Machine, key: Any = None, prompts: list[Any] | None = None,
                  loras: list[str | None] | None = None, n: int = 2) -> None:
-        super().__init__(machine, key)
-        self.prompts: list[Any] = list(prompts or [])
+        # (`prompts`, `loras` and `n` may be passed by position, as the tokenizer side
+        # does: a call with keywords builds a dict for them, per group.)
+        _instance_init(self, machine, key)  # not super(): no lookup per group
+        self.prompts: list[Any] = list(prompts or ())
         self.loras: list[str | None] = list(loras or [None] * len(self.prompts))
         self.n = n
         self.tokens: list[Any] = []
         self.pending_warmups = 0
+        self.live_members = 0
         self.warmups: list[Any] = []
         self.children: list[Any] = []
 
@@ -105,7 +114,7 @@ class SamplingGroup(Instance):
 
 def warmups_pending(inst: Any, ev: Any) -> bool:
     """Some prefix warm-up of the group has not finished yet."""
-    return bool(inst.pending_warmups > 0)
+    return inst.pending_warmups > 0  # (an int's comparison: a bool, without bool())
 
 
 _aborted = go("aborted", plan="release_aborted")
