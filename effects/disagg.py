@@ -42,6 +42,7 @@ import torch
 from terminus.fsm import (
     Action,
     Handle,
+    Instance,
     Ledger,
     Machine,
     Plan,
@@ -203,6 +204,24 @@ _RESULT = Result()
 _COMMIT = Commit()
 _ABANDON = Abandon()
 _TRANSFERDONE = TransferDone()
+
+# The events of chunk `k`, made once per index and shared (events are frozen):
+# `_SCHEDULED[k]` is `ChunkScheduled(k)`, `_SETTLED_LAST[k]` `ChunkSettledLast(k)`,
+# `_SETTLED_NOT_LAST[k]` `ChunkSettledNotLast(k)`; `_events_for(k)` extends them.
+_SCHEDULED: list[ChunkScheduled] = []
+_SETTLED_LAST: list[ChunkSettledLast] = []
+_SETTLED_NOT_LAST: list[ChunkSettledNotLast] = []
+
+
+def _events_for(k: int) -> None:
+    """Make the events of every chunk index up to `k` (once each)."""
+    for i in range(len(_SCHEDULED), k + 1):
+        _SCHEDULED.append(ChunkScheduled(i))
+        _SETTLED_LAST.append(ChunkSettledLast(i))
+        _SETTLED_NOT_LAST.append(ChunkSettledNotLast(i))
+
+
+_events_for(63)
 
 
 @dataclass
@@ -476,11 +495,17 @@ class PrefillRequest(DisaggReq):
 
 class PrefillChunk(Chunk):
     """A chunk the loop scheduled, and the ledger handle of the KV pages it writes
-    (`handle`: acquired with it; the ledger still says who owns it)."""
+    (`handle`: acquired with it; the ledger still says who owns it).
+
+    Made as `PrefillChunk(machine, key)`, by the engine's own initialiser (no Python
+    frame, and no keyword arguments to parse, per chunk); `DisaggPrefill.schedule` sets
+    `parent`, `index`, `last` and `handle` at once."""
 
     __slots__ = ("handle",)
 
     handle: Handle
+
+    __init__ = Instance.__init__
 
 
 class DisaggPrefill:
@@ -757,8 +782,10 @@ class DisaggPrefill:
             assert kv is not None  # checked just above
         if units != n:
             kv = kv[:n]
-        chunk = PrefillChunk(self.chunks_machine, (rid, k), parent=req, index=k,
-                             last=k == req.n_chunks - 1)
+        chunk = PrefillChunk(self.chunks_machine, (rid, k))
+        chunk.parent = req
+        chunk.index = k
+        chunk.last = k == req.n_chunks - 1
         chunk.handle = ledger.acquire(chunk, "kv", kv)  # (set at once: read in result)
         row, at, tokens = req.row, start, kv
         try:
@@ -779,7 +806,12 @@ class DisaggPrefill:
         if k and chunks[-1]._s == self._running:
             chunks[-1].fire(_NEXTLAUNCHED)
         chunks.append(chunk)
-        req.fire(ChunkScheduled(k))
+        try:
+            scheduled = _SCHEDULED[k]
+        except IndexError:
+            _events_for(k)
+            scheduled = _SCHEDULED[k]
+        req.fire(scheduled)
         chunk.fire(_LAUNCH)
         return chunk
 
@@ -838,8 +870,14 @@ class DisaggPrefill:
             chunk.fire(_COMMIT)
         else:
             chunk.fire(_ABANDON)
-        # (`ChunkSettled(k, chunk.last)`, in its unguarded form)
-        report = req.fire(ChunkSettledLast(k) if chunk.last else ChunkSettledNotLast(k))
+        # (`ChunkSettled(k, chunk.last)`, in its unguarded form, made once per index)
+        settled = _SETTLED_LAST if chunk.last else _SETTLED_NOT_LAST
+        try:
+            ev = settled[k]
+        except IndexError:  # (a chunk `schedule` did not make)
+            _events_for(k)
+            ev = settled[k]
+        report = req.fire(ev)
         if req._s == self._transferring:
             kv = [req.matched] if req.matched is not None else []
             for h in self.ledger.owned(req):  # its KV handles' pages, in order

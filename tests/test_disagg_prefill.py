@@ -781,3 +781,27 @@ def test_a_result_for_a_chunk_index_out_of_range_is_refused_and_changes_nothing(
     assert e.result("r", -1) is None  # a stale result for a terminal request: ignored
     assert req.state == "aborted"
     e.finish()
+
+
+def test_a_prompt_of_more_chunks_than_the_events_made_ahead_succeeds_with_each_chunks_own():
+    """The chunk events are made once per index and shared; a chunk index past those made
+    ahead makes its own, and every chunk's result settles it (the last starts the
+    transfer)."""
+    from terminus.effects import disagg
+
+    n = len(disagg._SCHEDULED) + 6
+    e = DisaggPrefill(DisaggPools.make(kv_tokens=4 * n), transport=FakeTransport())
+    req = e.add("r", n, chunk_size=1)
+    e.bootstrap("r")
+    for k in range(n):
+        chunk = e.schedule("r")
+        assert chunk is not None and chunk.index == k and chunk.last == (k == n - 1)
+        assert disagg._SCHEDULED[k] == ChunkScheduled(k)
+        e.result("r", k)
+        assert req.state == ("transferring" if k == n - 1 else "prefilling")
+    assert disagg._SETTLED_LAST[n - 1] == ChunkSettledLast(n - 1)
+    assert disagg._SETTLED_NOT_LAST[n - 1] == ChunkSettledNotLast(n - 1)
+    e.transport.complete("r")
+    e.poll_transfer("r")
+    assert req.state == "succeeded" and e.transport.sent_tokens["r"] == n
+    e.finish()
