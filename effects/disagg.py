@@ -293,24 +293,21 @@ def insert_kv_into_cache(ctx: ReleaseContext) -> None:
     raises, the cache took nothing and every page is freed there."""
     ledger = ctx.ledger
     assert ledger is not None
-    res: DisaggResources = ledger.resources
+    res: DisaggResources = ctx.resources
     inst = ctx.instance
-    # Its KV handles (and their pages) and its prefix lock, in one pass over what it owns.
-    handles: list[Handle] = []
-    parts: list[torch.Tensor] = []
-    lock_h: Handle | None = None
-    for h in ledger.owned(inst):
-        if h.kind == "kv":
-            handles.append(h)
-            parts.append(h.value)
-        elif h.kind == PREFIX_LOCK and lock_h is None:
-            lock_h = h
+    # Its KV handles (and their pages) and its prefix lock (the ledger's lists, by kind;
+    # the pages by a loop: a comprehension is a frame of its own).
+    handles = ledger.owned(inst, "kv")
     if not handles:
         return
+    parts = []
+    for h in handles:
+        parts.append(h.value)
     ps = res.pools.page_size
     n = _insertable(parts, ps) if ps != 1 else -1  # (one page a token: every part)
-    if lock_h is not None:
-        lock = lock_h.value
+    locks = ledger.owned(inst, PREFIX_LOCK)
+    if locks:
+        lock = locks[0].value
         owned_from = lock.length
         parts.insert(0, lock.indices)
     else:
@@ -408,8 +405,10 @@ def stream_terminal(ctx: ReleaseContext) -> None:
     inst = ctx.instance
     reason = ((inst.reason if inst.__class__ is PrefillRequest else getattr(inst, "reason", ""))
               or getattr(ctx.event, "reason", ""))
-    res: DisaggResources = ctx.resources
-    res.sink.put(TerminalOutput(str(inst.key), ctx.target, message=reason))
+    key = inst.key
+    # (positional: `TerminalOutput(rid, outcome, message=reason)`, status None)
+    ctx.resources.sink.put(TerminalOutput(key if key.__class__ is str else str(key),
+                                          ctx.target, None, reason))
 
 
 _LOCAL = (Release("metadata"), Release("hicache"), Release("kv"), Release(PREFIX_LOCK),
@@ -880,9 +879,8 @@ class DisaggPrefill:
         report = req.fire(ev)
         if req._s == self._transferring:
             kv = [req.matched] if req.matched is not None else []
-            for h in self.ledger.owned(req):  # its KV handles' pages, in order
-                if h.kind == "kv":
-                    kv.append(h.value)
+            for h in self.ledger.owned(req, "kv"):  # its KV handles' pages, in order
+                kv.append(h.value)
             try:
                 self.transport.send(rid, torch.cat(kv) if len(kv) > 1 else kv[0])
             except TransportError as e:
