@@ -746,59 +746,64 @@ class DisaggPrefill:
         ps = pools.page_size
         size = req.chunk_size
         start = req.cached + k * size
-        n = min(size, req.prompt_len - start)  # req.chunk_len(k)
+        n = req.prompt_len - start  # (`req.chunk_len(k)`, without the call of min())
+        if n > size:
+            n = size
         units = n if ps == 1 else -(-n // ps) * ps  # (whole pages)
-        ledger = self.ledger
         # All or nothing, decided before taking anything: every unit taken below has
         # an owner in the ledger at once, so nothing is ever given back by hand. A
         # chunk's KV starts on a page of its own (an abandoned chunk frees only its own).
-        if k:
-            # A later chunk takes its KV alone: the allocator's None (short, never
-            # partial) is the check, and nothing was taken before it.
-            kv = pools.kv.alloc(units)  # (`pools.kv_alloc(n)`)
-            if kv is None:
-                return None
-        else:
-            if (pools.kv.available_size() < units or pools.table.available < 1
-                    or pools.mamba.available_size() < self.mamba_per_request):
-                return None
-            # A first try owns neither kind yet (its row is set once its slot is
-            # owned); a retry after a pool raised asks the ledger what it holds.
-            owns = {h.kind for h in ledger.owned(req)} if req.row >= 0 else ()
-            if "req_slot" not in owns:
-                # Each unit is recorded the moment it is taken: a pool that raises on
-                # the next alloc leaves this one owned by the request (its release
-                # frees it).
-                slot = pools.table.alloc(1)
-                assert slot is not None  # checked just above
-                ledger.acquire(req, "req_slot", slot)
-                req.row = int(slot.tolist()[0])
-            if "mamba" not in owns:
-                mamba = pools.mamba.alloc(self.mamba_per_request)
-                assert mamba is not None  # checked just above
-                ledger.acquire(req, "mamba", mamba)
-            kv = pools.kv.alloc(units)  # (`pools.kv_alloc(n)`)
-            assert kv is not None  # checked just above
+        # A first chunk also needs a request row and a Mamba state: checked here, taken
+        # once the KV is; the KV is taken first, the allocator's None (short, never
+        # partial) its check, with nothing taken before it.
+        if not k and (pools.table.available < 1
+                      or pools.mamba.available_size() < self.mamba_per_request):
+            return None
+        kv = pools.kv.alloc(units)  # (`pools.kv_alloc(n)`)
+        if kv is None:
+            return None
         if units != n:
             kv = kv[:n]
+        ledger = self.ledger
         chunk = PrefillChunk(self.chunks_machine, (rid, k))
         chunk.parent = req
         chunk.index = k
         chunk.last = k == req.n_chunks - 1
         chunk.handle = ledger.acquire(chunk, "kv", kv)  # (set at once: read in result)
-        row, at, tokens = req.row, start, kv
         try:
-            if k == 0 and req.matched is not None:
-                # The row starts with the matched prefix (the cache's pages): written
-                # with the first chunk in one call where it ends at the chunk's start,
-                # as `add` sets them (the same row, and length, as two writes).
-                if int(req.matched.numel()) == start:
-                    at, tokens = 0, torch.cat((req.matched, kv))
+            if k:
+                pools.table.write(req.row, start, kv)
+            else:
+                # A first try owns neither kind yet (its row is set once its slot is
+                # owned); a retry after a pool raised asks the ledger what it holds.
+                # Each unit is recorded the moment it is taken: a pool that raises on
+                # the next alloc leaves this one owned by the request (its release
+                # frees it).
+                owns = {h.kind for h in ledger.owned(req)} if req.row >= 0 else ()
+                if "req_slot" not in owns:
+                    slot = pools.table.alloc(1)
+                    assert slot is not None  # checked above
+                    ledger.acquire(req, "req_slot", slot)
+                    req.row = int(slot.tolist()[0])
+                if "mamba" not in owns:
+                    mamba = pools.mamba.alloc(self.mamba_per_request)
+                    assert mamba is not None  # checked above
+                    ledger.acquire(req, "mamba", mamba)
+                matched = req.matched
+                if matched is None:
+                    pools.table.write(req.row, start, kv)
+                elif matched.numel() == start:
+                    # The row starts with the matched prefix (the cache's pages): written
+                    # with the first chunk in one call where it ends at the chunk's
+                    # start, as `add` sets them (the same row, and length, as two writes).
+                    pools.table.write(req.row, 0, torch.cat((matched, kv)))
                 else:
-                    pools.table.write(row, 0, req.matched)
-            pools.table.write(row, at, tokens)
+                    pools.table.write(req.row, 0, matched)
+                    pools.table.write(req.row, start, kv)
         except BaseException:
-            chunk.fire(_ABANDON)  # never launched: its pages go to the request
+            # Never launched (a pool or the table raised): its pages go back, not to
+            # the request.
+            chunk.fire(_ABANDON)
             raise
         # Only the newest chunk can be running: scheduling one moves the one before
         # it to overlapped, and a result moves it on.
