@@ -232,10 +232,12 @@ class DisaggResources:
     transport: Transport
     cache: PrefixCache
     sink: OutputSink
-    staged: dict[Any, dict[Handle, torch.Tensor | None]] = field(default_factory=dict)
-    """Per request whose KV was just inserted: what each of its KV handles (a key: they
-    hash by identity) still frees, the indices the tree did not take (None: nothing; a
-    handle not named frees all)."""
+    staged: dict[Any, list[Handle] | dict[Handle, torch.Tensor | None]] = field(
+        default_factory=dict)
+    """Per request whose KV was just inserted: what each of its KV handles still frees.
+    A list: the tree took every page of the handles it names (the common case, made
+    without a dict); a dict: the indices the tree did not take, by handle (a key: they
+    hash by identity; None: nothing). A handle not named frees all."""
 
 
 # -- release effects ---------------------------------------------------------------------
@@ -313,17 +315,25 @@ def insert_kv_into_cache(ctx: ReleaseContext) -> None:
     else:
         owned_from = 0
     kv = torch.cat(parts) if len(parts) > 1 else parts[0]
-    tokens = inst.tokens if isinstance(inst, PrefillRequest) else ()
+    tokens = (inst.tokens if inst.__class__ is PrefillRequest or isinstance(inst, PrefillRequest)
+              else ())
     size = kv.numel()
-    keep = min(size, len(tokens)) if n < 0 else min(owned_from + n, size, len(tokens))
+    # keep = min(size, len(tokens)), and owned_from + n where it is smaller (comparisons:
+    # no call of min(), whose arguments are parsed at every call).
+    keep = len(tokens)
+    if size < keep:
+        keep = size
+    if n >= 0 and owned_from + n < keep:
+        keep = owned_from + n
     if keep < size:
         kv = kv[:keep]
     result = res.cache.insert(inst.key, tokens if len(tokens) == keep else tokens[:keep],
                               kv, owned_from=owned_from if owned_from < keep else keep)
     t0 = result.prefix_len
     if t0 <= owned_from and t0 + result.taken_count >= size:
-        # The tree took every index of the handles (they lie at owned_from..size).
-        res.staged[inst] = dict.fromkeys(handles)
+        # The tree took every index of the handles (they lie at owned_from..size): the
+        # list of them says so (`free_kv_not_cached` frees nothing of those it names).
+        res.staged[inst] = handles
     else:
         res.staged[inst] = _not_taken(handles, owned_from, result)
 
@@ -358,10 +368,15 @@ def free_kv_not_cached(ctx: ReleaseContext, handle: Any) -> None:
     """Free the pages of a KV handle that the prefix cache did not take (all of them
     when nothing was inserted)."""
     res: DisaggResources = ctx.resources
-    kept = res.staged.get(ctx.instance)
-    idx = handle.value
-    if kept:
-        idx = kept.get(handle, idx)
+    kept: Any = res.staged.get(ctx.instance)  # (narrowed by its class below)
+    if kept is None:  # nothing was inserted
+        idx = handle.value
+    elif kept.__class__ is list:  # the tree took every page of the handles it names
+        if handle in kept:
+            return
+        idx = handle.value
+    else:
+        idx = kept.get(handle, handle.value)
         if idx is None:  # the tree took all of it
             return
     if idx.numel():
