@@ -810,7 +810,7 @@ class DisaggPrefill:
                     slot = pools.table.alloc(1)
                     assert slot is not None  # checked above
                     ledger.acquire(req, "req_slot", slot)
-                    req.row = int(slot.tolist()[0])
+                    req.row = slot.tolist()[0]  # (an int64 tensor's: an int)
                 if "mamba" not in owns:
                     mamba = pools.mamba.alloc(self.mamba_per_request)
                     assert mamba is not None  # checked above
@@ -874,16 +874,18 @@ class DisaggPrefill:
         if terminal[chunk._s]:
             chunk.fire(_RESULT)  # a duplicate: ignored by the chunk
             return None
-        if k:  # (a loop, not a list: the list of the early ones only for the error)
-            for i in range(k):
-                if not terminal[chunks[i]._s]:
-                    # A chunk computes on its predecessors' KV, so its result cannot
-                    # precede theirs; settling it first would start the transfer with
-                    # their KV missing.
-                    early = [j for j in range(i, k) if not terminal[chunks[j]._s]]
-                    raise ValueError(
-                        f"result of chunk {k} of request {rid!r} arrived before that of "
-                        f"chunk(s) {early}; deliver chunk results in launch order")
+        # Every earlier chunk settled (a loop from the newest, without a range: the list
+        # of the early ones only for the error).
+        i = k - 1
+        while i >= 0 and terminal[chunks[i]._s]:
+            i -= 1
+        if i >= 0:
+            # A chunk computes on its predecessors' KV, so its result cannot precede
+            # theirs; settling it first would start the transfer with their KV missing.
+            early = [j for j in range(k) if not terminal[chunks[j]._s]]
+            raise ValueError(
+                f"result of chunk {k} of request {rid!r} arrived before that of "
+                f"chunk(s) {early}; deliver chunk results in launch order")
         chunk.fire(_RESULT)
         if req._s == self._prefilling:
             try:
