@@ -204,6 +204,7 @@ _RESULT = Result()
 _COMMIT = Commit()
 _ABANDON = Abandon()
 _TRANSFERDONE = TransferDone()
+_SUCCESS = Poll.SUCCESS  # (a module global: a class attribute's read is not specialised)
 
 # The events of chunk `k`, made once per index and shared (events are frozen):
 # `_SCHEDULED[k]` is `ChunkScheduled(k)`, `_SETTLED_LAST[k]` `ChunkSettledLast(k)`,
@@ -934,7 +935,7 @@ class DisaggPrefill:
         if req._s not in self._polled:  # (`req.state`, without the property)
             return None
         p = self.transport.poll(rid)
-        if p is Poll.SUCCESS:
+        if p is _SUCCESS:
             return req.fire(_TRANSFERDONE)
         if p is Poll.FAILED:
             return req.fire(TransferFailed("transfer failed"))
