@@ -77,7 +77,7 @@ CALL_SITES: tuple[CallSite, ...] = tuple([
     *_c("transport", "transport", "poll", "DisaggPrefill.poll_transfer", TransportError),
     *_c("transport", "transport", "abort", "DisaggPrefill.abort; plan release_aborted "
         "(sender_abort, best-effort)", TransportError),
-    *_c("allocator", "kv", "alloc available_size", "DisaggPrefill.schedule"),
+    *_c("allocator", "kv", "alloc", "DisaggPrefill.schedule"),
     *_c("allocator", "kv", "free", "release effect free_kv; insert_kv_into_cache when the "
         "cache refused; PrefixCache.evict"),
     *_c("allocator", "mamba", "alloc available_size", "DisaggPrefill.schedule; "

@@ -42,6 +42,7 @@ import torch
 from terminus.fsm import (
     Action,
     Handle,
+    Instance,
     Ledger,
     Machine,
     Plan,
@@ -203,6 +204,25 @@ _RESULT = Result()
 _COMMIT = Commit()
 _ABANDON = Abandon()
 _TRANSFERDONE = TransferDone()
+_SUCCESS = Poll.SUCCESS  # (a module global: a class attribute's read is not specialised)
+
+# The events of chunk `k`, made once per index and shared (events are frozen):
+# `_SCHEDULED[k]` is `ChunkScheduled(k)`, `_SETTLED_LAST[k]` `ChunkSettledLast(k)`,
+# `_SETTLED_NOT_LAST[k]` `ChunkSettledNotLast(k)`; `_events_for(k)` extends them.
+_SCHEDULED: list[ChunkScheduled] = []
+_SETTLED_LAST: list[ChunkSettledLast] = []
+_SETTLED_NOT_LAST: list[ChunkSettledNotLast] = []
+
+
+def _events_for(k: int) -> None:
+    """Make the events of every chunk index up to `k` (once each)."""
+    for i in range(len(_SCHEDULED), k + 1):
+        _SCHEDULED.append(ChunkScheduled(i))
+        _SETTLED_LAST.append(ChunkSettledLast(i))
+        _SETTLED_NOT_LAST.append(ChunkSettledNotLast(i))
+
+
+_events_for(63)
 
 
 @dataclass
@@ -213,10 +233,12 @@ class DisaggResources:
     transport: Transport
     cache: PrefixCache
     sink: OutputSink
-    staged: dict[Any, dict[Handle, torch.Tensor | None]] = field(default_factory=dict)
-    """Per request whose KV was just inserted: what each of its KV handles (a key: they
-    hash by identity) still frees, the indices the tree did not take (None: nothing; a
-    handle not named frees all)."""
+    staged: dict[Any, list[Handle] | dict[Handle, torch.Tensor | None]] = field(
+        default_factory=dict)
+    """Per request whose KV was just inserted: what each of its KV handles still frees.
+    A list: the tree took every page of the handles it names (the common case, made
+    without a dict); a dict: the indices the tree did not take, by handle (a key: they
+    hash by identity; None: nothing). A handle not named frees all."""
 
 
 # -- release effects ---------------------------------------------------------------------
@@ -274,40 +296,45 @@ def insert_kv_into_cache(ctx: ReleaseContext) -> None:
     raises, the cache took nothing and every page is freed there."""
     ledger = ctx.ledger
     assert ledger is not None
-    res: DisaggResources = ledger.resources
+    res: DisaggResources = ctx.resources
     inst = ctx.instance
-    # Its KV handles (and their pages) and its prefix lock, in one pass over what it owns.
-    handles: list[Handle] = []
-    parts: list[torch.Tensor] = []
-    lock_h: Handle | None = None
-    for h in ledger.owned(inst):
-        if h.kind == "kv":
-            handles.append(h)
-            parts.append(h.value)
-        elif h.kind == PREFIX_LOCK and lock_h is None:
-            lock_h = h
+    # Its KV handles (and their pages) and its prefix lock (the ledger's lists, by kind;
+    # the pages by a loop: a comprehension is a frame of its own).
+    handles = ledger.owned(inst, "kv")
     if not handles:
         return
+    parts = []
+    for h in handles:
+        parts.append(h.value)
     ps = res.pools.page_size
     n = _insertable(parts, ps) if ps != 1 else -1  # (one page a token: every part)
-    if lock_h is not None:
-        lock = lock_h.value
+    locks = ledger.owned(inst, PREFIX_LOCK)
+    if locks:
+        lock = locks[0].value
         owned_from = lock.length
         parts.insert(0, lock.indices)
     else:
         owned_from = 0
     kv = torch.cat(parts) if len(parts) > 1 else parts[0]
-    tokens = inst.tokens if isinstance(inst, PrefillRequest) else ()
+    tokens = (inst.tokens if inst.__class__ is PrefillRequest or isinstance(inst, PrefillRequest)
+              else ())
     size = kv.numel()
-    keep = min(size, len(tokens)) if n < 0 else min(owned_from + n, size, len(tokens))
+    # keep = min(size, len(tokens)), and owned_from + n where it is smaller (comparisons:
+    # no call of min(), whose arguments are parsed at every call).
+    keep = len(tokens)
+    if size < keep:
+        keep = size
+    if n >= 0 and owned_from + n < keep:
+        keep = owned_from + n
     if keep < size:
         kv = kv[:keep]
     result = res.cache.insert(inst.key, tokens if len(tokens) == keep else tokens[:keep],
                               kv, owned_from=owned_from if owned_from < keep else keep)
     t0 = result.prefix_len
     if t0 <= owned_from and t0 + result.taken_count >= size:
-        # The tree took every index of the handles (they lie at owned_from..size).
-        res.staged[inst] = dict.fromkeys(handles)
+        # The tree took every index of the handles (they lie at owned_from..size): the
+        # list of them says so (`free_kv_not_cached` frees nothing of those it names).
+        res.staged[inst] = handles
     else:
         res.staged[inst] = _not_taken(handles, owned_from, result)
 
@@ -342,10 +369,15 @@ def free_kv_not_cached(ctx: ReleaseContext, handle: Any) -> None:
     """Free the pages of a KV handle that the prefix cache did not take (all of them
     when nothing was inserted)."""
     res: DisaggResources = ctx.resources
-    kept = res.staged.get(ctx.instance)
-    idx = handle.value
-    if kept:
-        idx = kept.get(handle, idx)
+    kept: Any = res.staged.get(ctx.instance)  # (narrowed by its class below)
+    if kept is None:  # nothing was inserted
+        idx = handle.value
+    elif kept.__class__ is list:  # the tree took every page of the handles it names
+        if handle in kept:
+            return
+        idx = handle.value
+    else:
+        idx = kept.get(handle, handle.value)
         if idx is None:  # the tree took all of it
             return
     if idx.numel():
@@ -389,8 +421,10 @@ def stream_terminal(ctx: ReleaseContext) -> None:
     inst = ctx.instance
     reason = ((inst.reason if inst.__class__ is PrefillRequest else getattr(inst, "reason", ""))
               or getattr(ctx.event, "reason", ""))
-    res: DisaggResources = ctx.resources
-    res.sink.put(TerminalOutput(str(inst.key), ctx.target, message=reason))
+    key = inst.key
+    # (positional: `TerminalOutput(rid, outcome, message=reason)`, status None)
+    ctx.resources.sink.put(TerminalOutput(key if key.__class__ is str else str(key),
+                                          ctx.target, None, reason))
 
 
 _LOCAL = (Release("metadata"), Release("hicache"), Release("kv"), Release(PREFIX_LOCK),
@@ -447,18 +481,23 @@ class PrefillRequest(DisaggReq):
                  "sender_deadline", "tokens")
 
     def __init__(self, machine: Machine, key: str, prompt_len: int, chunk_size: int,
-                 tokens: tuple[int, ...] = ()) -> None:
-        DisaggReq.__init__(self, machine, key)  # not super(): one lookup less per request
+                 tokens: tuple[int, ...] = (), cached: int = 0,
+                 matched: torch.Tensor | None = None) -> None:
+        # `DisaggReq.__init__`'s fields set here, not by calling it: one frame less per
+        # request (as `DisaggReq.__init__` calls the engine's own initialiser).
+        Instance.__init__(self, machine, key)
+        self.chunks = []
+        self.reason = ""
         self.prompt_len = prompt_len
         self.tokens = tokens
         """The prompt's token ids (what the prefix cache is keyed by)."""
         self.chunk_size = chunk_size
-        self.cached = 0
-        """Prompt tokens matched in the prefix cache (not prefilled again)."""
-        self.matched: torch.Tensor | None = None
+        self.cached = cached
+        """Prompt tokens matched in the prefix cache (not prefilled again; `set_cached`)."""
+        self.matched = matched
         """The KV indices of those tokens (the cache's pages; the request's `PREFIX_LOCK`
         handle keeps them from eviction until its terminal plan)."""
-        self.n_chunks = -(-prompt_len // chunk_size)
+        self.n_chunks = -(-(prompt_len - cached) // chunk_size)
         self.sender_deadline: float | None = None  # set when it starts awaiting_sender
         self.row = -1
         """The request table row of the slot it owns (read when its first chunk is
@@ -476,11 +515,17 @@ class PrefillRequest(DisaggReq):
 
 class PrefillChunk(Chunk):
     """A chunk the loop scheduled, and the ledger handle of the KV pages it writes
-    (`handle`: acquired with it; the ledger still says who owns it)."""
+    (`handle`: acquired with it; the ledger still says who owns it).
+
+    Made as `PrefillChunk(machine, key)`, by the engine's own initialiser (no Python
+    frame, and no keyword arguments to parse, per chunk); `DisaggPrefill.schedule` sets
+    `parent`, `index`, `last` and `handle` at once."""
 
     __slots__ = ("handle",)
 
     handle: Handle
+
+    __init__ = Instance.__init__
 
 
 class DisaggPrefill:
@@ -600,19 +645,25 @@ class DisaggPrefill:
             raise ValueError(f"request {rid!r}: prompt_len {prompt_len} exceeds the "
                              f"request table's max_context_len {limit}; cut the prompt or "
                              "raise max_context_len")
-        match = None
         if tokens is None:
             tokens = tuple(range(self._anon, self._anon + prompt_len))
             self._anon += prompt_len
+            match = None
         else:
+            if tokens.__class__ is not tuple:
+                tokens = tuple(tokens)
             match = self.cache.match(tokens, limit=prompt_len - 1)
-        req = PrefillRequest(self.requests_machine, rid, prompt_len, chunk_size,
-                             tuple(tokens))
-        self.requests[rid] = req
-        if match is not None and match.length:
+            if not match.length:
+                match = None
+        if match is None:
+            req = PrefillRequest(self.requests_machine, rid, prompt_len, chunk_size, tokens)
+            self.requests[rid] = req
+        else:
+            # Its chunks cover the rest of the prompt (`set_cached`, made with it).
+            req = PrefillRequest(self.requests_machine, rid, prompt_len, chunk_size, tokens,
+                                 match.length, match.indices)
+            self.requests[rid] = req
             self.ledger.acquire(req, PREFIX_LOCK, self.cache.lock(match))
-            req.set_cached(match.length)
-            req.matched = match.indices
         if host_pages > 0:
             pf = self.pools.host.prefetch(host_pages)
             if pf is not None:  # no room: the request just runs without host pages
@@ -722,64 +773,76 @@ class DisaggPrefill:
         ps = pools.page_size
         size = req.chunk_size
         start = req.cached + k * size
-        n = min(size, req.prompt_len - start)  # req.chunk_len(k)
+        n = req.prompt_len - start  # (`req.chunk_len(k)`, without the call of min())
+        if n > size:
+            n = size
         units = n if ps == 1 else -(-n // ps) * ps  # (whole pages)
-        ledger = self.ledger
         # All or nothing, decided before taking anything: every unit taken below has
         # an owner in the ledger at once, so nothing is ever given back by hand. A
         # chunk's KV starts on a page of its own (an abandoned chunk frees only its own).
-        if k:
-            # A later chunk takes its KV alone: the allocator's None (short, never
-            # partial) is the check, and nothing was taken before it.
-            kv = pools.kv.alloc(units)  # (`pools.kv_alloc(n)`)
-            if kv is None:
-                return None
-        else:
-            if (pools.kv.available_size() < units or pools.table.available < 1
-                    or pools.mamba.available_size() < self.mamba_per_request):
-                return None
-            # A first try owns neither kind yet (its row is set once its slot is
-            # owned); a retry after a pool raised asks the ledger what it holds.
-            owns = {h.kind for h in ledger.owned(req)} if req.row >= 0 else ()
-            if "req_slot" not in owns:
+        # A first chunk also needs a request row and a Mamba state: checked here, taken
+        # once the KV is; the KV is taken first, the allocator's None (short, never
+        # partial) its check, with nothing taken before it.
+        if not k and (pools.table.available < 1
+                      or pools.mamba.available_size() < self.mamba_per_request):
+            return None
+        kv = pools.kv.alloc(units)  # (`pools.kv_alloc(n)`)
+        if kv is None:
+            return None
+        if units != n:
+            kv = kv[:n]
+        ledger = self.ledger
+        chunk = PrefillChunk(self.chunks_machine, (rid, k))
+        chunk.parent = req
+        chunk.index = k
+        chunk.last = k == req.n_chunks - 1
+        chunk.handle = ledger.acquire(chunk, "kv", kv)  # (set at once: read in result)
+        try:
+            if k:
+                pools.table.write(req.row, start, kv)
+            else:
+                # A first try owns neither kind yet (its row is set once its slot is
+                # owned); a retry after a pool raised asks the ledger what it holds.
                 # Each unit is recorded the moment it is taken: a pool that raises on
                 # the next alloc leaves this one owned by the request (its release
                 # frees it).
-                slot = pools.table.alloc(1)
-                assert slot is not None  # checked just above
-                ledger.acquire(req, "req_slot", slot)
-                req.row = int(slot.tolist()[0])
-            if "mamba" not in owns:
-                mamba = pools.mamba.alloc(self.mamba_per_request)
-                assert mamba is not None  # checked just above
-                ledger.acquire(req, "mamba", mamba)
-            kv = pools.kv.alloc(units)  # (`pools.kv_alloc(n)`)
-            assert kv is not None  # checked just above
-        if units != n:
-            kv = kv[:n]
-        chunk = PrefillChunk(self.chunks_machine, (rid, k), parent=req, index=k,
-                             last=k == req.n_chunks - 1)
-        chunk.handle = ledger.acquire(chunk, "kv", kv)  # (set at once: read in result)
-        row, at, tokens = req.row, start, kv
-        try:
-            if k == 0 and req.matched is not None:
-                # The row starts with the matched prefix (the cache's pages): written
-                # with the first chunk in one call where it ends at the chunk's start,
-                # as `add` sets them (the same row, and length, as two writes).
-                if int(req.matched.numel()) == start:
-                    at, tokens = 0, torch.cat((req.matched, kv))
+                owns = {h.kind for h in ledger.owned(req)} if req.row >= 0 else ()
+                if "req_slot" not in owns:
+                    slot = pools.table.alloc(1)
+                    assert slot is not None  # checked above
+                    ledger.acquire(req, "req_slot", slot)
+                    req.row = slot.tolist()[0]  # (an int64 tensor's: an int)
+                if "mamba" not in owns:
+                    mamba = pools.mamba.alloc(self.mamba_per_request)
+                    assert mamba is not None  # checked above
+                    ledger.acquire(req, "mamba", mamba)
+                matched = req.matched
+                if matched is None:
+                    pools.table.write(req.row, start, kv)
+                elif matched.numel() == start:
+                    # The row starts with the matched prefix (the cache's pages): written
+                    # with the first chunk in one call where it ends at the chunk's
+                    # start, as `add` sets them (the same row, and length, as two writes).
+                    pools.table.write(req.row, 0, torch.cat((matched, kv)))
                 else:
-                    pools.table.write(row, 0, req.matched)
-            pools.table.write(row, at, tokens)
+                    pools.table.write(req.row, 0, matched)
+                    pools.table.write(req.row, start, kv)
         except BaseException:
-            chunk.fire(_ABANDON)  # never launched: its pages go to the request
+            # Never launched (a pool or the table raised): its pages go back, not to
+            # the request.
+            chunk.fire(_ABANDON)
             raise
         # Only the newest chunk can be running: scheduling one moves the one before
         # it to overlapped, and a result moves it on.
         if k and chunks[-1]._s == self._running:
             chunks[-1].fire(_NEXTLAUNCHED)
         chunks.append(chunk)
-        req.fire(ChunkScheduled(k))
+        try:
+            scheduled = _SCHEDULED[k]
+        except IndexError:
+            _events_for(k)
+            scheduled = _SCHEDULED[k]
+        req.fire(scheduled)
         chunk.fire(_LAUNCH)
         return chunk
 
@@ -812,16 +875,18 @@ class DisaggPrefill:
         if terminal[chunk._s]:
             chunk.fire(_RESULT)  # a duplicate: ignored by the chunk
             return None
-        if k:  # (a loop, not a list: the list of the early ones only for the error)
-            for i in range(k):
-                if not terminal[chunks[i]._s]:
-                    # A chunk computes on its predecessors' KV, so its result cannot
-                    # precede theirs; settling it first would start the transfer with
-                    # their KV missing.
-                    early = [j for j in range(i, k) if not terminal[chunks[j]._s]]
-                    raise ValueError(
-                        f"result of chunk {k} of request {rid!r} arrived before that of "
-                        f"chunk(s) {early}; deliver chunk results in launch order")
+        # Every earlier chunk settled (a loop from the newest, without a range: the list
+        # of the early ones only for the error).
+        i = k - 1
+        while i >= 0 and terminal[chunks[i]._s]:
+            i -= 1
+        if i >= 0:
+            # A chunk computes on its predecessors' KV, so its result cannot precede
+            # theirs; settling it first would start the transfer with their KV missing.
+            early = [j for j in range(k) if not terminal[chunks[j]._s]]
+            raise ValueError(
+                f"result of chunk {k} of request {rid!r} arrived before that of "
+                f"chunk(s) {early}; deliver chunk results in launch order")
         chunk.fire(_RESULT)
         if req._s == self._prefilling:
             try:
@@ -838,13 +903,18 @@ class DisaggPrefill:
             chunk.fire(_COMMIT)
         else:
             chunk.fire(_ABANDON)
-        # (`ChunkSettled(k, chunk.last)`, in its unguarded form)
-        report = req.fire(ChunkSettledLast(k) if chunk.last else ChunkSettledNotLast(k))
+        # (`ChunkSettled(k, chunk.last)`, in its unguarded form, made once per index)
+        settled = _SETTLED_LAST if chunk.last else _SETTLED_NOT_LAST
+        try:
+            ev = settled[k]
+        except IndexError:  # (a chunk `schedule` did not make)
+            _events_for(k)
+            ev = settled[k]
+        report = req.fire(ev)
         if req._s == self._transferring:
             kv = [req.matched] if req.matched is not None else []
-            for h in self.ledger.owned(req):  # its KV handles' pages, in order
-                if h.kind == "kv":
-                    kv.append(h.value)
+            for h in self.ledger.owned(req, "kv"):  # its KV handles' pages, in order
+                kv.append(h.value)
             try:
                 self.transport.send(rid, torch.cat(kv) if len(kv) > 1 else kv[0])
             except TransportError as e:
@@ -865,7 +935,7 @@ class DisaggPrefill:
         if req._s not in self._polled:  # (`req.state`, without the property)
             return None
         p = self.transport.poll(rid)
-        if p is Poll.SUCCESS:
+        if p is _SUCCESS:
             return req.fire(_TRANSFERDONE)
         if p is Poll.FAILED:
             return req.fire(TransferFailed("transfer failed"))

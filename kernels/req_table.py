@@ -51,6 +51,12 @@ class ReqToTokenTable(StackPool):
         self._np = ((self.lengths.numpy(), self.mamba_slots.numpy(), self.req_to_token.numpy())
                     if dev.type == "cpu" else None)
 
+    @property
+    def available(self) -> int:
+        """Request slots free now: the free list's ``available`` (its count of free ids,
+        read here without a second property's frame: a disaggregated first chunk asks)."""
+        return self._free._top
+
     def alloc(self, n: int = 1) -> torch.Tensor | None:
         """``n`` request slots with length 0, or None when short (never partial)."""
         if self._np is not None and 0 < n <= _HOST_ALLOC:

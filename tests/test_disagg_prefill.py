@@ -781,3 +781,65 @@ def test_a_result_for_a_chunk_index_out_of_range_is_refused_and_changes_nothing(
     assert e.result("r", -1) is None  # a stale result for a terminal request: ignored
     assert req.state == "aborted"
     e.finish()
+
+
+def test_a_prompt_of_more_chunks_than_the_events_made_ahead_succeeds_with_each_chunks_own():
+    """The chunk events are made once per index and shared; a chunk index past those made
+    ahead makes its own, and every chunk's result settles it (the last starts the
+    transfer)."""
+    from terminus.effects import disagg
+
+    n = len(disagg._SCHEDULED) + 6
+    e = DisaggPrefill(DisaggPools.make(kv_tokens=4 * n), transport=FakeTransport())
+    req = e.add("r", n, chunk_size=1)
+    e.bootstrap("r")
+    for k in range(n):
+        chunk = e.schedule("r")
+        assert chunk is not None and chunk.index == k and chunk.last == (k == n - 1)
+        assert disagg._SCHEDULED[k] == ChunkScheduled(k)
+        e.result("r", k)
+        assert req.state == ("transferring" if k == n - 1 else "prefilling")
+    assert disagg._SETTLED_LAST[n - 1] == ChunkSettledLast(n - 1)
+    assert disagg._SETTLED_NOT_LAST[n - 1] == ChunkSettledNotLast(n - 1)
+    e.transport.complete("r")
+    e.poll_transfer("r")
+    assert req.state == "succeeded" and e.transport.sent_tokens["r"] == n
+    e.finish()
+
+
+def test_a_first_chunk_whose_mamba_pool_raises_frees_its_pages_keeps_its_row_and_a_retry_runs():
+    """A first chunk takes its KV first (the allocator's None is its check), then the
+    request's row and Mamba state: a Mamba pool that raises leaves the row owned by the
+    request (recorded the moment it was taken) and the never-launched chunk's pages
+    free again; the retry takes only the Mamba state and writes the same row."""
+    from terminus.effects.callsites import FaultPlan, call_sites, proxy
+
+    plan = FaultPlan(strict=False)
+    real = DisaggPools.make(kv_tokens=64, requests=4, mamba_slots=4, metadata_slots=4,
+                            host_pages=8, max_context_len=32)
+    pools = DisaggPools(kv=real.kv, mamba=proxy(real.mamba, "mamba", plan),
+                        metadata=real.metadata, host=real.host, table=real.table)
+    e = DisaggPrefill(pools, transport=FakeTransport())
+    req = e.add("a", 8, chunk_size=4)
+    e.bootstrap("a")
+    plan.arm(next(s for s in call_sites() if (s.resource, s.method) == ("mamba", "alloc")))
+    kv_free, rows_free = real.kv.available_size(), real.table.available
+    with pytest.raises(RuntimeError):
+        e.schedule("a")
+    assert real.kv.available_size() == kv_free and req.chunks == []
+    assert [h.kind for h in e.ledger.owned(req)] == ["metadata", "req_slot"]
+    assert real.table.available == rows_free - 1
+    e.assert_accounted()
+    row = req.row
+    c0, c1 = e.schedule("a"), e.schedule("a")
+    assert c0 is not None and c1 is not None and req.row == row
+    assert real.table.available == rows_free - 1  # the same row, not a second
+    assert [h.kind for h in e.ledger.owned(req)] == ["metadata", "req_slot", "mamba"]
+    pages = [h.value.tolist() for c in (c0, c1) for h in e.ledger.owned(c, "kv")]
+    assert _row(real.table, row) == pages[0] + pages[1]
+    e.result("a", 0)
+    e.result("a", 1)
+    e.transport.complete("a")
+    e.poll_transfer("a")
+    assert req.state == "succeeded"
+    e.finish()

@@ -588,8 +588,9 @@ class SimDisagg:
             self.cache.refusing.add(rid)
         elif fault == "allocator":
             self.faults.arm(_KV_ALLOC)
+        pages = spec.prefetch_pages
         req = self.engine.add(rid, spec.prompt_len, chunk_size=self.cfg.chunk_size,
-                              host_pages=min(spec.prefetch_pages, 4),
+                              host_pages=pages if pages < 4 else 4,  # (no min() call)
                               tokens=self.prompts.pop(rid, None) or tuple(prompt_tokens(spec)))
         self.live[rid] = (req, deque())
 
