@@ -16,7 +16,7 @@ from terminus.effects.request import (
     bind_request,
     lora_ledger,
 )
-from terminus.effects.tokenizer import RequestKey, TokenizerSide
+from terminus.effects.tokenizer import RequestKey, TokenizerSide, _derived_keys
 from terminus.fsm import Ledger, TransitionNotAllowed
 from terminus.kernels.errors import UnloadTimeout
 from terminus.states.request import (
@@ -586,6 +586,19 @@ def test_request_keys_name_each_role_and_refuse_what_no_request_is():
     with pytest.raises(TypeError, match=r"index must be an int .* got True"):
         RequestKey("g", "child", True)
     assert RequestKey("g", "child", 2).rid == "g-2"
+
+
+@pytest.mark.parametrize("group", ["g", 7, "grp-0"])
+def test_a_groups_derived_ids_are_its_keys_rids_in_order(group):
+    """The tokenizer side writes each warm-up's and child's id itself (without the
+    property, for keys it makes): each must be the id `RequestKey.rid` names, with the
+    warm-ups first and both in index order, or a client's abort by id misses it."""
+    derived = _derived_keys(RequestKey(group, "group"), 2, 3)
+    assert [(k.role, k.index) for k in derived.values()] == (
+        [("warmup", 0), ("warmup", 1)] + [("child", k) for k in range(6)])
+    for rid, key in derived.items():
+        assert rid == key.rid and key.group == group
+    assert len(set(derived)) == 8  # no two keys share an id
 
 
 def test_an_output_whose_observer_ends_the_request_retires_it_once_by_either_id():
