@@ -494,7 +494,13 @@ _LORA_SIDES: dict[int, weakref.WeakSet[Any]] = {}
 
 
 def track_lora_side(side: Any) -> None:
-    """Record a tokenizer side: sides over one registry are audited together."""
+    """Record a tokenizer side: sides over one registry are audited together.
+
+    A registry whose sides are all gone is forgotten here (its entry is keyed by id,
+    which a later registry may reuse): a process that makes a side per run, as the
+    benchmarks do, keeps one entry per live registry, not one per registry it made."""
+    for key in [k for k, sides in _LORA_SIDES.items() if not sides]:
+        del _LORA_SIDES[key]
     _LORA_SIDES.setdefault(id(_real(side.registry)), weakref.WeakSet()).add(side)
 
 

@@ -130,6 +130,24 @@ def test_a_lora_reference_taken_outside_the_ledger_is_named_by_adapter_id():
     asyncio.run(run())
 
 
+def test_the_audit_forgets_a_registry_once_its_sides_are_gone():
+    """Sides over one registry are audited together through a table by registry; a
+    process that makes a registry and a side per run (a benchmark, a test session)
+    keeps an entry per live registry, not one per registry it ever made."""
+    import gc
+
+    async def run():
+        s = await make_side()
+        await s.finish_clean()
+
+    gc.collect()
+    before = len(sanitize._LORA_SIDES)
+    for _ in range(20):
+        asyncio.run(run())
+        gc.collect()
+    assert len(sanitize._LORA_SIDES) <= before + 1  # the last run's, until the next side
+
+
 def test_prefetch_pages_reserved_outside_the_ledger_are_caught():
     cache = {}
     site = PrefetchSite(HostPagePool(16), insert=cache.__setitem__)
