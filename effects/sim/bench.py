@@ -1,7 +1,7 @@
 """`terminus bench e2e`: what the lifecycle engine costs a serving loop, per request.
 
 Runs one workload through the reference serving loop with the declared machines and
-with the naive pre-fix logic, in rounds of one run each (three rounds, the loops
+with the naive pre-fix logic, in rounds of one run each (seven rounds, the loops
 alternating which goes first; one with `--quick`), and times every call into the pools (alloc, free,
 prefetch, batched release) so that allocator work can be taken out:
 
@@ -106,13 +106,17 @@ def _run(workload: list[Any], naive: bool) -> tuple[float, float]:
 def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
     """Both loops on one workload; see the module docstring for the keys.
 
-    `rounds` pairs of runs (3 by default, 1 with `quick`), the two loops alternating
+    `rounds` pairs of runs (7 by default, 1 with `quick`), the two loops alternating
     which goes first; each figure is the median over the rounds, and the overhead the
     median of the rounds' differences (a difference of two runs moments apart, so a
-    host that speeds up or slows down between rounds moves both of its terms).
+    host that speeds up or slows down between rounds moves both of its terms). Seven,
+    not three: on a shared 2-core host one run of either loop moves by 15-25 % from one
+    run to the next, so one round's difference spans about -30..+35 µs for an overhead
+    of ~10; three invocations minutes apart gave medians of three rounds of +9.9, -17.2
+    and +31.9 µs, and of seven rounds +11.4, +9.9 and +10.4 µs.
     """
     n = 1000 if quick else 10_000
-    rounds = (1 if quick else 3) if rounds is None else rounds
+    rounds = (1 if quick else 7) if rounds is None else rounds
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     workload = generate(WorkloadConfig(requests=n, seed=11, n=3))
