@@ -310,26 +310,11 @@ class _NaivePrefill(_SeedAbort):
             r.n_chunks = -(-(r.prompt_len - m.length) // self.chunk_size)
 
     def _release_local(self, r: _PrefillReq) -> None:
-        p = self.pools
-        if r.metadata >= 0:
-            p.metadata.free(r.metadata)
-            r.metadata = -1
-        if r.prefetch is not None:
-            r.prefetch.terminate()
-            r.prefetch.release()
-            r.prefetch = None
-        for kv in r.kv:
-            p.kv.free(kv)
-        r.kv = []
+        # The seed's releases (`_SeedAbort`), and the prefix lock this server also takes.
         if r.node is not None:
             self.cache.tree.dec_lock_ref(r.node)
             r.node = None
-        if r.mamba is not None:
-            p.mamba.free(r.mamba)
-            r.mamba = None
-        if r.req_slot is not None:
-            p.table.free(r.req_slot)
-            r.req_slot = None
+        super()._release_local(r)
 
     def _cleanup_abort(self, r: _PrefillReq) -> None:
         r.state = "aborted"

@@ -124,9 +124,31 @@ class _SeedAbort:
     prefill server (`terminus.effects.sim.naive`), each with its own `_cleanup_abort`."""
 
     reqs: dict[str, Any]
+    pools: DisaggPools
 
     def _cleanup_abort(self, r: Any) -> None:
         raise NotImplementedError
+
+    def _release_local(self, r: Any) -> None:
+        """The request's local releases, by hand, each field cleared as it is freed
+        (its metadata slot, host pages, settled chunks' KV, Mamba state, table row)."""
+        p = self.pools
+        if r.metadata >= 0:
+            p.metadata.free(r.metadata)
+            r.metadata = -1
+        if r.prefetch is not None:
+            r.prefetch.terminate()
+            r.prefetch.release()
+            r.prefetch = None
+        for kv in r.kv:
+            p.kv.free(kv)
+        r.kv = []
+        if r.mamba is not None:
+            p.mamba.free(r.mamba)
+            r.mamba = None
+        if r.req_slot is not None:
+            p.table.free(r.req_slot)
+            r.req_slot = None
 
     def abort(self, rid: str) -> None:
         """The client aborts `rid`."""
@@ -164,25 +186,6 @@ class _Naive(_SeedAbort):
         assert i is not None
         r.metadata = i
         r.state = "waiting"
-
-    def _release_local(self, r: _NaiveReq) -> None:
-        p = self.pools
-        if r.metadata >= 0:
-            p.metadata.free(r.metadata)
-            r.metadata = -1
-        if r.prefetch is not None:
-            r.prefetch.terminate()
-            r.prefetch.release()
-            r.prefetch = None
-        for kv in r.kv:
-            p.kv.free(kv)
-        r.kv = []
-        if r.mamba is not None:
-            p.mamba.free(r.mamba)
-            r.mamba = None
-        if r.req_slot is not None:
-            p.table.free(r.req_slot)
-            r.req_slot = None
 
     def _cleanup_abort(self, r: _NaiveReq) -> None:
         r.state = "aborted"
