@@ -562,10 +562,18 @@ unlink_owner(HolderObject *owner, PyObject *h)
     return 0;
 }
 
-/* ledger._planning(owner) is true (1), false (0), or raised (-1). */
+/* ledger._planning(owner) is true (1), false (0), or raised (-1). An instance whose
+ * plan runs (its `_q` PLAN_RUNNING, or a QueuedInPlan) is answered here, as the
+ * Python's last test answers it: what a releaser acquires or is given in its own plan
+ * makes no Python call. */
 static int
 planning(LedgerCoreObject *self, PyObject *owner)
 {
+    if (Holder_Check(owner)) {
+        PyObject *q = ((HolderObject *)owner)->q;
+        if (q != NULL && (q == PLAN_RUNNING || Py_TYPE(q) == QueuedType))
+            return 1;
+    }
     PyObject *r = call_method((PyObject *)self, s_planning, &owner, 1);
     if (r == NULL)
         return -1;
@@ -603,10 +611,10 @@ fallback(PyObject *self, PyObject *name, PyObject *const *args, size_t nargsf,
     return r;
 }
 
-/* Ledger._compact: drop released handles from `_all`, in place (the list is the
- * ledger's own), the next compaction when it doubles (`_compact_py` decides the same).
- * The released handles are let go of only once the list is whole again: freeing one may
- * run code (its last owner's finalizer) that acquires. */
+/* Ledger._compact: `_all` becomes a new list of the handles not released, as the
+ * Python's does (a walk of the old list, `_iter()`'s, goes on over the old one); the
+ * next compaction when it doubles. The old list is let go of once the new one is in
+ * place: freeing a handle may run code (its last owner's finalizer) that acquires. */
 static int
 ledger_compact(LedgerCoreObject *self)
 {
@@ -616,33 +624,29 @@ ledger_compact(LedgerCoreObject *self)
         Py_XDECREF(r);
         return r == NULL ? -1 : 0;
     }
-    Py_ssize_t n = PyList_GET_SIZE(all), kept = 0, dropped = 0;
+    Py_ssize_t n = PyList_GET_SIZE(all), kept = 0;
+    PyObject **items = ((PyListObject *)all)->ob_item;
     for (Py_ssize_t i = 0; i < n; i++) {  /* every one ours? (else: the Python) */
-        PyObject *h = PyList_GET_ITEM(all, i);
-        if (Py_TYPE(h) != HandleType) {
+        if (Py_TYPE(items[i]) != HandleType) {
             PyObject *r = call_method((PyObject *)self, s_compact_py, NULL, 0);
             Py_XDECREF(r);
             return r == NULL ? -1 : 0;
         }
+        kept += SLOT(items[i], H_RELEASED) == Py_False;
     }
-    PyObject **gone = PyMem_Malloc((n ? n : 1) * sizeof(PyObject *));
-    if (gone == NULL) {
-        PyErr_NoMemory();
+    PyObject *live = PyList_New(kept);
+    if (live == NULL)
         return -1;
-    }
-    PyObject **items = ((PyListObject *)all)->ob_item;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0, k = 0; i < n; i++) {
         PyObject *h = items[i];
-        if (SLOT(h, H_RELEASED) == Py_False)
-            items[kept++] = h;
-        else
-            gone[dropped++] = h;
+        if (SLOT(h, H_RELEASED) == Py_False) {
+            Py_INCREF(h);
+            PyList_SET_ITEM(live, k++, h);
+        }
     }
-    Py_SET_SIZE(all, kept);
+    self->all = live;  /* (the old list's reference is ours until here) */
     self->compact_at = 2 * kept > COMPACT_MIN ? 2 * kept : COMPACT_MIN;
-    for (Py_ssize_t i = 0; i < dropped; i++)
-        Py_DECREF(gone[i]);
-    PyMem_Free(gone);
+    Py_DECREF(all);
     return 0;
 }
 
@@ -914,33 +918,42 @@ report_released(PyObject *report, PyObject *h)
  * the report (`step_failed`), anything it returned to `step_returned`; 0, or -1 when
  * that raised or the step raised a BaseException that is not an Exception (which the
  * Python's `except Exception` does not catch either). */
+static PyObject *about_for(PyObject *about, PyObject *kind);
+
 static int
-step_outcome(PyObject *ledger, PyObject *res, PyObject *report, PyObject *about)
+step_outcome(PyObject *ledger, PyObject *res, PyObject *report, PyObject *about,
+             PyObject *kind)
 {
+    if (res == Py_None) {  /* the common case: nothing to report, no name to build */
+        Py_DECREF(res);
+        return 0;
+    }
+    PyObject *exc = NULL;
     if (res == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_Exception))
             return -1;
-        PyObject *exc = fetch_exception();
-        if (exc == NULL)
+        if ((exc = fetch_exception()) == NULL)
             return -1;
-        PyObject *args[3] = {report, about, exc};
-        PyObject *r = PyObject_Vectorcall(step_failed, args, 3, NULL);
-        Py_DECREF(exc);
-        if (r == NULL)
-            return -1;
-        Py_DECREF(r);
-        return 0;
     }
-    if (res != Py_None) {
-        PyObject *args[4] = {ledger, res, report, about};
-        PyObject *r = PyObject_Vectorcall(step_returned, args, 4, NULL);
-        Py_DECREF(res);
-        if (r == NULL)
-            return -1;
-        Py_DECREF(r);
-        return 0;
+    /* The step's name: `about`'s, or "release <kind>" for a handle a Release(None) or
+     * the sweep released (made only here, as the Python makes it). */
+    PyObject *ab = kind == NULL ? Py_NewRef(about) : about_for(about, kind);
+    PyObject *r = NULL;
+    if (ab != NULL) {
+        if (exc != NULL) {
+            PyObject *args[3] = {report, ab, exc};
+            r = PyObject_Vectorcall(step_failed, args, 3, NULL);
+        } else {
+            PyObject *args[4] = {ledger, res, report, ab};
+            r = PyObject_Vectorcall(step_returned, args, 4, NULL);
+        }
+        Py_DECREF(ab);
     }
-    Py_DECREF(res);
+    Py_XDECREF(exc);
+    Py_XDECREF(res);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
     return 0;
 }
 
@@ -966,18 +979,13 @@ releaser(LedgerCoreObject *ledger, PyObject *fn, PyObject *kind)
  * called. 0, or -1 for an error that is not the releaser's own. */
 static int
 release_one(LedgerCoreObject *ledger, PyObject *ctx, HolderObject *owner, PyObject *h,
-            PyObject *fn, PyObject *report, PyObject *about, int list_owner)
+            PyObject *fn, PyObject *report, PyObject *about, int by_kind)
 {
     int rc;
     Py_INCREF(h);
     struct_set(h, H_RELEASED, Py_True);
-    if (list_owner) {
-        if (unlink_owner(owner, h) < 0)
-            goto error;
-    } else {
-        Py_INCREF(Py_None);
-        Py_SETREF(owner->owns, Py_None);
-    }
+    if (unlink_owner(owner, h) < 0)
+        goto error;
     if (ledger->observers != NULL && PyDict_GET_SIZE(ledger->observers)) {
         int has = PyDict_Contains(ledger->observers, h);
         if (has < 0 || (has && PyDict_DelItem(ledger->observers, h) < 0))
@@ -994,7 +1002,8 @@ release_one(LedgerCoreObject *ledger, PyObject *ctx, HolderObject *owner, PyObje
         res = PyObject_Vectorcall(f, args, 2, NULL);
         Py_DECREF(f);
     }
-    rc = step_outcome((PyObject *)ledger, res, report, about);
+    /* (`by_kind`: the step is named "release <kind>" if it needs a name) */
+    rc = step_outcome((PyObject *)ledger, res, report, about, by_kind ? SLOT(h, H_KIND) : NULL);
     Py_DECREF(h);
     return rc;
 error:
@@ -1071,14 +1080,7 @@ release_kind(LedgerCoreObject *ledger, PyObject *ctx, HolderObject *owner, PyObj
         }
         if (SLOT(h, H_RELEASED) != Py_False || SLOT(h, H_OWNER) != (PyObject *)owner)
             continue;
-        PyObject *ab = about_for(about, SLOT(h, H_KIND));
-        if (ab == NULL) {
-            rc = -1;
-            break;
-        }
-        rc = release_one(ledger, ctx, owner, h, fn, report, ab, 1);
-        Py_DECREF(ab);
-        if (rc < 0)
+        if ((rc = release_one(ledger, ctx, owner, h, fn, report, about, 1)) < 0)
             break;
     }
     for (Py_ssize_t i = 0; i < n; i++)
@@ -1147,7 +1149,7 @@ run_steps(PlanCellObject *self, PyObject *ctx, HolderObject *inst, PyObject *rep
         Step *st = &self->steps[i];
         if (st->kind == NULL) {  /* an Action, called unwrapped */
             PyObject *res = PyObject_Vectorcall(st->fn, &ctx, 1, NULL);
-            if (step_outcome((PyObject *)ledger, res, report, st->about) < 0)
+            if (step_outcome((PyObject *)ledger, res, report, st->about, NULL) < 0)
                 return -1;
             continue;
         }
@@ -1247,7 +1249,10 @@ PlanCell_vectorcall(PlanCellObject *self, PyObject *const *args, size_t nargsf,
     report = PyObject_Vectorcall((PyObject *)ReportType, rargs, 3, NULL);
     int rc = report == NULL ? -1 : run_steps(self, ctx, inst, report);
     slot_set(ctx, C_LIVE, Py_False);
-    if (Py_REFCNT(ctx) == 1) {  /* nobody kept it: cleared, it is the next plan's */
+    /* Nobody kept it, and no effect rebound what it says of its edge (the next plan
+     * would read that): cleared, it is the next plan's. */
+    if (Py_REFCNT(ctx) == 1 && SLOT(ctx, C_TARGET) == self->tname
+            && SLOT(ctx, C_LEDGER) == self->eledger) {
         PyObject *et, *ev, *etb;
         PyErr_Fetch(&et, &ev, &etb);
         slot_set(ctx, C_INSTANCE, Py_None);

@@ -1099,7 +1099,9 @@ def make():
                     ledger._sweep(ctx, inst, cur, report)
             finally:
                 ctx._live = False
-                if refs(ctx) == 2:  # ours and the call's: nobody kept it
+                # Nobody kept it (ours and the call's), and no effect rebound what it
+                # says of its edge (the next plan would read that):
+                if refs(ctx) == 2 and ctx.target is edge.target and ctx.ledger is edge.ledger:
                     ctx.instance = ctx.event = None
                     spare = ctx
                     del ctx  # nor does this frame, should a traceback keep it
@@ -1281,7 +1283,9 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
                     ledger._run_steps(ctx, inst, steps[i + 1:], report)
             finally:
                 ctx._live = False
-                if refs(ctx) == 2:  # ours and the call's: nobody kept it
+                # Nobody kept it (ours and the call's), and no effect rebound what it
+                # says of its edge (the next plan would read that):
+                if refs(ctx) == 2 and ctx.target is edge.target and ctx.ledger is edge.ledger:
                     ctx.instance = ctx.event = None
                     spare = ctx
                     del ctx  # nor does this frame, should a traceback keep it
@@ -1345,6 +1349,13 @@ class Instance(Holder):
         self._owns = None
         self.key = key
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # (copy.copy, copy.deepcopy and pickle all come here, in both cores alike)
+        raise TypeError(
+            f"{type(self).__name__} instances cannot be copied or pickled: a copy would "
+            "share the handles the original owns in its machine's ledger (each is "
+            "released once, by its one owner); make a new instance of the machine instead")
+
     def fire(self, event: Any) -> PlanReport | None:
         """Deliver `event`. Returns the PlanReport when it ran a release plan, else None.
 
@@ -1354,7 +1365,7 @@ class Instance(Holder):
         """
         if self._q is None:
             try:
-                code = self._m._rows[self._s][event.__class__]
+                code = self._m._rows[self._s][type(event)]  # (as the C: not `__class__`)
                 if code >= 0:  # (in the try: nothing here raises, and no jump over
                     self._s = code  # the handler on the way out)
                     return None

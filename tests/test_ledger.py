@@ -319,3 +319,35 @@ def test_released_handles_are_dropped_from_the_ledger_walk_as_it_grows(kv, ledge
     assert ledger.count() == 1 and ledger.outstanding() == {kept: [first]}
     assert ledger.released == 5000
     kept.fire(Abort())
+
+
+def test_a_walk_of_the_handles_that_acquires_on_the_way_sees_every_one_live_at_its_start():
+    """Acquiring compacts the ledger's list of handles once it doubles; a walk begun
+    before (`outstanding`, `assert_empty` and the audits walk it) goes on over the list
+    it started on, as the Python core's compaction (a new list) has it, so it sees every
+    handle live at its start, not only those the compaction kept in front."""
+    from terminus.fsm.ledger import _COMPACT_MIN
+
+    pool = TokenKVAllocator(4 * _COMPACT_MIN, strict=True)
+    led = Ledger({"kv": free_kv}, resources=pool)
+    m = bound(led)
+    jobs = [m.create(i) for i in range(_COMPACT_MIN - 1)]
+    for j in jobs:
+        led.acquire(j, "kv", pool.alloc(1))
+    for j in jobs[: len(jobs) // 2]:
+        j.fire(Abort())  # released: compaction will drop them
+    live = [h for h in led._all if not h.released]
+    walk = led._iter()
+    seen = [next(walk)]
+    more = [m.create(f"x{i}") for i in range(8)]
+    for j in more:  # the list reaches its compaction mark meanwhile
+        led.acquire(j, "kv", pool.alloc(1))
+    assert len(led._all) < _COMPACT_MIN  # it was compacted
+    seen += list(walk)
+    # every handle live at its start, in order; then those acquired before the compaction
+    assert seen[: len(live)] == live and len(live) == len(jobs) - len(jobs) // 2
+    assert all(h.owner in more for h in seen[len(live):])
+    for j in jobs[len(jobs) // 2:] + more:
+        j.fire(Abort())
+    led.assert_empty()
+    pool.assert_full()

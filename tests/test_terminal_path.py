@@ -359,3 +359,49 @@ def test_a_context_whose_releaser_raised_is_never_reused_while_a_traceback_holds
     assert contexts[1] not in {id(c) for c in held} and not any(c.live for c in held)
     assert all(j.state == "aborted" for j in jobs)
     ledger.assert_empty()
+
+
+def test_what_an_effect_rebinds_on_its_context_does_not_reach_the_next_plan(kv):
+    """`target` and `ledger` are stored when a context is made for its edge, and a
+    compiled cell reuses a dead context nobody kept: one whose effect rebound either is
+    not reused, so every plan reads its own edge's terminal state and ledger."""
+    seen = []
+
+    @release_effect
+    def free(ctx, handle):
+        seen.append((ctx.target, ctx.ledger is ledger))
+        ctx.resources.free(handle.value)
+        ctx.target, ctx.ledger = "bogus", None  # an effect's own business, not the next plan's
+
+    m, ledger = make(kv, free)
+    jobs = [m.create(i) for i in range(3)]
+    for j in jobs:
+        ledger.acquire(j, "kv", kv.alloc(2))
+        j.fire(Abort())
+    assert seen == [("aborted", True)] * 3
+    assert [j.state for j in jobs] == ["aborted"] * 3
+    ledger.assert_empty()
+    kv.assert_full()
+
+
+def test_an_instance_is_neither_copied_nor_pickled(kv):
+    """A copy would share the handles its original owns (each released once, by its one
+    owner): refused with a TypeError that says what to do, in both cores, changing nothing."""
+    import copy
+    import pickle
+
+    @release_effect
+    def free(ctx, handle):
+        ctx.resources.free(handle.value)
+
+    m, ledger = make(kv, free)
+    job = m.create("r")
+    h = ledger.acquire(job, "kv", kv.alloc(2))
+    for attempt in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match=r"cannot be copied or pickled: a copy would share "
+                                            r"the handles.*make a new instance"):
+            attempt(job)
+    assert ledger.owned(job) == [h] and job.state == "queued"
+    job.fire(Abort())
+    ledger.assert_empty()
+    kv.assert_full()
