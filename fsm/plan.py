@@ -300,9 +300,13 @@ class EffectError(FsmError):
         self.best_effort = best_effort
         self.error = error
         kind = "best-effort step" if best_effort else "step"
+        try:
+            text = str(error)
+        except Exception:  # (an error whose str() raises must not stop the plan's steps)
+            text = f"<{type(error).__name__} object: its str() raised>"
         super().__init__(
             f"machine {machine!r}, plan {plan!r}: {kind} {step!r} raised "
-            f"{type(error).__name__}: {error}"
+            f"{type(error).__name__}: {text}"
         )
         self.__cause__ = error
 

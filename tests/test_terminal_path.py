@@ -8,6 +8,7 @@ import functools
 import pytest
 
 from terminus.fsm import (
+    Action,
     Ledger,
     Plan,
     Release,
@@ -403,5 +404,33 @@ def test_an_instance_is_neither_copied_nor_pickled(kv):
             attempt(job)
     assert ledger.owned(job) == [h] and job.state == "queued"
     job.fire(Abort())
+    ledger.assert_empty()
+    kv.assert_full()
+
+
+def test_a_step_error_whose_str_raises_still_lets_every_later_step_run(kv):
+    """The report names each step's error with its text; an error whose `str()` itself
+    raises is named without it, and the plan's later steps (the handle's release) run."""
+    class Unprintable(RuntimeError):
+        def __str__(self):
+            raise ValueError("no text")
+
+    @release_effect
+    def broken(ctx):
+        raise Unprintable()
+
+    @release_effect
+    def free(ctx, handle):
+        ctx.resources.free(handle.value)
+
+    m, ledger = make(kv, free, release_aborted=Plan(Action(broken), Release("kv")))
+    job = m.create("r")
+    h = ledger.acquire(job, "kv", kv.alloc(2))
+    with pytest.raises(ReleaseFailed) as failed:
+        job.fire(Abort())
+    err = failed.value.exceptions[0]
+    assert err.step == "broken" and isinstance(err.error, Unprintable)
+    assert "raised Unprintable: <Unprintable object: its str() raised>" in str(err)
+    assert h.released and job.state == "aborted" and not job.busy
     ledger.assert_empty()
     kv.assert_full()
