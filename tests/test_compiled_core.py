@@ -115,11 +115,14 @@ def test_instances_fire_acquire_and_release_through_the_compiled_core():
 @compiled
 @pytest.mark.usefixtures("unobserved")
 def test_a_terminal_cell_is_a_plan_cell_named_after_its_plan():
-    _, _, m = _world()
+    kv, ledger, m = _world()
     job = Job(m, "r")
+    ledger.acquire(job, "a", kv.alloc(1))
     job.fire(Abort())
     cells = [c for c in m._on if type(c) is _core.C.PlanCell]
     assert [repr(c) for c in cells] == ["<compiled plan lifecycle:release_aborted, 1 steps>"]
+    ledger.assert_empty()
+    kv.assert_full()
 
 
 def test_references_are_neither_leaked_nor_dropped():
@@ -223,6 +226,8 @@ def test_an_effect_that_ends_another_instance_through_the_same_cell_runs_both_pl
 
     kv, ledger, m = _world({"release_aborted": Plan(Action(end_the_other), Release("a")),
                             "release_finished": Plan(Release("a"))})
+    Job(m, "warm").fire(Abort())  # the cell now keeps a spare context: the outer plan's
+    seen.clear()
     outer, other = Job(m, "outer"), Job(m, "other")
     ledger.acquire(outer, "a", kv.alloc(1))
     ledger.acquire(other, "a", kv.alloc(2))
@@ -232,7 +237,7 @@ def test_an_effect_that_ends_another_instance_through_the_same_cell_runs_both_pl
                     ("inner", "other", ["a"]), ("outer", True)]
     assert report.instance is outer and [x.kind for x in report.released] == ["a"]
     assert outer.state == other.state == "aborted" and not outer.busy and not other.busy
-    assert m.stats.plans_run == {"release_aborted": 2}
+    assert m.stats.plans_run == {"release_aborted": 3}
     ledger.assert_empty()
     kv.assert_full()
 
@@ -260,15 +265,20 @@ def test_a_step_that_fails_is_reported_with_its_own_traceback():
 
 
 def test_bad_arguments_are_type_errors_that_name_what_was_wrong():
-    with pytest.raises(TypeError, match="machine"):
-        Job()  # type: ignore[call-arg]
     kv, ledger, m = _world()
     job = Job(m, "r")
     with pytest.raises(TypeError):
         job.fire()  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        job.fire(Abort(), Abort())  # type: ignore[call-arg]
+    if _core.C is not None:  # the compiled base's own __init__, without a machine
+        with pytest.raises(TypeError, match="missing required argument 'machine'"):
+            _core.C.Holder.__init__(job)
+    assert job.state == "queued" and ledger.owned(job) == []  # nothing changed
     h = ledger.acquire(job, kind="a", value=kv.alloc(1))  # keywords: the Python's path
     assert ledger.owned(owner=job, kind="a") == [h]
     job.fire(Abort())
+    ledger.assert_empty()
     kv.assert_full()
 
 

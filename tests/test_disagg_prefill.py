@@ -797,13 +797,18 @@ def test_a_prompt_of_more_chunks_than_the_events_made_ahead_succeeds_with_each_c
         chunk = e.schedule("r")
         assert chunk is not None and chunk.index == k and chunk.last == (k == n - 1)
         assert disagg._SCHEDULED[k] == ChunkScheduled(k)
+        if k == n - 1:
+            with pytest.raises(ValueError, match=f"has no chunk {n} in flight"):
+                e.result("r", n)  # a live request's unknown index changes nothing
         e.result("r", k)
         assert req.state == ("transferring" if k == n - 1 else "prefilling")
     assert disagg._SETTLED_LAST[n - 1] == ChunkSettledLast(n - 1)
     assert disagg._SETTLED_NOT_LAST[n - 1] == ChunkSettledNotLast(n - 1)
     e.transport.complete("r")
-    e.poll_transfer("r")
+    assert e.poll_transfer("r").plan == "release_succeeded"
     assert req.state == "succeeded" and e.transport.sent_tokens["r"] == n
+    assert e.result("r", n + 30) is None  # stale, past every chunk made: ignored
+    assert e.cache.inserts == {"r": 1} and e.cache.held_tokens == n
     e.finish()
 
 
@@ -844,29 +849,3 @@ def test_a_first_chunk_whose_mamba_pool_raises_frees_its_pages_keeps_its_row_and
     assert req.state == "succeeded"
     e.finish()
 
-
-def test_chunk_indices_past_the_shared_events_are_made_on_demand():
-    """The driver shares each chunk index's events, made for indices 0-63 at import;
-    a request of 70 chunks (and a stale result for a later index) makes the rest as it
-    reaches them, so a long prompt in small chunks prefills, transfers and releases as
-    a short one does, with every page back."""
-    import terminus.effects.disagg as disagg
-
-    e, t = engine()
-    n = 70
-    req = started(e, prompt=n, chunk=1, chunks=1)
-    for k in range(n - 1):
-        e.result("r", k)
-        assert e.schedule("r") is not None
-    with pytest.raises(ValueError, match="has no chunk 70 in flight"):
-        e.result("r", n)  # a live request's unknown index changes nothing
-    e.result("r", n - 1)
-    assert [c.index for c in req.chunks] == list(range(n))
-    assert req.state == "transferring" and t.sent_tokens["r"] == n
-    assert len(disagg._SCHEDULED) >= n and disagg._SCHEDULED[n - 1] == ChunkScheduled(n - 1)
-    assert disagg._SETTLED_LAST[n - 1] == ChunkSettledLast(n - 1)
-    t.complete("r")
-    assert e.poll_transfer("r").plan == "release_succeeded"
-    assert e.result("r", 100) is None  # stale, past every chunk made: ignored
-    assert e.cache.inserts == {"r": 1} and e.cache.held_tokens == n
-    e.finish()

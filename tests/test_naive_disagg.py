@@ -130,6 +130,8 @@ def test_on_the_workload_the_naive_server_looks_up_and_hits_as_the_machines_do()
         if parts is naive_parts:
             leaks = loop.leaks()
             naive = disagg
+        else:
+            assert loop.leaks() == dict.fromkeys(loop.leaks(), 0)
     bootstrapped = sum(1 for s in workload if s.fault != "bootstrap")
     assert caches["naive"].lookups == bootstrapped > 0
     assert caches["machines"].lookups == len(workload)
@@ -138,3 +140,20 @@ def test_on_the_workload_the_naive_server_looks_up_and_hits_as_the_machines_do()
     clean = [s for s in workload if s.fault is None and s.abort_at is None]
     assert clean and all(naive.transport.sent_tokens[s.rid] == s.prompt_len for s in clean)
     assert leaks["kv_tokens"] > 0 and leaks["metadata_slots"] > 0  # the seed's leak
+
+
+def test_without_aborts_or_faults_the_naive_server_leaks_nothing_of_its_own():
+    """The seed's bugs need an abort or a failing sender; without either, what the naive
+    server's own bookkeeping frees (pages past an unaligned chunk, a duplicate insert's
+    pages, a cache evicted under memory pressure, pages of 16 tokens) must all come
+    back, or its "seed leak" figures would count leaks of its own. (Chunks of 24 tokens
+    in pages of 16: a chunk that ends inside a page is not the last.)"""
+    workload = generate(WorkloadConfig(requests=300, seed=9, disagg_fraction=1.0,
+                                       prefetch_fraction=0.0, abort_rate=0.0,
+                                       fault_rate=0.0))
+    loop = ServingLoop(workload, SimConfig(page_size=16, chunk_size=24, disagg_kv_tokens=1 << 12),
+                       parts=naive_parts)
+    asyncio.run(loop.run())
+    cache = loop.disagg.cache
+    assert cache.evicted_tokens > 0 and cache.duplicate_tokens > 0  # both paths ran
+    assert loop.leaks() == dict.fromkeys(loop.leaks(), 0)
