@@ -657,13 +657,14 @@ class DisaggPrefill:
                 match = None
         if match is None:
             req = PrefillRequest(self.requests_machine, rid, prompt_len, chunk_size, tokens)
-            self.requests[rid] = req
         else:
-            # Its chunks cover the rest of the prompt (`set_cached`, made with it).
+            # Its chunks cover the rest of the prompt (`set_cached`, made with it). The
+            # lock goes straight into the ledger before the request is known: a lock
+            # that raises leaves nothing (no request claiming pages nobody locked).
             req = PrefillRequest(self.requests_machine, rid, prompt_len, chunk_size, tokens,
                                  match.length, match.indices)
-            self.requests[rid] = req
             self.ledger.acquire(req, PREFIX_LOCK, self.cache.lock(match))
+        self.requests[rid] = req
         if host_pages > 0:
             pf = self.pools.host.prefetch(host_pages)
             if pf is not None:  # no room: the request just runs without host pages
@@ -782,10 +783,15 @@ class DisaggPrefill:
         # chunk's KV starts on a page of its own (an abandoned chunk frees only its own).
         # A first chunk also needs a request row and a Mamba state: checked here, taken
         # once the KV is; the KV is taken first, the allocator's None (short, never
-        # partial) its check, with nothing taken before it.
-        if not k and (pools.table.available < 1
-                      or pools.mamba.available_size() < self.mamba_per_request):
-            return None
+        # partial) its check, with nothing taken before it. A first try owns neither
+        # kind yet (its row is set once its slot is owned); a retry after a pool raised
+        # asks the ledger what it holds, and needs only what it does not.
+        if not k:
+            owns = {h.kind for h in self.ledger.owned(req)} if req.row >= 0 else ()
+            if (("req_slot" not in owns and pools.table.available < 1)
+                    or ("mamba" not in owns
+                        and pools.mamba.available_size() < self.mamba_per_request)):
+                return None
         kv = pools.kv.alloc(units)  # (`pools.kv_alloc(n)`)
         if kv is None:
             return None
@@ -801,12 +807,9 @@ class DisaggPrefill:
             if k:
                 pools.table.write(req.row, start, kv)
             else:
-                # A first try owns neither kind yet (its row is set once its slot is
-                # owned); a retry after a pool raised asks the ledger what it holds.
-                # Each unit is recorded the moment it is taken: a pool that raises on
-                # the next alloc leaves this one owned by the request (its release
-                # frees it).
-                owns = {h.kind for h in ledger.owned(req)} if req.row >= 0 else ()
+                # (`owns`: what it holds, above.) Each unit is recorded the moment it
+                # is taken: a pool that raises on the next alloc leaves this one owned
+                # by the request (its release frees it).
                 if "req_slot" not in owns:
                     slot = pools.table.alloc(1)
                     assert slot is not None  # checked above

@@ -770,9 +770,7 @@ class TokenizerSide:
         key = inst.key
         del self._live[key]
         if isinstance(inst, SamplingGroup):
-            names = self._derived.pop(key, None)
-            if names is None:
-                names = list(_derived_keys(key, len(inst.prompts), inst.n))
+            names = self._derived.pop(key)  # (set with `_live[key]`, in submit_batch)
             # (none to free once it made a member with each: after its fan-out)
             if len(inst.warmups) + len(inst.children) < len(names):
                 reserved, g = self._reserved, key.group

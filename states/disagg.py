@@ -168,10 +168,7 @@ def chunks_in_flight(inst: DisaggReq, ev: Any) -> bool:
 
 def drained(inst: DisaggReq, ev: Any) -> bool:
     """Every chunk this request launched has settled."""
-    for c in inst.chunks:  # noqa: SIM110 (as `chunks_in_flight`)
-        if not c._m.terminal[c._s]:
-            return False
-    return True
+    return not chunks_in_flight(inst, ev)
 
 
 def last_chunk(inst: DisaggReq, ev: Any) -> bool:

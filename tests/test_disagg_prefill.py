@@ -849,3 +849,63 @@ def test_a_first_chunk_whose_mamba_pool_raises_frees_its_pages_keeps_its_row_and
     assert req.state == "succeeded"
     e.finish()
 
+
+
+def test_a_prefix_lock_that_raises_leaves_no_request_claiming_the_unlocked_pages():
+    """`add` matches the prompt's cached prefix, then locks it: a lock that raises is a
+    refused `add` (nothing made, nothing taken), not a request that claims pages nobody
+    locked (evicted, they would be handed out again and sent as its prefix)."""
+    e, t = engine()
+    prompt = tuple(range(100, 112))
+    e.add("a", 12, chunk_size=4, tokens=prompt)
+    e.bootstrap("a")
+    for k in range(3):
+        e.schedule("a")
+        e.result("a", k)
+    t.complete("a")
+    e.poll_transfer("a")
+    kv_free, locked = e.pools.kv.available_size(), e.cache.locked_tokens
+
+    def refuse(match):
+        raise RuntimeError("cache lock failed")
+
+    real, e.cache.lock = e.cache.lock, refuse
+    with pytest.raises(RuntimeError, match="cache lock failed"):
+        e.add("b", 12, chunk_size=4, tokens=(*prompt[:8], 1, 2, 3, 4))
+    e.cache.lock = real
+    assert "b" not in e.requests and e.cache.locked_tokens == locked
+    assert e.pools.kv.available_size() == kv_free
+    e.assert_accounted()
+    req = e.add("b", 12, chunk_size=4, tokens=(*prompt[:8], 1, 2, 3, 4))  # a retry
+    assert req.cached == 8 and e.cache.locked_tokens == locked + 8
+    e.abort("b")
+    e.finish()
+
+
+def test_a_first_chunk_retried_after_a_pool_raised_needs_only_what_it_does_not_own():
+    """A Mamba pool that raised left the request its row; with the request table full
+    (its own row the last), the retry still schedules: it needs no second row."""
+    from terminus.effects.callsites import FaultPlan, call_sites, proxy
+
+    plan = FaultPlan(strict=False)
+    real = DisaggPools.make(kv_tokens=64, requests=1, mamba_slots=4, metadata_slots=4,
+                            host_pages=8, max_context_len=32)
+    pools = DisaggPools(kv=real.kv, mamba=proxy(real.mamba, "mamba", plan),
+                        metadata=real.metadata, host=real.host, table=real.table)
+    e = DisaggPrefill(pools, transport=FakeTransport())
+    req = e.add("r", 8, chunk_size=4)
+    e.bootstrap("r")
+    plan.arm(next(s for s in call_sites() if (s.resource, s.method) == ("mamba", "alloc")))
+    with pytest.raises(RuntimeError):
+        e.schedule("r")
+    assert [h.kind for h in e.ledger.owned(req)] == ["metadata", "req_slot"]
+    assert real.table.available == 0  # its own row was the last one
+    c0 = e.schedule("r")
+    assert c0 is not None and [h.kind for h in e.ledger.owned(req)] == [
+        "metadata", "req_slot", "mamba"]
+    e.schedule("r")
+    for k in (0, 1):
+        e.result("r", k)
+    e.transport.complete("r")
+    assert e.poll_transfer("r").plan == "release_succeeded"
+    e.finish()
