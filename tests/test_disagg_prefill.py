@@ -812,22 +812,30 @@ def test_a_prompt_of_more_chunks_than_the_events_made_ahead_succeeds_with_each_c
     e.finish()
 
 
+def _first_mamba_alloc_raises(rid: str, requests: int):
+    """An engine whose Mamba pool raises at its next alloc (a fault armed on the pool's
+    call site), with `rid` (8 tokens, chunks of 4) bootstrapped; (engine, its real pools,
+    the request)."""
+    from terminus.effects.callsites import FaultPlan, call_sites, proxy
+
+    plan = FaultPlan(strict=False)
+    real = DisaggPools.make(kv_tokens=64, requests=requests, mamba_slots=4, metadata_slots=4,
+                            host_pages=8, max_context_len=32)
+    pools = DisaggPools(kv=real.kv, mamba=proxy(real.mamba, "mamba", plan),
+                        metadata=real.metadata, host=real.host, table=real.table)
+    e = DisaggPrefill(pools, transport=FakeTransport())
+    req = e.add(rid, 8, chunk_size=4)
+    e.bootstrap(rid)
+    plan.arm(next(s for s in call_sites() if (s.resource, s.method) == ("mamba", "alloc")))
+    return e, real, req
+
+
 def test_a_first_chunk_whose_mamba_pool_raises_frees_its_pages_keeps_its_row_and_a_retry_runs():
     """A first chunk takes its KV first (the allocator's None is its check), then the
     request's row and Mamba state: a Mamba pool that raises leaves the row owned by the
     request (recorded the moment it was taken) and the never-launched chunk's pages
     free again; the retry takes only the Mamba state and writes the same row."""
-    from terminus.effects.callsites import FaultPlan, call_sites, proxy
-
-    plan = FaultPlan(strict=False)
-    real = DisaggPools.make(kv_tokens=64, requests=4, mamba_slots=4, metadata_slots=4,
-                            host_pages=8, max_context_len=32)
-    pools = DisaggPools(kv=real.kv, mamba=proxy(real.mamba, "mamba", plan),
-                        metadata=real.metadata, host=real.host, table=real.table)
-    e = DisaggPrefill(pools, transport=FakeTransport())
-    req = e.add("a", 8, chunk_size=4)
-    e.bootstrap("a")
-    plan.arm(next(s for s in call_sites() if (s.resource, s.method) == ("mamba", "alloc")))
+    e, real, req = _first_mamba_alloc_raises("a", requests=4)
     kv_free, rows_free = real.kv.available_size(), real.table.available
     with pytest.raises(RuntimeError):
         e.schedule("a")
@@ -885,17 +893,7 @@ def test_a_prefix_lock_that_raises_leaves_no_request_claiming_the_unlocked_pages
 def test_a_first_chunk_retried_after_a_pool_raised_needs_only_what_it_does_not_own():
     """A Mamba pool that raised left the request its row; with the request table full
     (its own row the last), the retry still schedules: it needs no second row."""
-    from terminus.effects.callsites import FaultPlan, call_sites, proxy
-
-    plan = FaultPlan(strict=False)
-    real = DisaggPools.make(kv_tokens=64, requests=1, mamba_slots=4, metadata_slots=4,
-                            host_pages=8, max_context_len=32)
-    pools = DisaggPools(kv=real.kv, mamba=proxy(real.mamba, "mamba", plan),
-                        metadata=real.metadata, host=real.host, table=real.table)
-    e = DisaggPrefill(pools, transport=FakeTransport())
-    req = e.add("r", 8, chunk_size=4)
-    e.bootstrap("r")
-    plan.arm(next(s for s in call_sites() if (s.resource, s.method) == ("mamba", "alloc")))
+    e, real, req = _first_mamba_alloc_raises("r", requests=1)
     with pytest.raises(RuntimeError):
         e.schedule("r")
     assert [h.kind for h in e.ledger.owned(req)] == ["metadata", "req_slot"]
