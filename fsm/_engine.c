@@ -974,6 +974,19 @@ releaser(LedgerCoreObject *ledger, PyObject *fn, PyObject *kind)
     return f;
 }
 
+/* A handle marked released forgets its owner (`Ledger._mark_released`): a terminal
+ * instance is freed when nothing else holds it, not when the ledger next compacts its
+ * list of every handle. Holding nothing then that could be part of a cycle (its value
+ * an int, a str, None), it leaves the collector, as msgspec leaves such a struct. */
+static void
+forget_owner(PyObject *h)
+{
+    slot_set(h, H_OWNER, Py_None);
+    PyObject *v = SLOT(h, H_VALUE);
+    if (!PyObject_IS_GC(v) || (PyTuple_CheckExact(v) && !PyObject_GC_IsTracked(v)))
+        PyObject_GC_UnTrack(h);
+}
+
 /* Release `h`, which `owner` owns now: marked first (never twice), dropped from the
  * owner's slot and the observers, counted, added to the report, then its releaser
  * called. 0, or -1 for an error that is not the releaser's own. */
@@ -986,6 +999,7 @@ release_one(LedgerCoreObject *ledger, PyObject *ctx, HolderObject *owner, PyObje
     struct_set(h, H_RELEASED, Py_True);
     if (unlink_owner(owner, h) < 0)
         goto error;
+    forget_owner(h);  /* (the caller holds `owner`: it is the plan's instance) */
     if (ledger->observers != NULL && PyDict_GET_SIZE(ledger->observers)) {
         int has = PyDict_Contains(ledger->observers, h);
         if (has < 0 || (has && PyDict_DelItem(ledger->observers, h) < 0))

@@ -113,7 +113,10 @@ _HIDS = itertools.count(1)
 class Handle(msgspec.Struct, eq=False):
     """One acquired resource: `kind`, `value` (pages, a slot, an adapter id), `owner`,
     `released`, and `hid` (a process-wide number, given when first asked for: in a
-    repr or an error). Compared and hashed by identity.
+    repr or an error). Compared and hashed by identity. Marked released, it forgets its
+    owner (`owner` is None, in its releaser too: the instance is `ctx.instance`), so the
+    ledger's list of every handle, compacted only as it doubles, keeps no terminal
+    instance alive.
 
     A msgspec Struct rather than a slotted class: it is built in C (otherwise an
     acquire's largest cost), and with its number given lazily it takes 80 bytes and
@@ -495,6 +498,7 @@ class Ledger(_LedgerBase):
             raise DoubleRelease(handle)
         handle.released = True
         self._unlink(handle.owner, handle)
+        handle.owner = None  # (see `Handle`: its owner is not kept alive by it)
         if self._observers:
             self._observers.pop(handle, None)
         self._released += 1
@@ -531,6 +535,7 @@ class Ledger(_LedgerBase):
             if cur.released or (kind is not None and cur.kind != kind):
                 return
             cur.released = True
+            cur.owner = None
             self._put(owner, None)
             if self._observers:
                 self._observers.pop(cur, None)
@@ -575,6 +580,7 @@ class Ledger(_LedgerBase):
                     owner._owns = now[0]
             elif now is h:
                 owner._owns = None
+            h.owner = None
             if observers:
                 observers.pop(h, None)
             self._released += 1

@@ -1152,7 +1152,7 @@ _RELEASE_STEP = """\
                                              about{i})
                     elif not cur.released and cur.kind == kind{i}:
                         cur.released = True  # marked first: never released twice
-                        inst._owns = None
+                        inst._owns = cur.owner = None
                         if observers:
                             observers.pop(cur, None)
                         ledger._released += 1
@@ -1258,7 +1258,7 @@ def _compile_terminal(m: Machine, t: _Terminal) -> _OnCell:
                 kind = cur.kind
                 fn = fn0 if kind == kind0 else kinds.get(kind, sweep)[1]
                 cur.released = True  # marked first: never released twice
-                inst._owns = None
+                inst._owns = cur.owner = None
                 if observers:
                     observers.pop(cur, None)
                 n += 1  # a run of the plan and a handle released

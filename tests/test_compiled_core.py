@@ -182,10 +182,43 @@ def test_an_instance_its_handles_and_its_report_are_freed_once_dropped():
     report = job.fire(Abort())
     assert report.instance is job
     ref = weakref.ref(job)
-    del job, h, report
-    ledger._compact()  # (a released handle names its last owner until dropped from `_all`)
-    gc.collect()
-    assert ref() is None  # nor did the context the cell keeps for its next plan
+    assert h.owner is None and h in ledger._all  # (released, not compacted away yet)
+    del job, report
+    # Freed at once, by its reference count: no handle in the ledger's list, nor the
+    # context the cell keeps for its next plan, holds it.
+    assert ref() is None
+    kv.assert_full()
+
+
+@compiled
+def test_a_released_handle_leaves_the_collector_only_when_it_holds_nothing_cyclic():
+    """Released, a handle holds its kind, its value and a number: with an int value it
+    can be in no cycle and is untracked, as msgspec leaves such a struct; with a tensor
+    (or any object the collector tracks) it stays tracked, and a value assigned later
+    tracks it again."""
+    kv = TokenKVAllocator(64, strict=True)
+
+    @release_effect
+    def free(ctx: Any, handle: Any) -> None:
+        kv.free(handle.value)
+
+    @release_effect
+    def forget(ctx: Any, handle: Any) -> None:
+        pass
+
+    ledger = Ledger({"a": free, "b": forget})
+    m = LIFECYCLE.bind({"release_aborted": Plan(Release("a")),
+                        "release_finished": Plan(Release("a"))}, ledger)
+    job, other = Job(m, "r"), Job(m, "s")
+    pages = ledger.acquire(job, "a", kv.alloc(1))
+    slot = ledger.acquire(other, "b", 3)
+    assert gc.is_tracked(pages) and gc.is_tracked(slot)  # each holds its owner
+    job.fire(Abort())
+    other.fire(Abort())
+    assert pages.owner is None and slot.owner is None
+    assert gc.is_tracked(pages) and not gc.is_tracked(slot)
+    slot.value = [slot]  # a cycle through it: the collector must see it again
+    assert gc.is_tracked(slot)
     kv.assert_full()
 
 

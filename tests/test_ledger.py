@@ -351,3 +351,60 @@ def test_a_walk_of_the_handles_that_acquires_on_the_way_sees_every_one_live_at_i
         j.fire(Abort())
     led.assert_empty()
     pool.assert_full()
+
+
+def test_a_released_handle_forgets_its_owner_so_the_ledger_keeps_no_terminal_instance():
+    """The ledger's list of every handle is compacted only as it doubles: a released
+    handle still pointing at its owner kept a terminal request (its prompt, its tokens)
+    alive for thousands of acquires. Marked released, a handle lets go of its owner, on
+    every release path: a lone handle, several of a kind, the sweep of a kind no step
+    named, a late acquire (I6), and an owner the ledger keeps in its own table."""
+    import sys
+
+    from terminus.fsm import PlanReport
+    from terminus.fsm.plan import release_context
+
+    seen = []
+
+    @release_effect
+    def slot(ctx, handle):  # what a releaser sees: released, no owner, the instance in ctx
+        seen.append((handle.released, handle.owner, ctx.instance is handle_owner[0]))
+
+    @release_effect
+    def note(ctx):
+        pass
+
+    handle_owner = [None]
+    led = Ledger({"slot": slot, "other": slot})
+    m = LIFECYCLE.bind({"release_aborted": Plan(Release("slot")),
+                        "release_finished": Plan(Release("slot"))}, led)
+    # (a plan of several steps compiles each `Release` step on its own)
+    m2 = LIFECYCLE.bind({"release_aborted": Plan(Action(note), Release("slot")),
+                         "release_finished": Plan(Release("slot"))}, led)
+    for mach, kinds in ((m, ["slot"]), (m, ["slot", "slot", "slot"]), (m, ["other"]),
+                        (m, ["slot", "other"]), (m2, ["slot"]), (m2, ["slot", "slot"])):
+        inst = mach.create(tuple(kinds))
+        handle_owner[0] = inst
+        refs = sys.getrefcount(inst)
+        handles = [led.acquire(inst, k, i) for i, k in enumerate(kinds)]
+        assert sys.getrefcount(inst) == refs + len(kinds)  # each handle holds its owner
+        seen.clear()
+        assert inst.fire(Abort()).released == handles
+        assert sys.getrefcount(inst) == refs, kinds
+        assert all(h.released and h.owner is None for h in handles)
+        assert seen == [(True, None, True)] * len(kinds)
+        # a late acquire (its owner already terminal) is released at once, as forgotten
+        late = led.acquire(inst, "slot", 7)
+        assert late.released and late.owner is None and sys.getrefcount(inst) == refs
+
+    class Outside:  # an owner that is no instance: the ledger keeps its handles itself
+        machine, state, terminal = m, "queued", False
+
+    out = Outside()
+    handle_owner[0] = out
+    h = led.acquire(out, "slot", 9)
+    seen.clear()
+    with release_context(m.name, out, None, "p", "queued", "aborted", led) as ctx:
+        led.run_plan(ctx, Plan(Release("slot")), PlanReport(m.name, out, "p"))
+    assert h.released and h.owner is None and seen == [(True, None, True)]
+    led.assert_empty()
