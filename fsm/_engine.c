@@ -726,8 +726,14 @@ LedgerCore_transfer(LedgerCoreObject *self, PyObject *const *args, size_t nargsf
     int t = holder_terminal(from);
     if (t < 0)
         return NULL;
-    if (t)  /* its owner is terminal: allowed only inside its plan (the Python decides) */
-        return fallback((PyObject *)self, s_transfer_py, args, nargsf, kwnames);
+    if (t) {  /* its owner is terminal: allowed only inside its plan (a group handing
+               * its references to its children); otherwise the Python's error */
+        int p = planning(self, owner);
+        if (p < 0)
+            return NULL;
+        if (!p)
+            return fallback((PyObject *)self, s_transfer_py, args, nargsf, kwnames);
+    }
     /* `from` and `to` may be released by the stores below: hold them. */
     Py_INCREF(owner);
     Py_INCREF(handle);

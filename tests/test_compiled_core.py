@@ -190,6 +190,35 @@ def test_an_instance_its_handles_and_its_report_are_freed_once_dropped():
     kv.assert_full()
 
 
+
+@compiled
+def test_a_transfer_out_of_an_instance_in_its_own_plan_is_made_in_c():
+    """A group hands its references to its children inside its terminal plan: the
+    compiled transfer makes that move itself, with no call of the Python's (which it
+    used to hand every transfer out of a terminal owner)."""
+    kv, ledger, _ = _world()
+
+    @release_effect
+    def hand_over(ctx: Any) -> None:
+        for h in ledger.owned(ctx.instance, "a"):
+            ledger.transfer(h, child)
+
+    m = LIFECYCLE.bind({"release_aborted": Plan(Action(hand_over), Release("a")),
+                        "release_finished": Plan(Release("a"))}, ledger)
+    child = Job(m, "child")
+    group = Job(m, "group")
+    handles = [ledger.acquire(group, "a", kv.alloc(2)) for _ in range(2)]
+    calls = []
+    python_transfer = ledger._transfer_py
+    ledger._transfer_py = lambda *a: calls.append(a) or python_transfer(*a)
+    assert group.fire(Abort()).released == []  # (nothing left for its Release step)
+    assert calls == [] and ledger.owned(child) == handles
+    assert all(h.owner is child and not h.released for h in handles)
+    assert child.fire(Abort()).released == handles
+    ledger.assert_empty()
+    kv.assert_full()
+
+
 @compiled
 def test_a_released_handle_leaves_the_collector_only_when_it_holds_nothing_cyclic():
     """Released, a handle holds its kind, its value and a number: with an int value it
