@@ -164,12 +164,6 @@ def transfer_to_children(ctx: Any) -> None:
     group = ctx.instance
     ledger = ctx.ledger
     owned = ledger.owned(group, LORA)
-    if not owned:  # (a group without a LoRA: nothing to hand, if no child takes one)
-        for c in group.children:
-            if c.lora is not None:
-                break
-        else:
-            return
     takers = [c for c in group.children if c.lora is not None]
     if len(owned) != len(takers):
         raise FanOutMismatch(

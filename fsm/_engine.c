@@ -616,22 +616,24 @@ fallback(PyObject *self, PyObject *name, PyObject *const *args, size_t nargsf,
  * next compaction when it doubles. The old list is let go of once the new one is in
  * place: freeing a handle may run code (its last owner's finalizer) that acquires. */
 static int
+compact_py(LedgerCoreObject *self)
+{
+    PyObject *r = call_method((PyObject *)self, s_compact_py, NULL, 0);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+static int
 ledger_compact(LedgerCoreObject *self)
 {
     PyObject *all = self->all;
-    if (all == NULL || !PyList_CheckExact(all)) {
-        PyObject *r = call_method((PyObject *)self, s_compact_py, NULL, 0);
-        Py_XDECREF(r);
-        return r == NULL ? -1 : 0;
-    }
+    if (all == NULL || !PyList_CheckExact(all))
+        return compact_py(self);
     Py_ssize_t n = PyList_GET_SIZE(all), kept = 0;
     PyObject **items = ((PyListObject *)all)->ob_item;
     for (Py_ssize_t i = 0; i < n; i++) {  /* every one ours? (else: the Python) */
-        if (Py_TYPE(items[i]) != HandleType) {
-            PyObject *r = call_method((PyObject *)self, s_compact_py, NULL, 0);
-            Py_XDECREF(r);
-            return r == NULL ? -1 : 0;
-        }
+        if (Py_TYPE(items[i]) != HandleType)
+            return compact_py(self);
         kept += SLOT(items[i], H_RELEASED) == Py_False;
     }
     PyObject *live = PyList_New(kept);

@@ -190,7 +190,6 @@ def test_an_instance_its_handles_and_its_report_are_freed_once_dropped():
     kv.assert_full()
 
 
-
 @compiled
 def test_a_transfer_out_of_an_instance_in_its_own_plan_is_made_in_c():
     """A group hands its references to its children inside its terminal plan: the
@@ -248,6 +247,7 @@ def test_a_released_handle_leaves_the_collector_only_when_it_holds_nothing_cycli
     assert gc.is_tracked(pages) and not gc.is_tracked(slot)
     slot.value = [slot]  # a cycle through it: the collector must see it again
     assert gc.is_tracked(slot)
+    ledger.assert_empty()
     kv.assert_full()
 
 
