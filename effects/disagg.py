@@ -539,7 +539,8 @@ class DisaggPrefill:
     `TerminalOutput` (an `OutputLog` that keeps them when none is given).
     `sender_deadline_s`: how long a request aborted during its transfer waits for the
     sender to confirm it stopped reading, measured on `clock` (seconds). `errors`: the
-    best-effort sender calls made outside a plan that raised (the abort notice).
+    best-effort calls made outside a plan that raised (the sender's abort notice, the
+    host prefetch of `add`).
     """
 
     def __init__(self, pools: DisaggPools | None = None, *,
@@ -625,6 +626,9 @@ class DisaggPrefill:
             host_pages: int = 0, tokens: tuple[int, ...] | None = None) -> PrefillRequest:
         """A new request in `bootstrapping`; `host_pages` > 0 starts its host prefetch.
 
+        The host prefetch is best-effort: with no room, or when the host pool raises
+        (recorded in `errors`), the request runs without host pages.
+
         `tokens`: the prompt's token ids (`prompt_len` of them), the prefix cache's key:
         the longest cached prefix of all but the last token is matched and locked (a
         `PREFIX_LOCK` handle the request owns, released by whichever terminal plan it
@@ -666,7 +670,15 @@ class DisaggPrefill:
             self.ledger.acquire(req, PREFIX_LOCK, self.cache.lock(match))
         self.requests[rid] = req
         if host_pages > 0:
-            pf = self.pools.host.prefetch(host_pages)
+            # Best-effort, as a full host pool is: a prefetch that raises took nothing
+            # and is recorded in `errors`; the request is added and runs without host
+            # pages (raised out of `add`, it would leave a request the caller was told
+            # was refused, holding its prefix lock with nobody to end it).
+            try:
+                pf = self.pools.host.prefetch(host_pages)
+            except Exception as err:
+                self.errors.append(err)
+                pf = None
             if pf is not None:  # no room: the request just runs without host pages
                 self.ledger.acquire(req, "hicache", pf)
         return req

@@ -890,6 +890,42 @@ def test_a_prefix_lock_that_raises_leaves_no_request_claiming_the_unlocked_pages
     e.finish()
 
 
+def test_a_host_prefetch_that_raises_is_recorded_and_the_request_runs_without_host_pages():
+    """The host prefetch of `add` is best-effort (a full host pool gives None): one that
+    raises took nothing, is recorded in `errors`, and the request is added with its prefix
+    lock, ready to run. Raised out of `add`, it left a request registered behind the
+    caller's back, holding the lock, that no driver would ever end."""
+    e, t = engine()
+    prompt = tuple(range(100, 112))
+    e.add("a", 12, chunk_size=4, tokens=prompt)
+    e.bootstrap("a")
+    for k in range(3):
+        e.schedule("a")
+        e.result("a", k)
+    t.complete("a")
+    e.poll_transfer("a")
+    host_free, locked = e.pools.host.available, e.cache.locked_tokens
+
+    def refuse(n, anchor=None):
+        raise RuntimeError("host pool failed")
+
+    e.pools.host.prefetch = refuse
+    req = e.add("b", 12, chunk_size=4, host_pages=2, tokens=(*prompt[:8], 1, 2, 3, 4))
+    del e.pools.host.prefetch
+    assert [str(x) for x in e.errors] == ["host pool failed"]
+    assert e.requests["b"] is req and req.state == "bootstrapping" and req.cached == 8
+    assert [h.kind for h in e.ledger.owned(req)] == ["prefix_lock"]  # no host pages
+    assert e.pools.host.available == host_free and e.cache.locked_tokens == locked + 8
+    e.assert_accounted()
+    e.bootstrap("b")
+    e.schedule("b")
+    e.result("b", 0)
+    t.complete("b")
+    assert e.poll_transfer("b").plan == "release_succeeded"
+    assert e.cache.locked_tokens == locked
+    e.finish()
+
+
 def test_a_first_chunk_retried_after_a_pool_raised_needs_only_what_it_does_not_own():
     """A Mamba pool that raised left the request its row; with the request table full
     (its own row the last), the retry still schedules: it needs no second row."""
