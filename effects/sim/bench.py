@@ -15,10 +15,17 @@ Each run starts as `terminus simulate`'s does (and as a serving engine does afte
 warm-up, SGLang's `gc.freeze` included): what exists before it is collected once and
 frozen, and full collections come at simulate's interval (`collector_for_run`), for
 both loops alike.
+The seconds inside the cyclic collector's passes are added up too (a `gc.callbacks`
+hook, installed for the run only): they stay in both lifecycle figures, as they are
+the loops' own cost (more container objects made and kept, more and longer passes),
+and are shown beside them, with the passes counted by generation.
 JSON keys: `requests`, `us_per_request` (`machines`, `naive`), `allocator_us_per_request`
 (`machines`, `naive`), `lifecycle_us_per_request` (`machines`, `naive`),
 `lifecycle_overhead_us_per_request` (the median over the rounds), `rounds`,
-`lifecycle_overhead_us_per_round` (each round's difference, in order).
+`lifecycle_overhead_us_per_round` (each round's difference, in order),
+`collector_us_per_request` (`machines`, `naive`: the median over the rounds of the
+seconds inside collector passes), `collections` (`machines`, `naive`: the passes of
+one run by generation, young, middle, full; the first round's).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from .simulate import collector_for_run
 from .workload import WorkloadConfig, generate
 
 _POOL_METHODS = ("alloc", "free", "prefetch", "lock", "unlock")
+_LOOPS = (("machines", False), ("naive", True))  # (JSON key, `naive`)
 
 
 class _PoolClock:
@@ -76,6 +84,23 @@ class _PoolClock:
         return timed
 
 
+class _CollectorClock:
+    """A `gc.callbacks` hook adding up the seconds inside the collector's passes and
+    counting them by generation."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = [0, 0, 0]
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.collections[info["generation"]] += 1
+
+
 def _pools_of(loop: ServingLoop) -> list[Any]:
     p = loop.pools
     out = [p.kv, p.mamba, p.table]
@@ -85,7 +110,9 @@ def _pools_of(loop: ServingLoop) -> list[Any]:
     return out
 
 
-def _run(workload: list[Any], naive: bool) -> tuple[float, float]:
+def _run(workload: list[Any], naive: bool) -> tuple[float, float, float, list[int]]:
+    """One loop over `workload`: its seconds, those inside pool calls, those inside the
+    collector's passes, and the passes by generation."""
     # The workload's memoised prompt pieces start empty for each loop: made by the
     # first loop, they would be the second loop's for free.
     workload_mod._segment.cache_clear()
@@ -95,12 +122,17 @@ def _run(workload: list[Any], naive: bool) -> tuple[float, float]:
     for pool in _pools_of(loop):
         clock.wrap(pool)
     gc.collect()  # the previous run's garbage is not this one's to collect
-    with collector_for_run():
-        asyncio.run(loop.run())
+    collector = _CollectorClock()
+    gc.callbacks.append(collector)
+    try:
+        with collector_for_run():
+            asyncio.run(loop.run())
+    finally:
+        gc.callbacks.remove(collector)
     leaks = loop.leaks()
     if not naive and any(leaks.values()):
         raise AssertionError(f"the machines leaked during the benchmark: {leaks}")
-    return loop.seconds, clock.seconds
+    return loop.seconds, clock.seconds, collector.seconds, collector.collections
 
 
 def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
@@ -122,7 +154,7 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
     workload = generate(WorkloadConfig(requests=n, seed=11, n=3))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    runs: dict[bool, list[tuple[float, float, float, list[int]]]] = {False: [], True: []}
     try:
         for naive in (False, True):  # warm up imports and caches, both loops alike
             _run(workload[: min(200, n)], naive)
@@ -132,19 +164,21 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads)
     us = 1e6 / n
-    life = {k: [(total - pool) * us for total, pool in v] for k, v in runs.items()}
+    life = {k: [(r[0] - r[1]) * us for r in v] for k, v in runs.items()}
     diffs = [m - v for m, v in zip(life[False], life[True], strict=True)]
     return {
         "requests": n,
         "rounds": rounds,
-        "us_per_request": {"machines": median([t * us for t, _ in runs[False]]),
-                           "naive": median([t * us for t, _ in runs[True]])},
-        "allocator_us_per_request": {"machines": median([p * us for _, p in runs[False]]),
-                                     "naive": median([p * us for _, p in runs[True]])},
+        "us_per_request": {k: median([r[0] * us for r in runs[v]]) for k, v in _LOOPS},
+        "allocator_us_per_request": {k: median([r[1] * us for r in runs[v]])
+                                     for k, v in _LOOPS},
         "lifecycle_us_per_request": {"machines": median(life[False]),
                                      "naive": median(life[True])},
         "lifecycle_overhead_us_per_request": median(diffs),
         "lifecycle_overhead_us_per_round": diffs,
+        "collector_us_per_request": {k: median([r[2] * us for r in runs[v]])
+                                     for k, v in _LOOPS},
+        "collections": {k: runs[v][0][3] for k, v in _LOOPS},
     }
 
 
@@ -152,6 +186,7 @@ def table(r: dict[str, Any]) -> list[tuple[str, str]]:
     """Rows (figure, value) for the printed table."""
     u, a, life = (r["us_per_request"], r["allocator_us_per_request"],
                   r["lifecycle_us_per_request"])
+    gc_us, n = r["collector_us_per_request"], r["collections"]
     return [
         (f"end to end, machines ({r['requests']:,} requests)", f"{u['machines']:.0f} µs/req"),
         ("end to end, naive loop", f"{u['naive']:.0f} µs/req"),
@@ -159,6 +194,10 @@ def table(r: dict[str, Any]) -> list[tuple[str, str]]:
          f"{a['machines']:.0f} / {a['naive']:.0f} µs/req"),
         ("lifecycle (no allocator), machines", f"{life['machines']:.0f} µs/req"),
         ("lifecycle (no allocator), naive", f"{life['naive']:.0f} µs/req"),
+        ("  of which collector passes, machines / naive",
+         f"{gc_us['machines']:.1f} / {gc_us['naive']:.1f} µs/req"),
+        ("  passes (young · middle · full), machines / naive",
+         " / ".join(" · ".join(map(str, n[k])) for k in ("machines", "naive"))),
         ("engine overhead vs naive" + (f" (median of {r['rounds']} rounds)"
                                        if r["rounds"] > 1 else ""),
          f"{r['lifecycle_overhead_us_per_request']:+.0f} µs/req"),
