@@ -32,6 +32,7 @@ stopped (done, failed or aborted) or `sender_deadline_s` passed.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -396,6 +397,21 @@ def sender_abort(ctx: ReleaseContext) -> None:
     ctx.resources.transport.abort(ctx.instance.key)
 
 
+def _counts(rid: str, **counts: Any) -> list[int]:
+    """`add`'s counts as ints (a numpy integer is one), or a TypeError naming the first
+    that is not, before anything is made or taken."""
+    out = []
+    for name, v in counts.items():
+        if isinstance(v, bool):
+            raise TypeError(f"request {rid!r}: {name} must be an int, got {v!r}")
+        try:
+            out.append(operator.index(v))
+        except TypeError:
+            raise TypeError(f"request {rid!r}: {name} must be an int, got "
+                            f"{type(v).__name__} {v!r}") from None
+    return out
+
+
 @release_effect
 def hand_kv_to_request(ctx: ReleaseContext) -> None:
     """An abandoned chunk's pages go to its request, which frees them when its drain ends
@@ -540,7 +556,7 @@ class DisaggPrefill:
     `sender_deadline_s`: how long a request aborted during its transfer waits for the
     sender to confirm it stopped reading, measured on `clock` (seconds). `errors`: the
     best-effort calls made outside a plan that raised (the sender's abort notice, the
-    host prefetch of `add`).
+    host prefetch of `add`, the polls of a request waiting for its sender).
     """
 
     def __init__(self, pools: DisaggPools | None = None, *,
@@ -641,6 +657,13 @@ class DisaggPrefill:
                              f"prompt_len {prompt_len}; pass one token id per position")
         if rid in self.requests:
             raise ValueError(f"request {rid!r} already exists; request ids are unique")
+        if (prompt_len.__class__ is not int or chunk_size.__class__ is not int
+                or host_pages.__class__ is not int):
+            prompt_len, chunk_size, host_pages = _counts(
+                rid, prompt_len=prompt_len, chunk_size=chunk_size, host_pages=host_pages)
+        if host_pages < 0:
+            raise ValueError(f"request {rid!r}: host_pages ({host_pages}) must be >= 0 "
+                             "(0: no host prefetch)")
         if prompt_len < 1 or chunk_size < 1:
             raise ValueError(f"request {rid!r}: prompt_len ({prompt_len}) and chunk_size "
                              f"({chunk_size}) must be >= 1")
@@ -941,7 +964,10 @@ class DisaggPrefill:
         """Poll the KV transfer of `rid`; success or failure ends the request.
 
         A request aborted during its transfer ends (as `aborted`) once the sender says
-        it stopped (success, failure or ABORTED) or its deadline passed.
+        it stopped (success, failure or ABORTED) or its deadline passed; a poll that
+        raises then (a dead peer raises at every poll) is recorded in `errors` and the
+        deadline still ends the wait. During the transfer a poll that raises is raised,
+        changing nothing: poll again, or abort (the deadline then bounds the wait).
         """
         try:
             req = self.requests[rid]
@@ -949,7 +975,13 @@ class DisaggPrefill:
             req = self.req(rid)  # raises, naming the known ids
         if req._s not in self._polled:  # (`req.state`, without the property)
             return None
-        p = self.transport.poll(rid)
+        try:
+            p = self.transport.poll(rid)
+        except Exception as err:
+            if req._s == self._transferring:
+                raise
+            self.errors.append(err)  # awaiting the sender: only the deadline is left
+            p = None
         if p is _SUCCESS:
             return req.fire(_TRANSFERDONE)
         if p is Poll.FAILED:

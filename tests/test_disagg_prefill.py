@@ -4,6 +4,7 @@ the ledger empty (`engine.finish()`); these machines hold no LoRA references."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from terminus.effects.disagg import DisaggPools, DisaggPrefill
@@ -923,6 +924,76 @@ def test_a_host_prefetch_that_raises_is_recorded_and_the_request_runs_without_ho
     t.complete("b")
     assert e.poll_transfer("b").plan == "release_succeeded"
     assert e.cache.locked_tokens == locked
+    e.finish()
+
+
+@pytest.mark.parametrize(("kw", "error", "match"), [
+    ({"host_pages": None}, TypeError, "host_pages must be an int, got NoneType None"),
+    ({"host_pages": "2"}, TypeError, "host_pages must be an int, got str '2'"),
+    ({"host_pages": 2.5}, TypeError, "host_pages must be an int, got float 2.5"),
+    ({"host_pages": True}, TypeError, "host_pages must be an int, got True"),
+    ({"host_pages": -1}, ValueError, r"host_pages \(-1\) must be >= 0"),
+    ({"chunk_size": 4.0}, TypeError, "chunk_size must be an int, got float 4.0"),
+])
+def test_add_checks_its_counts_before_it_registers_or_locks_anything(kw, error, match):
+    """A bad count is refused before the request is registered and its cached prefix
+    locked: checked after them, it left a request the caller was told was refused,
+    holding the lock, and its retry was "already exists"."""
+    e, t = engine()
+    prompt = tuple(range(100, 112))
+    e.add("a", 12, chunk_size=4, tokens=prompt)
+    e.bootstrap("a")
+    for k in range(3):
+        e.schedule("a")
+        e.result("a", k)
+    t.complete("a")
+    e.poll_transfer("a")
+    locked = e.cache.locked_tokens
+    with pytest.raises(error, match=match):
+        e.add("b", 12, **{"chunk_size": 4, **kw}, tokens=prompt)
+    assert "b" not in e.requests and e.cache.locked_tokens == locked
+    e.assert_accounted()
+    # A numpy integer is an int; the retry with good counts is a new request.
+    req = e.add("b", 12, chunk_size=np.int64(4), host_pages=np.int64(2), tokens=prompt)
+    assert req.cached == 11 and [h.kind for h in e.ledger.owned(req)] == [
+        "prefix_lock", "hicache"]
+    assert req.chunk_size.__class__ is int
+    e.abort("b")
+    e.finish()
+
+
+def test_a_dead_peer_whose_every_poll_raises_does_not_stop_the_sender_deadline():
+    """Aborted during its transfer, a request waits for the sender until its deadline: a
+    poll that raises (a dead peer raises at every one) is recorded and the deadline still
+    ends the wait, releasing everything. Raised before the deadline check, it left the
+    request in `awaiting_sender` for good, owning its KV: abort is ignored there."""
+    clock = Clock()
+    e, t = engine(clock=clock, sender_deadline_s=5)
+    req = started(e, prompt=8, chunk=4, host_pages=2, chunks=2)
+    for k in (0, 1):
+        e.result("r", k)
+    assert req.state == "transferring"
+
+    def dead(rid):
+        raise TransportError("peer gone")
+
+    t.poll = dead
+    # During the transfer, a raising poll is raised and changes nothing.
+    with pytest.raises(TransportError, match="peer gone"):
+        e.poll_transfer("r")
+    assert req.state == "transferring" and not e.errors
+    e.abort("r", "client gone")
+    assert req.state == "awaiting_sender"
+    assert e.poll_transfer("r") is None  # before the deadline: recorded, still waiting
+    assert req.state == "awaiting_sender" and [str(x) for x in e.errors] == ["peer gone"]
+    assert e.pools.kv.available < e.pools.kv.capacity  # the sender may still read the KV
+    clock.now += 5
+    report = e.poll_transfer("r")
+    assert report is not None and report.plan == "release_aborted_transfer"
+    assert req.state == "aborted" and len(e.errors) == 2
+    assert e.sink.outputs == [TerminalOutput("r", "aborted", message="client gone")]
+    assert e.poll_transfer("r") is None  # ended: not polled again
+    assert len(e.errors) == 2
     e.finish()
 
 
