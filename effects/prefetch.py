@@ -339,11 +339,14 @@ class PrefetchSite:
             raise ValueError(f"rank {self.rank}: request {rid!r} already has a prefetch in "
                              f"state {old.state!r}; abort or complete it first")
         inst = _SitePrefetch(self.machine, rid)
-        inst.fire(_QUEUE)
-        self.requests[rid] = inst
         if anchor is not None and anchor.numel():
+            # Locked before the prefetch is known: a lock that raises (a bad anchor, a
+            # failing pool) is a refused queue, leaving no prefetch registered without
+            # the lock it asked for.
             self.host.lock(anchor)
             self.ledger.acquire(inst, "host_lock", anchor)
+        inst.fire(_QUEUE)
+        self.requests[rid] = inst
         return inst
 
     @sanitized

@@ -1,6 +1,7 @@
 """`PrefetchSite.transfer` reads the host pages `start` acquired through their ledger
 handle while the prefetch still owns it, and through the ledger's query otherwise; the
-state checks of `start`, `complete` and `forget` compare state ids (effects.prefetch)."""
+state checks of `start`, `complete` and `forget` compare state ids (effects.prefetch);
+`queue` locks its anchor before the prefetch is known."""
 
 from __future__ import annotations
 
@@ -76,4 +77,35 @@ def test_a_handle_moved_to_another_owner_is_not_written_through_the_old_one():
     site.start("b", 1)
     site.transfer("b", 1)
     site.complete("b")
+    _end(site, taken)
+
+
+def test_a_queue_whose_anchor_lock_raises_is_refused_and_registers_nothing(monkeypatch):
+    """`queue` locks the anchor (the cached pages the prefetch extends) before the
+    prefetch is known: a lock that raises, a failing pool or an anchor outside it, is a
+    refused queue. Locked after registering, it left a pending prefetch without its lock
+    (its start then read cached pages nothing protected) and refused the retry."""
+    site, taken = _site()
+    anchor = site.host.alloc(2)  # cached pages (the cache owns them)
+    assert anchor is not None
+
+    def refuse(pages):
+        raise RuntimeError("host pool failed")
+
+    monkeypatch.setattr(site.host, "lock", refuse)
+    with pytest.raises(RuntimeError, match="host pool failed"):
+        site.queue("r", anchor=anchor)
+    monkeypatch.undo()
+    with pytest.raises(IndexError, match="outside the pool"):
+        site.queue("s", anchor=torch.tensor([99]))
+    assert site.requests == {} and site.ledger.count() == 0
+    assert site.host.locked_pages() == 0
+    inst = site.queue("r", anchor=anchor)  # the retry
+    assert inst.state == "pending" and site.host.locked_pages() == 2
+    assert [h.kind for h in site.ledger.owned(inst)] == ["host_lock"]
+    site.start("r", 2)
+    site.transfer("r", 2)
+    site.complete("r")
+    assert site.host.locked_pages() == 0
+    site.host.free(anchor)
     _end(site, taken)
