@@ -194,6 +194,13 @@ class RunningBatch:
         # steps turns out refused, they are admitted again (never left vacant).
         self._unchecked_admits: list[torch.Tensor] = []
         self._vacant = SEQUENCE.state_id("vacant")
+        # Per row: 1 from its admission (queued or not) until its release, else 0. What
+        # `append_kv` checks (a retired or never-admitted row's slot is free: KV written
+        # there would be lost when the slot is admitted again, its length reset to 0).
+        # int64, to go with the rows and counts in the device path's one read back.
+        self._live = torch.zeros(n, dtype=torch.int64, device=pools.table.device)
+        self._live_np: np.ndarray | None = (self._live.numpy() if self._live.is_cpu
+                                            else None)
 
     def _make_effect(self) -> Any:
         pools = self.pools
@@ -214,6 +221,8 @@ class RunningBatch:
             finally:
                 # The rows are terminal whatever a pool said (release_batch frees every
                 # pool before raising): their owners hear of it either way.
+                # (a torch op: nothing read back)
+                self._live.index_fill_(0, rows if rows.dtype == torch.int64 else rows.long(), 0)
                 self.retired[state] += int(rows.numel())
                 if self.on_retired is not None:
                     self.on_retired(rows, state)
@@ -372,6 +381,10 @@ class RunningBatch:
             else:
                 table.mamba_slots.index_copy_(0, rows, slots.to(torch.int64))
         ids = rows_np.tolist() if rows_np is not None else rows.tolist()
+        if self._live_np is not None:
+            self._live_np[ids] = 1
+        else:
+            self._live.index_fill_(0, rows if rows.dtype == torch.int64 else rows.long(), 1)
         if queued:
             self._admitted_ids += ids
             if not rows.is_cpu:
@@ -454,8 +467,10 @@ class RunningBatch:
             page_size 4, row r holds 6 tokens:   page a [a0 a1 a2 a3]  page b [b0 b1 . .]
             append 5:   b2 b3 (the rest of b), then page c: c0 c1 c2 (c3 stays r's)
 
-        Refused before anything is taken: a `ValueError` names rows given twice, a
-        count below zero or a length past the table's `max_context_len`. False
+        Refused before anything is taken: a `ValueError` names rows given twice, rows
+        that hold no live sequence (never admitted, or retired: a late append after the
+        request ended), a count below zero or a length past the table's
+        `max_context_len`. False
         (nothing taken) when the KV pool is short.
         """
         table, ps = self.pools.table, self.pools.page_size
@@ -676,11 +691,15 @@ class RunningBatch:
                 if rs_np is None or rs_np.min() < 0 or rs_np.max() >= table.capacity:
                     raise IndexError(f"append_kv: rows {rs} name a row outside 0.."
                                      f"{table.capacity - 1}; pass rows admit() returned")
+                if not self._live_np[rs_np].all():
+                    raise self._not_live(rs)
                 lens_np = table._np[0][rs_np]
             else:
                 if min(rs) < 0 or max(rs) >= table.capacity:
                     raise IndexError(f"append_kv: rows {rs} name a row outside 0.."
                                      f"{table.capacity - 1}; pass rows admit() returned")
+                if not self._live_np[rs].all():
+                    raise self._not_live(rs)
                 lens_np = table._np[0][rs]
             if cs.count(1) == len(cs):  # one token each (a decode step): one numpy add
                 ends_np = np.add(lens_np, 1, dtype=np.int64)
@@ -696,7 +715,10 @@ class RunningBatch:
         else:
             assert rows_t is not None and counts_t is not None
             ends_t = table.lengths.index_select(0, rows_t).to(torch.int64) + counts_t
-            rs, cs, ends = torch.stack((rows_t, counts_t, ends_t)).tolist()
+            rs, cs, ends, live = torch.stack(
+                (rows_t, counts_t, ends_t, self._live.index_select(0, rows_t))).tolist()
+            if live.count(1) != len(live):
+                raise self._not_live(rs)
         if decode_top < 0 and min(cs) < 0:
             neg = [i for i, c in enumerate(cs) if c < 0]
             raise ValueError(f"append_kv: negative token counts {[cs[i] for i in neg]} for "
@@ -713,6 +735,17 @@ class RunningBatch:
                 f"{limit}; finish or abort them, or raise max_context_len")
         return (rows_t, counts_t, len(cs) if decode_top >= 0 else sum(cs), (rs, cs, ends),
                 arrays)
+
+    def _not_live(self, rows: list[int]) -> ValueError:
+        if self._live_np is not None:
+            live = self._live_np[rows].tolist()
+        else:
+            live = self._live.index_select(0, torch.tensor(rows, device=self._live.device)
+                                           ).tolist()
+        bad = [r for r, v in zip(rows, live, strict=True) if not v]
+        return ValueError(f"append_kv: rows {bad} hold no live sequence (never admitted, "
+                          "or retired: their slots are free); pass rows admit() returned "
+                          "for sequences that have not ended")
 
     # -- stepping ----------------------------------------------------------------------
 

@@ -297,6 +297,46 @@ def test_append_kv_refuses_bad_counts_before_taking_any_kv(pools, rows_counts, w
     rb.fire(rows, SequenceAbort)
 
 
+@pytest.mark.parametrize("rows", [2, 30], ids=["few_rows", "many_rows"])
+@pytest.mark.parametrize("as_", ["lists", "tensors"])
+def test_append_kv_refuses_a_row_that_holds_no_live_sequence(rows, as_):
+    """A late append for a row whose sequence ended (its slot back in the table's free
+    list), or for a row never admitted, is refused before anything is taken. Accepted,
+    its KV went into a free slot, and the slot's next admission reset its length: the
+    pages were lost for good. A row admitted queued (vacant in the batch until the next
+    flush) already owns its resources and takes KV."""
+    pools = SchedulerPools(rows=40, max_context_len=64, kv_tokens=4096, mamba_slots=4,
+                           strict=True, page_size=4)
+    rb = RunningBatch(pools)
+    live = rb.admit(rows, mamba=False)
+    queued = rb.admit(1, mamba=False, queued=True)
+    assert int(rb.batch.states[queued[0]]) == SEQUENCE.state_id("vacant")  # not flushed
+    assert rb.append_kv(queued.tolist(), [2])
+    ended = rb.admit(1, mamba=False)
+    rb.fire(ended, SequenceAbort)  # retired: its slot is free (flushing the queued one)
+    taken = live.tolist() + queued.tolist() + ended.tolist()
+    vacant = next(r for r in range(40) if r not in taken)
+
+    def call(rs: list[int], counts: list[int]) -> bool:
+        if as_ == "tensors":
+            return rb.append_kv(torch.tensor(rs), torch.tensor(counts))
+        return rb.append_kv(rs, counts)
+
+    kv_free = pools.kv.available
+    for bad in (int(ended[0]), vacant):
+        for counts in (1, 3):  # a decode step (one each) and a prefill chunk
+            rs = [*live.tolist(), bad]
+            with pytest.raises(ValueError, match=rf"rows \[{bad}\] hold no live sequence"):
+                call(rs, [counts] * len(rs))
+            assert pools.kv.available == kv_free  # nothing taken
+            assert int(pools.table.lengths[bad]) == 0
+    assert call([*live.tolist(), int(queued[0])], [3] * (rows + 1))
+    again = rb.admit(1, mamba=False)  # the ended row's slot, admitted anew
+    assert call(again.tolist(), [2])
+    rb.fire(torch.cat((live, queued, again)), SequenceAbort)
+    pools.assert_full()
+
+
 def test_each_request_has_pages_of_its_own_and_the_first_retirement_frees_only_its_own():
     pools = SchedulerPools(rows=4, max_context_len=64, kv_tokens=256, mamba_slots=4,
                            strict=True, page_size=16)
