@@ -155,6 +155,13 @@ def _reset_of(ev: torch.Tensor | _CheckedRuns, reset: torch.Tensor | None,
         return host_ints(ids) if ids else None
     return reset
 
+def _drop_locks(held: list[tuple[Any, Any]]) -> None:
+    """Release the prefix locks an admission made before it was refused."""
+    for _, lock in held:
+        if lock is not None:
+            lock.release()
+
+
 class RunningBatch:
     """SEQUENCE instances, one per request slot, stepped and released in batches."""
 
@@ -342,7 +349,10 @@ class RunningBatch:
         cached prefix of all but its last token is matched, locked and written into
         the row (its length is the row's `lengths` and `matched(rows)`), so only the
         rest is allocated. The list is kept as the row's tokens (append generated
-        tokens to it). All or nothing: when any pool is short, nothing is taken.
+        tokens to it). All or nothing: when any pool is short, nothing is taken; the
+        prompts are matched and locked before any row is taken, so a prompt the cache
+        cannot read, or a lock that raises, raises with nothing taken (the locks made
+        for the earlier prompts dropped again).
         """
         if prompts is not None and len(prompts) != n:
             raise ValueError(f"admit: {len(prompts)} prompts for {n} rows; pass one "
@@ -354,6 +364,77 @@ class RunningBatch:
         table = pools.table
         if table.available < n or (mamba and pools.mamba.available_size() < n):
             return None
+        held = self._lock_prompts(prompts) if prompts is not None else None
+        try:
+            rows, rows_np = self._take_rows(n, mamba)
+        except BaseException:
+            if held is not None:
+                _drop_locks(held)
+            raise
+        ids = rows_np.tolist() if rows_np is not None else rows.tolist()
+        if self._live_np is not None:
+            self._live_np[ids] = 1
+        else:
+            self._live.index_fill_(0, rows if rows.dtype == torch.int64 else rows.long(), 1)
+        if held is not None:
+            assert prompts is not None
+            host = table._np  # a CPU table: rows written through numpy views
+            tokens, locks = self.tokens, self.locks
+            for r, toks, (m, lock) in zip(ids, prompts, held, strict=True):
+                tokens[r] = toks
+                if lock is None:
+                    continue
+                locks[r] = lock
+                ln = m.length
+                if host is not None:
+                    # (the same indices, from a host insert; a cache of another kind
+                    # may return a match without them)
+                    ind_np = getattr(m, "host", None)
+                    if ind_np is None:
+                        ind = m.indices
+                        ind_np = ind.numpy() if ind.is_cpu else ind.cpu().numpy()
+                    host[2][r, :ln] = ind_np
+                    host[0][r] = ln
+                else:
+                    table.req_to_token[r, :ln] = m.indices.to(
+                        device=table.device, dtype=table.req_to_token.dtype)
+                    table.lengths[r] = ln
+        if queued:
+            self._admitted_ids += ids
+            if not rows.is_cpu:
+                self._admitted.append(rows.clone())  # the caller's tensor is the caller's
+            self._enqueue(ids, self.event[Admit])
+        else:
+            # Admitted in the same call: a row that owns resources is never left vacant,
+            # where an abort would be refused and nothing could release them. One step:
+            # the rows start anew (refused unless terminal or vacant) and take Admit.
+            ev = torch.full((self.batch.n,), -1, dtype=torch.int64, device=self.batch.device)
+            ev.index_fill_(0, rows, self.event[Admit])
+            self._deliver(ev, None, rows)
+        return rows
+
+    def _lock_prompts(self, prompts: Sequence[list[int]]) -> list[tuple[Any, Any]]:
+        """Each prompt's longest cached prefix (of all but its last token), matched and
+        locked: (match, lock), or (None, None) without one. A prompt the cache cannot
+        read, or a lock that raises, drops the locks already made, then raises."""
+        assert self.cache is not None
+        match, lock_of = self.cache.match, self.cache.lock
+        held: list[tuple[Any, Any]] = []
+        try:
+            for toks in prompts:
+                m = match(toks, limit=len(toks) - 1)
+                held.append((m, lock_of(m)) if m.length else (None, None))
+        except BaseException:
+            _drop_locks(held)
+            raise
+        return held
+
+    def _take_rows(self, n: int, mamba: bool) -> tuple[torch.Tensor, np.ndarray | None]:
+        """`n` table rows (and a Mamba state each when `mamba`), the pools having room:
+        the rows as a tensor and, from our own CPU table, as numpy (else None). A Mamba
+        pool that raises gives the rows back, then raises."""
+        pools = self.pools
+        table = pools.table
         rows_np: np.ndarray | None = None
         if (type(table) is ReqToTokenTable and table._np is not None and 0 < n <= _HOST_ALLOC
                 and "alloc" not in table.__dict__):
@@ -380,48 +461,7 @@ class RunningBatch:
                 table._np[1][rows_np if rows_np is not None else rows.numpy()] = slots.numpy()
             else:
                 table.mamba_slots.index_copy_(0, rows, slots.to(torch.int64))
-        ids = rows_np.tolist() if rows_np is not None else rows.tolist()
-        if self._live_np is not None:
-            self._live_np[ids] = 1
-        else:
-            self._live.index_fill_(0, rows if rows.dtype == torch.int64 else rows.long(), 1)
-        if queued:
-            self._admitted_ids += ids
-            if not rows.is_cpu:
-                self._admitted.append(rows.clone())  # the caller's tensor is the caller's
-            self._enqueue(ids, self.event[Admit])
-        else:
-            # Admitted in the same call: a row that owns resources is never left vacant,
-            # where an abort would be refused and nothing could release them. One step:
-            # the rows start anew (refused unless terminal or vacant) and take Admit.
-            ev = torch.full((self.batch.n,), -1, dtype=torch.int64, device=self.batch.device)
-            ev.index_fill_(0, rows, self.event[Admit])
-            self._deliver(ev, None, rows)
-        if prompts is not None:
-            assert self.cache is not None
-            host = table._np  # a CPU table: rows written through numpy views
-            match, lock_of = self.cache.match, self.cache.lock
-            tokens, locks = self.tokens, self.locks
-            for r, toks in zip(ids, prompts, strict=True):
-                tokens[r] = toks
-                m = match(toks, limit=len(toks) - 1)
-                ln = m.length
-                if ln:
-                    locks[r] = lock_of(m)
-                    if host is not None:
-                        # (the same indices, from a host insert; a cache of another
-                        # kind may return a match without them)
-                        ind_np = getattr(m, "host", None)
-                        if ind_np is None:
-                            ind = m.indices
-                            ind_np = ind.numpy() if ind.is_cpu else ind.cpu().numpy()
-                        host[2][r, :ln] = ind_np
-                        host[0][r] = ln
-                    else:
-                        table.req_to_token[r, :ln] = m.indices.to(
-                            device=table.device, dtype=table.req_to_token.dtype)
-                        table.lengths[r] = ln
-        return rows
+        return rows, rows_np
 
     @property
     def admitting(self) -> torch.Tensor:

@@ -21,6 +21,7 @@ from terminus.states.sequence import (
     Fail,
     Finish,
     LastChunkDone,
+    SequenceAbort,
     Token,
 )
 
@@ -211,6 +212,48 @@ def test_admission_refuses_prompts_without_a_cache_or_of_the_wrong_count(pools):
             page_size=pools.page_size).kv))
     assert pools.table.available == pools.table.capacity
     end_clean(rb2, cache, pools)
+
+
+@pytest.mark.parametrize("refusal", ["bad_prompt", "lock_raises", "mamba_raises"])
+def test_an_admission_refused_after_its_first_prompt_matched_takes_nothing(pools, refusal,
+                                                                           monkeypatch):
+    """Prompts are matched and locked before any row is taken: a prompt the cache cannot
+    read, a lock that raises (on the second row, the first's lock already made) or a
+    Mamba pool that raises leaves no row admitted and no lock held. Read after the
+    rows were admitted, they left admitted rows the caller never got (admit raised)
+    and the first row's lock."""
+    rb, cache = cached_batch(pools)
+    run_to_finish(rb, list(SHARED[:20]))  # cached: the prompts below match it
+    prompts: list = [[*SHARED[:20], 1], [*SHARED[:20], 2]]
+    if refusal == "bad_prompt":
+        prompts[1] = None
+    elif refusal == "lock_raises":
+        real, calls = cache.lock, []
+
+        def lock(m):
+            calls.append(m)
+            if len(calls) == 2:
+                raise RuntimeError("cache lock failed")
+            return real(m)
+
+        monkeypatch.setattr(cache, "lock", lock)
+    else:
+        def refuse(n):
+            raise RuntimeError("mamba pool failed")
+
+        monkeypatch.setattr(pools.mamba, "alloc", refuse)
+    free = (pools.table.available, pools.mamba.available_size(), pools.kv.available)
+    with pytest.raises((TypeError, RuntimeError)):
+        rb.admit(2, mamba=True, prompts=prompts)
+    monkeypatch.undo()
+    assert (pools.table.available, pools.mamba.available_size(), pools.kv.available) == free
+    assert cache.locked_tokens == 0 and rb.rows_in("prefill").tolist() == []
+    assert rb.locks == [None] * pools.table.capacity
+    rows = rb.admit(2, mamba=True, prompts=[[*SHARED[:20], 1], [*SHARED[:20], 2]])
+    hit = 20 - 20 % pools.page_size  # whole pages
+    assert [rb.matched(int(r)) for r in rows] == [hit, hit] and cache.locked_tokens == hit
+    rb.fire(rows, SequenceAbort)
+    end_clean(rb, cache, pools)
 
 
 def test_a_lock_released_twice_raises_and_changes_nothing(pools):
