@@ -655,18 +655,45 @@ class TokenizerSide:
 
         Returns False for an id no live family has. An abort of a terminal member of a
         live family is absorbed by its machine (an abort echo after finish). Raises
-        `NotCreatedYet` for a warm-up or child a live group has not created yet.
+        `NotCreatedYet` for a warm-up or child a live group has not created yet. A
+        group's abort reaches every child even when a release raises on the way (the
+        group's own, or a child's): the first error is raised after all of them
+        (an `ExceptionGroup` of them when several raised).
         """
         inst = self.get(rid)
         if inst is None:
             self._not_created(rid)
             self.unknown_events += 1
             return False
-        self._fire(inst, RequestAbort(message))
-        if isinstance(inst, SamplingGroup):
-            for c in inst.children:
-                self._fire(c, RequestAbort(message))
+        if inst.__class__ is not SamplingGroup and not isinstance(inst, SamplingGroup):
+            self._fire(inst, RequestAbort(message))
+        else:
+            self._abort_group(inst, message, live_only=False)
         return True
+
+    def _abort_group(self, group: SamplingGroup, message: str, *, live_only: bool) -> None:
+        """Abort `group`, then each of its children (`live_only`: those not terminal
+        yet), every one of them even when a release raises on the way; then raise the
+        first error (an `ExceptionGroup` when several raised). A refused abort of the
+        group (it is as it was) raises at once, its children untouched."""
+        errors: list[Exception] = []
+        if not (live_only and group.terminal):
+            try:
+                self._fire(group, RequestAbort(message))
+            except Exception as e:
+                if not group._m.terminal[group._s]:
+                    raise
+                errors.append(e)  # the group ended; a release of its raised
+        for c in group.children:
+            if live_only and c.terminal:
+                continue
+            try:
+                self._fire(c, RequestAbort(message))
+            except Exception as e:  # the other children are aborted all the same
+                errors.append(e)
+        if errors:
+            raise errors[0] if len(errors) == 1 else ExceptionGroup(
+                f"aborting group {group.key!r}: {len(errors)} releases raised", errors)
 
     @sanitized
     def on_output(self, rid: Any) -> bool:
@@ -743,12 +770,10 @@ class TokenizerSide:
 
     def _end(self, inst: Instance, message: str) -> None:
         """Abort `inst` (and a group's children) where not terminal yet."""
-        if not inst.terminal:
-            self._fire(inst, RequestAbort(message))
         if isinstance(inst, SamplingGroup):
-            for c in inst.children:
-                if not c.terminal:
-                    self._fire(c, RequestAbort(message))
+            self._abort_group(inst, message, live_only=True)
+        elif not inst.terminal:
+            self._fire(inst, RequestAbort(message))
 
     def _end_all(self, insts: Iterable[Instance], message: str) -> None:
         errors: list[Exception] = []
