@@ -720,6 +720,8 @@ class RunningBatch:
                 assert rows_t is not None and counts_t is not None
                 rs, cs = rows_t.tolist(), counts_t.tolist()
             assert table._np is not None
+            live_np = self._live_np  # (a CPU table: its rows' flags are on the host too)
+            assert live_np is not None
             if len(rs) > _NP_CHECK_ROWS:
                 # Many rows: as an index array (plain ints here: numpy's reductions and
                 # gather on it cost less than min(), max() and indexing by the list);
@@ -731,14 +733,14 @@ class RunningBatch:
                 if rs_np is None or rs_np.min() < 0 or rs_np.max() >= table.capacity:
                     raise IndexError(f"append_kv: rows {rs} name a row outside 0.."
                                      f"{table.capacity - 1}; pass rows admit() returned")
-                if not self._live_np[rs_np].all():
+                if not live_np[rs_np].all():
                     raise self._not_live(rs)
                 lens_np = table._np[0][rs_np]
             else:
                 if min(rs) < 0 or max(rs) >= table.capacity:
                     raise IndexError(f"append_kv: rows {rs} name a row outside 0.."
                                      f"{table.capacity - 1}; pass rows admit() returned")
-                if not self._live_np[rs].all():
+                if not live_np[rs].all():
                     raise self._not_live(rs)
                 lens_np = table._np[0][rs]
             if cs.count(1) == len(cs):  # one token each (a decode step): one numpy add
