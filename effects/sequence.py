@@ -204,10 +204,18 @@ class RunningBatch:
         # Per row: 1 from its admission (queued or not) until its release, else 0. What
         # `append_kv` checks (a retired or never-admitted row's slot is free: KV written
         # there would be lost when the slot is admitted again, its length reset to 0).
-        # int64, to go with the rows and counts in the device path's one read back.
-        self._live = torch.zeros(n, dtype=torch.int64, device=pools.table.device)
-        self._live_np: np.ndarray | None = (self._live.numpy() if self._live.is_cpu
-                                            else None)
+        # A CPU table's flags are a bytearray, set and read as ints (indexing numpy by a
+        # list of rows first fails to read the list as one index, ~1,800 instructions),
+        # with numpy and torch views of it; a device table's are an int64 tensor, read
+        # with the rows and counts in the device path's one read back.
+        dev = pools.table.device
+        self._live: bytearray | None = bytearray(n) if dev.type == "cpu" else None
+        self._live_np: np.ndarray | None = None
+        if self._live is not None:
+            self._live_np = np.frombuffer(self._live, np.uint8)
+            self._live_t = torch.from_numpy(self._live_np)
+        else:
+            self._live_t = torch.zeros(n, dtype=torch.int64, device=dev)
 
     def _make_effect(self) -> Any:
         pools = self.pools
@@ -215,11 +223,15 @@ class RunningBatch:
         @release_effect
         def release_rows(ctx: ReleaseContext, rows: torch.Tensor) -> None:
             state = _TERMINAL_OF_PLAN[ctx.plan]
+            ids: list[int] | None = None
             try:
                 starts: list[int] | None = None
                 errors: list[Exception] = []
                 if self.cache is not None:
-                    starts, errors = self._retire_cached(rows, state)
+                    if rows.dtype != torch.int64:
+                        rows = rows.to(torch.int64)
+                    ids = rows.tolist()
+                    starts, errors = self._retire_cached(rows, ids, state)
                 out = release_batch(rows, pools.table, pools.kv, pools.mamba,
                                     kv_start=starts)
                 self.released_tokens += out.kv_tokens
@@ -228,15 +240,20 @@ class RunningBatch:
             finally:
                 # The rows are terminal whatever a pool said (release_batch frees every
                 # pool before raising): their owners hear of it either way.
-                # (a torch op: nothing read back)
-                self._live.index_fill_(0, rows if rows.dtype == torch.int64 else rows.long(), 0)
+                live = self._live
+                if live is not None and ids is not None:
+                    for r in ids:
+                        live[r] = 0
+                else:  # (a torch op: nothing read back)
+                    self._live_t.index_fill_(
+                        0, rows if rows.dtype == torch.int64 else rows.long(), 0)
                 self.retired[state] += int(rows.numel())
                 if self.on_retired is not None:
                     self.on_retired(rows, state)
 
         return release_rows
 
-    def _retire_cached(self, rows: torch.Tensor, state: str,
+    def _retire_cached(self, rows: torch.Tensor, ids: list[int], state: str,
                        ) -> tuple[list[int], list[Exception]]:
         """Before `release_batch` frees the rows' own KV: insert each finished row's KV
         into the cache (the first column the row still owns moves past what the tree
@@ -247,9 +264,6 @@ class RunningBatch:
         assert cache is not None
         table = self.pools.table
         errors: list[Exception] = []
-        if rows.dtype != torch.int64:
-            rows = rows.to(torch.int64)
-        ids = rows.tolist()
         locks, tokens = self.locks, self.tokens
         firsts: list[int] = []
         if state != "finished":
@@ -372,10 +386,12 @@ class RunningBatch:
                 _drop_locks(held)
             raise
         ids = rows_np.tolist() if rows_np is not None else rows.tolist()
-        if self._live_np is not None:
-            self._live_np[ids] = 1
+        live = self._live
+        if live is not None:
+            for r in ids:
+                live[r] = 1
         else:
-            self._live.index_fill_(0, rows if rows.dtype == torch.int64 else rows.long(), 1)
+            self._live_t.index_fill_(0, rows if rows.dtype == torch.int64 else rows.long(), 1)
         if held is not None:
             assert prompts is not None
             host = table._np  # a CPU table: rows written through numpy views
@@ -720,8 +736,8 @@ class RunningBatch:
                 assert rows_t is not None and counts_t is not None
                 rs, cs = rows_t.tolist(), counts_t.tolist()
             assert table._np is not None
-            live_np = self._live_np  # (a CPU table: its rows' flags are on the host too)
-            assert live_np is not None
+            live = self._live  # (a CPU table: its rows' flags are on the host too)
+            assert live is not None
             if len(rs) > _NP_CHECK_ROWS:
                 # Many rows: as an index array (plain ints here: numpy's reductions and
                 # gather on it cost less than min(), max() and indexing by the list);
@@ -733,14 +749,14 @@ class RunningBatch:
                 if rs_np is None or rs_np.min() < 0 or rs_np.max() >= table.capacity:
                     raise IndexError(f"append_kv: rows {rs} name a row outside 0.."
                                      f"{table.capacity - 1}; pass rows admit() returned")
-                if not live_np[rs_np].all():
+                if not cast("np.ndarray", self._live_np)[rs_np].all():
                     raise self._not_live(rs)
                 lens_np = table._np[0][rs_np]
             else:
                 if min(rs) < 0 or max(rs) >= table.capacity:
                     raise IndexError(f"append_kv: rows {rs} name a row outside 0.."
                                      f"{table.capacity - 1}; pass rows admit() returned")
-                if not live_np[rs].all():
+                if 0 in map(live.__getitem__, rs):
                     raise self._not_live(rs)
                 lens_np = table._np[0][rs]
             if cs.count(1) == len(cs):  # one token each (a decode step): one numpy add
@@ -757,9 +773,9 @@ class RunningBatch:
         else:
             assert rows_t is not None and counts_t is not None
             ends_t = table.lengths.index_select(0, rows_t).to(torch.int64) + counts_t
-            rs, cs, ends, live = torch.stack(
-                (rows_t, counts_t, ends_t, self._live.index_select(0, rows_t))).tolist()
-            if live.count(1) != len(live):
+            rs, cs, ends, flags = torch.stack(
+                (rows_t, counts_t, ends_t, self._live_t.index_select(0, rows_t))).tolist()
+            if flags.count(1) != len(flags):
                 raise self._not_live(rs)
         if decode_top < 0 and min(cs) < 0:
             neg = [i for i, c in enumerate(cs) if c < 0]
@@ -779,11 +795,11 @@ class RunningBatch:
                 arrays)
 
     def _not_live(self, rows: list[int]) -> ValueError:
-        if self._live_np is not None:
-            live = self._live_np[rows].tolist()
+        if self._live is not None:
+            live = [self._live[r] for r in rows]
         else:
-            live = self._live.index_select(0, torch.tensor(rows, device=self._live.device)
-                                           ).tolist()
+            live = self._live_t.index_select(
+                0, torch.tensor(rows, device=self._live_t.device)).tolist()
         bad = [r for r, v in zip(rows, live, strict=True) if not v]
         return ValueError(f"append_kv: rows {bad} hold no live sequence (never admitted, "
                           "or retired: their slots are free); pass rows admit() returned "
