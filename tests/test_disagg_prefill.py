@@ -860,19 +860,24 @@ def test_a_first_chunk_whose_mamba_pool_raises_frees_its_pages_keeps_its_row_and
 
 
 
+def served(e, t, prompt):
+    """Request "a" over `prompt` (chunks of 4) served to success: its KV is cached."""
+    e.add("a", len(prompt), chunk_size=4, tokens=prompt)
+    e.bootstrap("a")
+    for k in range(-(-len(prompt) // 4)):
+        e.schedule("a")
+        e.result("a", k)
+    t.complete("a")
+    assert e.poll_transfer("a").plan == "release_succeeded"
+    return prompt
+
+
 def test_a_prefix_lock_that_raises_leaves_no_request_claiming_the_unlocked_pages():
     """`add` matches the prompt's cached prefix, then locks it: a lock that raises is a
     refused `add` (nothing made, nothing taken), not a request that claims pages nobody
     locked (evicted, they would be handed out again and sent as its prefix)."""
     e, t = engine()
-    prompt = tuple(range(100, 112))
-    e.add("a", 12, chunk_size=4, tokens=prompt)
-    e.bootstrap("a")
-    for k in range(3):
-        e.schedule("a")
-        e.result("a", k)
-    t.complete("a")
-    e.poll_transfer("a")
+    prompt = served(e, t, tuple(range(100, 112)))
     kv_free, locked = e.pools.kv.available_size(), e.cache.locked_tokens
 
     def refuse(match):
@@ -897,14 +902,7 @@ def test_a_host_prefetch_that_raises_is_recorded_and_the_request_runs_without_ho
     lock, ready to run. Raised out of `add`, it left a request registered behind the
     caller's back, holding the lock, that no driver would ever end."""
     e, t = engine()
-    prompt = tuple(range(100, 112))
-    e.add("a", 12, chunk_size=4, tokens=prompt)
-    e.bootstrap("a")
-    for k in range(3):
-        e.schedule("a")
-        e.result("a", k)
-    t.complete("a")
-    e.poll_transfer("a")
+    prompt = served(e, t, tuple(range(100, 112)))
     host_free, locked = e.pools.host.available, e.cache.locked_tokens
 
     def refuse(n, anchor=None):
@@ -940,14 +938,7 @@ def test_add_checks_its_counts_before_it_registers_or_locks_anything(kw, error, 
     locked: checked after them, it left a request the caller was told was refused,
     holding the lock, and its retry was "already exists"."""
     e, t = engine()
-    prompt = tuple(range(100, 112))
-    e.add("a", 12, chunk_size=4, tokens=prompt)
-    e.bootstrap("a")
-    for k in range(3):
-        e.schedule("a")
-        e.result("a", k)
-    t.complete("a")
-    e.poll_transfer("a")
+    prompt = served(e, t, tuple(range(100, 112)))
     locked = e.cache.locked_tokens
     with pytest.raises(error, match=match):
         e.add("b", 12, **{"chunk_size": 4, **kw}, tokens=prompt)
