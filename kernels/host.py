@@ -20,6 +20,8 @@ the unlock that drops its last reference (``free_when_unlocked``).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from terminus.kernels._stack import FreeStack, IdsLike, StackPool, long_ids
@@ -129,8 +131,15 @@ class HostPagePool(StackPool):
         self._refs += ids.numel()
 
     def unlock(self, pages: IdsLike) -> None:
-        """Drop one lock reference per listed page; raises (changing nothing) on underflow."""
+        """Drop one lock reference per listed page; raises (changing nothing) on underflow
+        or on a page outside the pool (`IndexError`)."""
         ids = long_ids(pages, self.device, "HostPagePool")
+        if ids.numel():
+            lo, hi = torch.stack(ids.aminmax()).tolist()  # one read
+            if lo < 0 or hi >= self.lock_refs.numel():
+                bad = [v for v in ids.tolist() if not 0 <= v < self.lock_refs.numel()]
+                raise IndexError(f"HostPagePool: unlock of pages {bad} outside the pool "
+                                 f"(0..{self.lock_refs.numel() - 1}); unlock pages it locked")
         self._unlock_commit(ids, self._unlocked(ids))
 
     def _unlocked(self, ids: torch.Tensor) -> torch.Tensor:
@@ -161,16 +170,25 @@ class HostPagePool(StackPool):
         """Reserve ``n`` pages for a storage prefetch, or None when short.
 
         ``anchor``: pages the prefetch extends (e.g. the cached prefix it continues);
-        they stay locked until the prefetch is released or taken.
+        they stay locked until the prefetch is released or taken. Locked before any
+        page is taken: an anchor the pool refuses (not page ids, a page outside the
+        pool) raises with nothing taken and nothing locked.
         """
-        pages = self._free.pop(n)
-        if pages is None:
-            return None
         anchor_ids = (
             None if anchor is None else long_ids(anchor, self.device, "HostPagePool")
         )
         if anchor_ids is not None:
             self.lock(anchor_ids)
+        try:
+            pages = self._free.pop(n)
+        except BaseException:
+            if anchor_ids is not None:
+                self.unlock(anchor_ids)
+            raise
+        if pages is None:
+            if anchor_ids is not None:
+                self.unlock(anchor_ids)
+            return None
         self._prefetching += n
         return Prefetch(self, pages, anchor_ids)
 
@@ -218,7 +236,18 @@ class Prefetch:
         self.retired = False
 
     def advance(self, k: int) -> int:
-        """Record ``k`` more pages transferred; returns the completed count."""
+        """Record ``k`` more pages transferred (an int >= 0; a bool is no count);
+        returns the completed count."""
+        if k.__class__ is not int:
+            try:
+                if isinstance(k, bool):
+                    raise TypeError
+                k = operator.index(k)  # (a numpy integer is one)
+            except TypeError:
+                raise TypeError(f"Prefetch.advance({k!r}): k is the count of pages the I/O "
+                                "wrote since the last call, an int") from None
+        if k < 0:
+            raise ValueError(f"Prefetch.advance({k}): k is a count of pages written, >= 0")
         if self.stopped:
             raise KernelError("Prefetch.advance() after stop()/terminate(): the I/O was stopped")
         done = self.completed + k

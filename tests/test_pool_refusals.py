@@ -1,0 +1,214 @@
+"""A pool call that is refused changes nothing: bad input is refused before any unit is
+taken, any count changed or any state written, with an error naming what was wrong.
+
+Each case here was a refusal that came after a change: pages taken by a prefetch whose
+anchor was then refused, Mamba slots popped by a fork whose source was then refused, a
+copy half written, a count kept as a 0-d tensor that moved the free list's top, a
+metadata slot marked released by a free the pool refused, a radix insert that lost an
+index. Every test ends with the pool full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from terminus.kernels import (
+    ForeignIndex,
+    HostPagePool,
+    MambaStatePool,
+    MetadataSlots,
+    RadixTree,
+    ReleaseUnderflow,
+    TokenKVAllocator,
+)
+from terminus.kernels.lora import LoRARegistry
+from terminus.kernels.metadata import MetadataSlot
+from terminus.kernels.req_table import ReqToTokenTable
+
+
+def mamba(size: int = 4) -> MambaStatePool:
+    return MambaStatePool(size, layers=1, conv_dims=2, conv_kernel=2, heads=1, head_dim=2,
+                          state_size=2, strict=True)
+
+
+@pytest.mark.parametrize("anchor", [[99], [0.5], torch.tensor([1.0]), [-1]],
+                         ids=["outside", "float", "float_tensor", "negative"])
+def test_a_prefetch_whose_anchor_is_refused_takes_no_page(anchor):
+    h = HostPagePool(8)
+    held = h.alloc(1)
+    assert held is not None
+    free = h.available
+    with pytest.raises((IndexError, TypeError), match="HostPagePool"):
+        h.prefetch(3, anchor=anchor)
+    assert h.available == free and h.prefetch_occupied == 0 and h.locked_pages() == 0
+    h.free(held)
+    h.assert_full()
+
+
+def test_a_prefetch_short_of_pages_locks_no_anchor():
+    h = HostPagePool(4)
+    anchor = h.alloc(2)
+    assert anchor is not None
+    assert h.prefetch(3, anchor=anchor) is None  # two free pages: short
+    assert h.locked_pages() == 0
+    h.free(anchor)  # not locked: freed at once
+    h.assert_full()
+
+
+@pytest.mark.parametrize(("k", "error"), [(-2, ValueError), (1.5, TypeError),
+                                          (True, TypeError), ("1", TypeError)])
+def test_a_prefetch_advance_by_a_count_that_is_not_one_is_refused(k, error):
+    """A negative count made pages the I/O never wrote look completed (the cache would
+    take them); a float made every later terminate raise, so the pages never came back."""
+    h = HostPagePool(8)
+    p = h.prefetch(4)
+    assert p is not None
+    p.advance(1)
+    with pytest.raises(error, match=r"Prefetch\.advance"):
+        p.advance(k)
+    assert p.completed == 1
+    assert p.advance(np.int64(1)) == 2  # a numpy integer is a count
+    assert p.terminate() == 2
+    p.release()
+    h.assert_full()
+
+
+@pytest.mark.parametrize("pages", [[99], [-1], [3, 99]], ids=["outside", "negative", "mixed"])
+def test_an_unlock_outside_the_pool_names_the_pages_and_changes_nothing(pages):
+    h = HostPagePool(4)
+    p = h.alloc(1)
+    assert p is not None
+    h.lock(p)
+    with pytest.raises(IndexError, match=r"HostPagePool: unlock of pages \[(99|-1)\] outside "
+                                         r"the pool \(0..3\)"):
+        h.unlock(pages)
+    assert h.locked_pages() == 1
+    h.unlock(p)
+    h.free(p)
+    h.assert_full()
+
+
+@pytest.mark.parametrize("src", [[99], [-1], [0], [1, 99]],
+                         ids=["outside", "negative", "padding", "mixed"])
+def test_a_fork_of_a_slot_outside_the_pool_takes_no_slot(src):
+    m = mamba()
+    held = m.alloc(1)
+    assert held is not None
+    with pytest.raises(IndexError, match=r"MambaStatePool.fork: slots \[.*\] outside slots 1..4"):
+        m.fork(src)
+    assert m.available_size() == 3
+    m.free(held)
+    m.assert_full()
+
+
+def test_a_copy_to_a_slot_outside_the_pool_writes_no_state():
+    m = mamba()
+    slots = m.alloc(2)
+    assert slots is not None
+    for t in m._tensors():
+        t[:, int(slots[0])] = 7  # the source's state
+    with pytest.raises(IndexError, match=r"MambaStatePool.copy_from: slots \[99\] outside"):
+        m.copy_from(slots[:1].repeat(2), [int(slots[1]), 99])
+    assert all(float(t[:, int(slots[1])].abs().sum()) == 0 for t in m._tensors())
+    m.free(slots)
+    m.assert_full()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: TokenKVAllocator(16, strict=True),
+    lambda: TokenKVAllocator(16, page_size=2, strict=True),
+    lambda: ReqToTokenTable(8, 16, strict=True),
+    lambda: mamba(8),
+    lambda: HostPagePool(8),
+], ids=["kv", "kv_paged", "table", "mamba", "host"])
+def test_an_alloc_count_is_an_int_a_0d_tensor_is_one_and_a_float_is_refused(make):
+    """A 0-d tensor count (`kv.alloc(lengths.sum())`) was kept as the free list's top: a
+    later in-place add moved it, and the frees after it were never counted."""
+    pool = make()
+    free = pool.available
+    got = pool.alloc(torch.tensor(2))
+    assert got is not None and pool.available.__class__ is int
+    more = pool.alloc(np.int64(2))
+    assert more is not None
+    for bad in (2.0, True, "2"):
+        with pytest.raises(TypeError, match="must be an int"):
+            pool.alloc(bad)
+    pool.free(got)
+    pool.free(more)
+    assert pool.available == free
+    pool.assert_full()
+
+
+@pytest.mark.parametrize("bad", [True, torch.tensor(1), 1.0, "1"],
+                         ids=["bool", "tensor", "float", "str"])
+def test_a_metadata_free_of_a_slot_that_is_not_an_int_is_refused(bad):
+    """A bool or a tensor kept in the free list was what the next alloc handed out."""
+    s = MetadataSlots(2)
+    i, j = s.alloc(), s.alloc()
+    assert i is not None and j is not None
+    if isinstance(bad, torch.Tensor):  # an integer tensor is an int: freed as slot 1
+        s.free(bad)
+        assert s.alloc() == 1 and s.alloc() is None
+    else:
+        with pytest.raises(TypeError, match=r"MetadataSlots.free\(.*\): a slot is an int"):
+            s.free(bad)
+        assert s.available == 0
+    s.free(i)
+    s.free(j)
+    s.assert_full()
+
+
+def test_a_metadata_slot_whose_free_is_refused_keeps_its_index_for_the_retry():
+    s = MetadataSlots(2)
+    slot = MetadataSlot.take(s)
+    assert slot is not None
+    other = MetadataSlots(8)
+    foreign = MetadataSlot(other, 5)  # a slot of another pool: this one refuses it
+    foreign.pool = s
+    with pytest.raises(ForeignIndex):
+        foreign.release()
+    assert foreign.index == 5  # not marked released: the refusal changed nothing
+    assert slot.release() and slot.index == -1 and not slot.release()
+    s.assert_full()
+
+
+def test_a_lora_release_of_what_is_not_an_id_is_refused_and_releases_nothing():
+    async def main() -> None:
+        r = LoRARegistry()
+        a = await r.register("a")
+        await r.acquire(["a", "a"])
+        for bad in (True, "a", 1.5, [a, "a"]):
+            with pytest.raises(TypeError, match="is not a LoRA id"):
+                r.release_nowait(bad)
+        assert r.counts() == {a: 2}
+        with pytest.raises(ReleaseUnderflow):
+            r.release_nowait([a, a, a])  # all or nothing
+        r.release_nowait(np.int64(a))  # a numpy integer is an id
+        r.release_nowait(torch.tensor([a]))  # so is a 1-D integer tensor of them
+        assert r.counts() == {a: 0}
+        r.assert_full()
+
+    asyncio.run(main())
+
+
+def test_a_radix_insert_with_an_owned_from_that_is_not_an_int_or_past_the_tree_is_refused():
+    t = RadixTree(page_size=1)
+    t.insert([1, 2], torch.tensor([10, 11]))
+    with pytest.raises(TypeError, match=r"owned_from=1\.5 is not an int"):
+        t.insert([1, 2, 3, 4], torch.tensor([10, 11, 12, 13]), owned_from=1.5)
+    assert t.total_size() == 2
+    # Pages of 4: the tree holds 8 tokens; a caller claiming its own indices start at 9
+    # would leave index 8 in none of taken, duplicates and leftover.
+    t4 = RadixTree(page_size=4)
+    t4.insert(list(range(8)), torch.arange(100, 108))
+    kv = torch.arange(200, 210)
+    kv[:8] = torch.arange(100, 108)
+    with pytest.raises(ValueError, match=r"matched prefix \(9 tokens\) is no longer cached"):
+        t4.insert(list(range(10)), kv, owned_from=9)
+    assert t4.total_size() == 8
+    r = t4.insert(list(range(10)), kv, owned_from=8)
+    assert r.taken.numel() == 0 and r.leftover.tolist() == [208, 209]
