@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from terminus.kernels._stack import FreeStack, IdsLike, StackPool, long_ids
+from terminus.kernels._stack import FreeStack, IdsLike, StackPool, as_count, long_ids
 
 __all__ = ["MambaStatePool"]
 
@@ -92,6 +92,8 @@ class MambaStatePool(StackPool):
 
     def alloc(self, n: int = 1) -> torch.Tensor | None:
         """``n`` slots with zeroed states, or None when short (never partial)."""
+        if n.__class__ is not int:
+            n = as_count("MambaStatePool", n)
         views = (self._host_views() if 0 < n <= _HOST_ZERO and self._free._stack_host
                  is not None else None)
         if views is not None:
@@ -126,7 +128,8 @@ class MambaStatePool(StackPool):
         self._free.clear()
 
     def copy_from(self, src: IdsLike, dst: IdsLike) -> None:
-        """Copy every state of slots ``src`` into slots ``dst`` (pairwise)."""
+        """Copy every state of slots ``src`` into slots ``dst`` (pairwise). Slots outside
+        1..size are refused (`IndexError`) before any state is written."""
         s = long_ids(src, self.device, "MambaStatePool")
         d = long_ids(dst, self.device, "MambaStatePool")
         if s.numel() != d.numel():
@@ -134,12 +137,27 @@ class MambaStatePool(StackPool):
                 f"MambaStatePool.copy_from: {s.numel()} sources for {d.numel()} destinations; "
                 "pass one source per destination"
             )
+        self._check_slots("copy_from", s, d)
         for t in self._tensors():
             t.index_copy_(1, d, t.index_select(1, s))
 
+    def _check_slots(self, what: str, *ids: torch.Tensor) -> None:
+        """Refuse (`IndexError`) slots outside 1..size (0 is the padding slot)."""
+        both = torch.cat(ids) if len(ids) > 1 else ids[0]
+        if not both.numel():
+            return
+        lo, hi = torch.stack(both.aminmax()).tolist()  # one read
+        if lo < 1 or hi > self._free.hi - 1:
+            bad = sorted({v for v in both.tolist() if not 1 <= v < self._free.hi})
+            raise IndexError(f"MambaStatePool.{what}: slots {bad} outside "
+                             f"{self._free.valid_range()}; pass slots alloc() returned "
+                             "(slot 0 is padding)")
+
     def fork(self, src: IdsLike) -> torch.Tensor | None:
-        """New slots holding copies of ``src``'s states, or None when short."""
+        """New slots holding copies of ``src``'s states, or None when short. A source
+        outside 1..size is refused (`IndexError`) before any slot is taken."""
         s = long_ids(src, self.device, "MambaStatePool")
+        self._check_slots("fork", s)
         dst = self._free.pop(s.numel())
         if dst is not None and s.numel():
             self.copy_from(s, dst)
