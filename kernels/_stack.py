@@ -32,6 +32,7 @@ id handed out, or a foreign one) is flagged there, so the evidence survives the 
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,6 +70,18 @@ _HOST_VALIDATE = 64
 _INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 # numpy dtypes that push_host writes into a CPU stack itself (others go through push).
 _NP_IDS = (np.dtype(np.int64), np.dtype(np.int32))
+
+
+def as_count(pool: str, n: object) -> int:
+    """``n`` as an int (a numpy integer or a 0-d integer tensor is one), or a TypeError
+    naming it; a bool is no count."""
+    if not isinstance(n, bool):
+        try:
+            return operator.index(n)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise TypeError(f"{pool}: the number of ids to allocate must be an int, got "
+                    f"{type(n).__name__} {n!r}")
 
 
 def not_ids(pool: str, values: object, dtype: object) -> TypeError:
@@ -330,7 +343,12 @@ class FreeStack:
     # -- alloc / free -----------------------------------------------------------------
 
     def pop(self, n: int) -> torch.Tensor | None:
-        """``n`` free ids, or None when fewer than ``n`` are free (nothing is taken then)."""
+        """``n`` free ids, or None when fewer than ``n`` are free (nothing is taken then).
+        ``n`` is an int (a numpy integer or a 0-d integer tensor is one; kept as it is, a
+        tensor would become the stack's top, moved by every later in-place add); any
+        other count is a TypeError."""
+        if n.__class__ is not int:
+            n = as_count(self.name, n)
         if not self._ready(n):
             return None
         if self._stack_np is not None and n:
@@ -346,6 +364,8 @@ class FreeStack:
         ``pop``; ValueError on a stack that is not on the CPU."""
         if self._stack_host is None:
             raise ValueError(f"{self.name}: pop_host needs a CPU free list; use pop()")
+        if n.__class__ is not int:
+            n = as_count(self.name, n)
         if not self._ready(n):
             return None
         if self._stack_np is not None and n:
@@ -364,6 +384,8 @@ class FreeStack:
         None when fewer than ``n`` are free."""
         if self._stack_host is None:
             raise ValueError(f"{self.name}: pop_view needs a CPU free list; use pop()")
+        if n.__class__ is not int:
+            n = as_count(self.name, n)
         if not self._ready(n):
             return None
         if self._stack_np is not None and n:
@@ -373,8 +395,8 @@ class FreeStack:
         return self._pop_tensor(n).numpy(), False
 
     def _ready(self, n: int) -> bool:
-        """Whether ``n`` ids can be popped (refusing a negative ``n``), the counts synced
-        if so."""
+        """Whether ``n`` ids (an int) can be popped (refusing a negative ``n``), the
+        counts synced if so."""
         if n < 0:
             raise ValueError(
                 f"{self.name}: cannot allocate a negative number ({n}); ask for n >= 0"

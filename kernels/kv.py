@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from terminus.kernels._stack import FreeStack, IdsLike, Snapshot, StackPool, as_ids
+from terminus.kernels._stack import FreeStack, IdsLike, Snapshot, StackPool, as_count, as_ids
 
 __all__ = ["KVSnapshot", "TokenKVAllocator"]
 
@@ -105,8 +105,11 @@ class TokenKVAllocator(StackPool):
     def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` token indices (int64), or None when short: never a partial allocation.
 
-        ``ValueError`` (naming ``n``) for a negative ``n``.
+        ``ValueError`` (naming ``n``) for a negative ``n``, ``TypeError`` for one that is
+        not an int (a numpy integer or a 0-d integer tensor is one).
         """
+        if n.__class__ is not int:
+            n = as_count(self._free.name, n)
         if self.page_size == 1:
             return self._free.pop(n)
         if n < 0:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from terminus.kernels._stack import FreeStack, IdsLike, StackPool, as_ids
+from terminus.kernels._stack import FreeStack, IdsLike, StackPool, as_count, as_ids
 
 __all__ = ["ReqToTokenTable"]
 
@@ -59,6 +59,8 @@ class ReqToTokenTable(StackPool):
 
     def alloc(self, n: int = 1) -> torch.Tensor | None:
         """``n`` request slots with length 0, or None when short (never partial)."""
+        if n.__class__ is not int:
+            n = as_count("ReqToTokenTable", n)
         if self._np is not None and 0 < n <= _HOST_ALLOC:
             # A CPU table: a few rows popped as numpy and reset through numpy views (the
             # same memory), one tensor made at the end.
