@@ -7,6 +7,8 @@ handed out one at a time, so the free list is a Python list, not a tensor.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from terminus.kernels.errors import DoubleFree, ForeignIndex, LeakError
@@ -50,7 +52,18 @@ class MetadataSlots:
         return i
 
     def free(self, i: int) -> None:
-        """Return slot ``i``; raises ``ForeignIndex`` / ``DoubleFree`` (changing nothing)."""
+        """Return slot ``i``; raises ``ForeignIndex`` / ``DoubleFree`` (changing nothing),
+        a TypeError for a slot that is not an int (a bool or a tensor kept in the free
+        list would be what the next ``alloc`` hands out)."""
+        if i.__class__ is not int:
+            if isinstance(i, bool):
+                raise TypeError(f"MetadataSlots.free({i!r}): a slot is an int, as alloc() "
+                                "returns")
+            try:
+                i = operator.index(i)
+            except TypeError:
+                raise TypeError(f"MetadataSlots.free({i!r}): a slot is an int, as alloc() "
+                                f"returns, not {type(i).__name__}") from None
         if not 0 <= i < self._size:
             raise ForeignIndex("MetadataSlots", [i], f"slots 0..{self._size - 1}")
         if self._is_free[i]:
@@ -85,9 +98,11 @@ class MetadataSlot:
         return None if i is None else cls(pool, i)
 
     def release(self) -> bool:
-        """Free the slot and set ``index`` to -1; later calls do nothing. True if it freed."""
-        if self.index < 0:
+        """Free the slot and set ``index`` to -1; later calls do nothing. True if it freed.
+        A free the pool refuses raises with ``index`` kept, so a retry frees it."""
+        i = self.index
+        if i < 0:
             return False
-        i, self.index = self.index, -1
         self.pool.free(i)
+        self.index = -1
         return True
