@@ -24,6 +24,7 @@ counter lives on its adapter's record, so neither path does a second lookup.
 from __future__ import annotations
 
 import asyncio
+import operator
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, overload
@@ -51,6 +52,36 @@ class LoRAAdapter:
     registered: bool = field(default=True, repr=False)
     # Set when ``refs`` reaches zero after an unregister; made only when someone waits.
     zero: asyncio.Event | None = field(default=None, repr=False)
+
+
+def _lora_id(i: object) -> int:
+    """One LoRA id as an int (a numpy integer is one), or a TypeError naming it."""
+    if i.__class__ is not int:
+        if not isinstance(i, bool):
+            try:
+                return operator.index(i)  # type: ignore[arg-type]
+            except TypeError:
+                pass
+        raise TypeError(f"LoRA release: {i!r} is not a LoRA id; release the int ids "
+                        "acquire() returned (a name is not one)")
+    return i
+
+
+def _lora_ids(ids: object) -> int | list[int]:
+    """What `release_nowait` was given, other than an int or a list: one id (a numpy
+    integer), or several (a tuple, a 1-D integer tensor), or a TypeError."""
+    if isinstance(ids, (str, bytes, bool)):
+        return _lora_id(ids)
+    try:
+        return _lora_id(ids)
+    except TypeError:
+        pass
+    try:
+        many = list(ids)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(f"LoRA release: {ids!r} is not a LoRA id nor a list of them; "
+                        "release the int ids acquire() returned") from None
+    return [_lora_id(i) for i in many]
 
 
 class LoRARegistry:
@@ -217,8 +248,12 @@ class LoRARegistry:
         self.release_nowait(ids)
 
     def release_nowait(self, ids: int | list[int]) -> None:
-        """``release`` for synchronous callers inside the registry's event loop."""
-        if isinstance(ids, int):
+        """``release`` for synchronous callers inside the registry's event loop. Ids are
+        the ints `acquire` returned (one, or a list of them): anything else (a name, a
+        bool, a tensor) is a TypeError, releasing nothing."""
+        if ids.__class__ is not int and not isinstance(ids, list):
+            ids = _lora_ids(ids)
+        if ids.__class__ is int:
             ad = self._by_id.get(ids)
             if ad is None or not ad.refs:
                 raise ReleaseUnderflow(ids, 0, 1)
@@ -226,6 +261,9 @@ class LoRARegistry:
             if not ad.refs and not ad.registered:
                 self._gone(ad)
             return
+        assert isinstance(ids, list)
+        if list(map(type, ids)).count(int) != len(ids):
+            ids = [_lora_id(i) for i in ids]
         batch: list[tuple[LoRAAdapter, int]] = []
         for i, k in Counter(ids).items():
             ad = self._by_id.get(i)
