@@ -391,13 +391,18 @@ class RadixTree:
                 host: np.ndarray | None, owned_from: int) -> RadixInsert:
         """`insert` once its indices are checked: `values` int64 (a tensor), or `host`
         (= `values`, a numpy integer array) for `insert_host`."""
+        if owned_from.__class__ is not int:
+            if isinstance(owned_from, bool) or not hasattr(owned_from, "__index__"):
+                raise TypeError(f"RadixTree.insert: owned_from={owned_from!r} is not an int "
+                                "(where the caller's own indices start)")
+            owned_from = owned_from.__index__()
         if not 0 <= owned_from <= len(tokens):
             raise ValueError(f"RadixTree.insert: owned_from={owned_from} is outside "
                              f"0..{len(tokens)} (the length of the sequence)")
         seq, end = self._aligned(tokens)
         # Read-only pass first: decide, then mutate.
         path, prefix_len, cut = self._descend(seq, end)
-        if prefix_len < owned_from and prefix_len < end:
+        if prefix_len < owned_from:
             raise ValueError(
                 f"RadixTree.insert: the caller's matched prefix ({owned_from} tokens) is "
                 f"no longer cached (the tree holds {prefix_len} of them); lock the matched "
