@@ -498,7 +498,17 @@ class FreeStack:
         if ids.dtype not in _INT_DTYPES:
             raise not_ids(self.name, ids, ids.dtype)
         if self._group is not None:
-            self._group.append(ids)
+            # A copy, read now: a view of the caller's table (a row's columns) may be
+            # rewritten before the group ends, when the row is given to a new request.
+            # A strict pool validates each grouped free at once, with the group's earlier
+            # ones (a double free among them): refused, it joins nothing, and the valid
+            # frees already grouped still reach the free list at `group_end`.
+            if self.strict:
+                self.validate(torch.cat([*(g.reshape(-1).to(self._device)
+                                           for g in self._group),
+                                         ids.reshape(-1).to(self._device)])
+                              if self._group else ids)
+            self._group.append(ids.clone())
             return
         if ids.dim() != 1:
             ids = ids.reshape(-1)
@@ -637,7 +647,8 @@ class FreeStack:
                 # Parts on different devices, or not all 1-D: flatten and move each one
                 # (only here, so that the common case adds nothing to each grouped free).
                 ids = torch.cat([g.reshape(-1).to(self._device) for g in group])
-            self.push(ids)
+            # (a strict pool validated every part, with the others, as it was grouped)
+            self.push(ids, checked=self.strict)
 
     # -- snapshots -----------------------------------------------------------------------
 

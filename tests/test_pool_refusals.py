@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from terminus.kernels import (
+    DoubleFree,
     ForeignIndex,
     HostPagePool,
     MambaStatePool,
@@ -212,3 +213,40 @@ def test_a_radix_insert_with_an_owned_from_that_is_not_an_int_or_past_the_tree_i
     assert t4.total_size() == 8
     r = t4.insert(list(range(10)), kv, owned_from=8)
     assert r.taken.numel() == 0 and r.leftover.tolist() == [208, 209]
+
+
+def test_a_double_free_inside_a_free_group_is_refused_at_that_free_and_the_rest_still_lands():
+    """A strict pool refused the whole group at `free_group_end`, having closed it: the
+    valid frees collected before were dropped, held by nobody."""
+    kv = TokenKVAllocator(8, strict=True)
+    a = kv.alloc(3)
+    assert a is not None
+    kv.free_group_begin()
+    kv.free(a)
+    with pytest.raises(DoubleFree, match=r"double free of \[\d\]"):
+        kv.free(a[:1])  # already freed in this group
+    kv.free_group_end()
+    kv.assert_full()
+
+
+def test_a_grouped_free_of_a_table_row_frees_what_the_row_held_then():
+    """A grouped free of a view of the request table (a row's columns) is read when it
+    is made: the row given to a new request before the group ends no longer frees the
+    new request's pages and leaks the old ones."""
+    kv = TokenKVAllocator(8, strict=True)
+    table = ReqToTokenTable(2, 4)
+    row = table.alloc(1)
+    old = kv.alloc(2)
+    assert row is not None and old is not None
+    r = int(row[0])
+    table.req_to_token[r, :2] = old.to(table.req_to_token.dtype)
+    kv.free_group_begin()
+    kv.free(table.req_to_token[r, :2])  # a view of the row
+    new = kv.alloc(2)  # the next request's pages, written over the same columns
+    assert new is not None
+    table.req_to_token[r, :2] = new.to(table.req_to_token.dtype)
+    kv.free_group_end()
+    kv.free(new)
+    kv.assert_full()
+    table.free(row)
+    table.assert_full()
