@@ -72,16 +72,24 @@ _INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torc
 _NP_IDS = (np.dtype(np.int64), np.dtype(np.int32))
 
 
+def as_int(value: object) -> int | None:
+    """``value`` as an int (a numpy integer or a 0-d integer tensor is one), or None when
+    it is not one (a bool is not: no pool counts or names anything with True)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def as_count(pool: str, n: object) -> int:
-    """``n`` as an int (a numpy integer or a 0-d integer tensor is one), or a TypeError
-    naming it; a bool is no count."""
-    if not isinstance(n, bool):
-        try:
-            return operator.index(n)  # type: ignore[arg-type]
-        except TypeError:
-            pass
-    raise TypeError(f"{pool}: the number of ids to allocate must be an int, got "
-                    f"{type(n).__name__} {n!r}")
+    """``n`` as an int (see ``as_int``), or a TypeError naming it."""
+    i = as_int(n)
+    if i is None:
+        raise TypeError(f"{pool}: the number of ids to allocate must be an int, got "
+                        f"{type(n).__name__} {n!r}")
+    return i
 
 
 def not_ids(pool: str, values: object, dtype: object) -> TypeError:

@@ -20,11 +20,9 @@ the unlock that drops its last reference (``free_when_unlocked``).
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
-from terminus.kernels._stack import FreeStack, IdsLike, StackPool, long_ids
+from terminus.kernels._stack import FreeStack, IdsLike, StackPool, as_int, long_ids
 from terminus.kernels.errors import DoubleFree, KernelError, LeakError, PageLocked
 
 __all__ = ["HostPagePool", "Prefetch"]
@@ -239,13 +237,11 @@ class Prefetch:
         """Record ``k`` more pages transferred (an int >= 0; a bool is no count);
         returns the completed count."""
         if k.__class__ is not int:
-            try:
-                if isinstance(k, bool):
-                    raise TypeError
-                k = operator.index(k)  # (a numpy integer is one)
-            except TypeError:
+            j = as_int(k)  # (a numpy integer is one)
+            if j is None:
                 raise TypeError(f"Prefetch.advance({k!r}): k is the count of pages the I/O "
-                                "wrote since the last call, an int") from None
+                                "wrote since the last call, an int")
+            k = j
         if k < 0:
             raise ValueError(f"Prefetch.advance({k}): k is a count of pages written, >= 0")
         if self.stopped:

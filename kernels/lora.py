@@ -24,11 +24,11 @@ counter lives on its adapter's record, so neither path does a second lookup.
 from __future__ import annotations
 
 import asyncio
-import operator
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, overload
 
+from terminus.kernels._stack import as_int
 from terminus.kernels.errors import (
     LeakError,
     RegistryFull,
@@ -56,15 +56,11 @@ class LoRAAdapter:
 
 def _lora_id(i: object) -> int:
     """One LoRA id as an int (a numpy integer is one), or a TypeError naming it."""
-    if i.__class__ is not int:
-        if not isinstance(i, bool):
-            try:
-                return operator.index(i)  # type: ignore[arg-type]
-            except TypeError:
-                pass
+    j = i if i.__class__ is int else as_int(i)
+    if j is None:
         raise TypeError(f"LoRA release: {i!r} is not a LoRA id; release the int ids "
                         "acquire() returned (a name is not one)")
-    return i
+    return j
 
 
 def _lora_ids(ids: object) -> int | list[int]:

@@ -7,10 +7,9 @@ handed out one at a time, so the free list is a Python list, not a tensor.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
+from terminus.kernels._stack import as_int
 from terminus.kernels.errors import DoubleFree, ForeignIndex, LeakError
 from terminus.kernels.protocols import SlotAllocator
 
@@ -56,14 +55,11 @@ class MetadataSlots:
         a TypeError for a slot that is not an int (a bool or a tensor kept in the free
         list would be what the next ``alloc`` hands out)."""
         if i.__class__ is not int:
-            if isinstance(i, bool):
+            j = as_int(i)
+            if j is None:
                 raise TypeError(f"MetadataSlots.free({i!r}): a slot is an int, as alloc() "
-                                "returns")
-            try:
-                i = operator.index(i)
-            except TypeError:
-                raise TypeError(f"MetadataSlots.free({i!r}): a slot is an int, as alloc() "
-                                f"returns, not {type(i).__name__}") from None
+                                f"returns, not {type(i).__name__}")
+            i = j
         if not 0 <= i < self._size:
             raise ForeignIndex("MetadataSlots", [i], f"slots 0..{self._size - 1}")
         if self._is_free[i]:

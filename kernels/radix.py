@@ -44,6 +44,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
+from terminus.kernels._stack import as_int
 from terminus.kernels.errors import KernelError
 
 __all__ = ["LockUnderflow", "RadixInsert", "RadixMatch", "RadixNode", "RadixTree", "StaleNode"]
@@ -392,10 +393,11 @@ class RadixTree:
         """`insert` once its indices are checked: `values` int64 (a tensor), or `host`
         (= `values`, a numpy integer array) for `insert_host`."""
         if owned_from.__class__ is not int:
-            if isinstance(owned_from, bool) or not hasattr(owned_from, "__index__"):
+            as_i = as_int(owned_from)
+            if as_i is None:
                 raise TypeError(f"RadixTree.insert: owned_from={owned_from!r} is not an int "
                                 "(where the caller's own indices start)")
-            owned_from = owned_from.__index__()
+            owned_from = as_i
         if not 0 <= owned_from <= len(tokens):
             raise ValueError(f"RadixTree.insert: owned_from={owned_from} is outside "
                              f"0..{len(tokens)} (the length of the sequence)")
