@@ -32,7 +32,6 @@ stopped (done, failed or aborted) or `sender_deadline_s` passed.
 
 from __future__ import annotations
 
-import operator
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ from terminus.fsm import (
     ReleaseContext,
     release_effect,
 )
+from terminus.kernels._stack import as_int
 from terminus.kernels.host import HostPagePool
 from terminus.kernels.kv import TokenKVAllocator
 from terminus.kernels.mamba import MambaStatePool
@@ -402,13 +402,11 @@ def _counts(rid: str, **counts: Any) -> list[int]:
     that is not, before anything is made or taken."""
     out = []
     for name, v in counts.items():
-        if isinstance(v, bool):
-            raise TypeError(f"request {rid!r}: {name} must be an int, got {v!r}")
-        try:
-            out.append(operator.index(v))
-        except TypeError:
+        i = as_int(v)
+        if i is None:
             raise TypeError(f"request {rid!r}: {name} must be an int, got "
-                            f"{type(v).__name__} {v!r}") from None
+                            + (repr(v) if isinstance(v, bool) else f"{type(v).__name__} {v!r}"))
+        out.append(i)
     return out
 
 
