@@ -155,6 +155,7 @@ def _reset_of(ev: torch.Tensor | _CheckedRuns, reset: torch.Tensor | None,
         return host_ints(ids) if ids else None
     return reset
 
+
 def _drop_locks(held: list[tuple[Any, Any]]) -> None:
     """Release the prefix locks an admission made before it was refused."""
     for _, lock in held:

@@ -665,10 +665,10 @@ class TokenizerSide:
             self._not_created(rid)
             self.unknown_events += 1
             return False
-        if inst.__class__ is not SamplingGroup and not isinstance(inst, SamplingGroup):
-            self._fire(inst, RequestAbort(message))
-        else:
+        if isinstance(inst, SamplingGroup):
             self._abort_group(inst, message, live_only=False)
+        else:
+            self._fire(inst, RequestAbort(message))
         return True
 
     def _abort_group(self, group: SamplingGroup, message: str, *, live_only: bool) -> None:

@@ -221,6 +221,7 @@ class FreeStack:
         # (and page faults) per call for large frees with glibc's allocator.
         self._scratch = torch.empty(capacity, dtype=torch.int64, device=self._device)
         self._group: list[torch.Tensor] | None = None
+        self._grouped: set[int] = set()  # a strict pool's ids in the open group
         self._gen = 0
         self.clear()
 
@@ -236,6 +237,7 @@ class FreeStack:
         self._top = self._cap
         self._synced = self._cap
         self._group = None
+        self._grouped.clear()
         self._gen += 1
         self._snap_top = -1
         self._saved: torch.Tensor | None = None
@@ -506,17 +508,21 @@ class FreeStack:
         if ids.dtype not in _INT_DTYPES:
             raise not_ids(self.name, ids, ids.dtype)
         if self._group is not None:
-            # A copy, read now: a view of the caller's table (a row's columns) may be
-            # rewritten before the group ends, when the row is given to a new request.
-            # A strict pool validates each grouped free at once, with the group's earlier
-            # ones (a double free among them): refused, it joins nothing, and the valid
-            # frees already grouped still reach the free list at `group_end`.
+            # A strict pool validates each grouped free at once (in range, distinct,
+            # none free) and against the group's earlier ones (the ids it holds, as a
+            # set): refused, it joins nothing, and the valid frees already grouped still
+            # reach the free list at `group_end`.
             if self.strict:
-                self.validate(torch.cat([*(g.reshape(-1).to(self._device)
-                                           for g in self._group),
-                                         ids.reshape(-1).to(self._device)])
-                              if self._group else ids)
-            self._group.append(ids.clone())
+                self.validate(ids)
+                vals = ids.reshape(-1).tolist()
+                again = self._grouped.intersection(vals)
+                if again:
+                    raise DoubleFree(self.name, sorted(again))
+                self._grouped.update(vals)
+            # A view (of the caller's table: a row's columns) is copied, read now: the
+            # row may be rewritten before the group ends, given to a new request. A
+            # tensor of its own is the pool's once freed, kept as it is.
+            self._group.append(ids if ids._base is None else ids.clone())
             return
         if ids.dim() != 1:
             ids = ids.reshape(-1)
@@ -641,6 +647,7 @@ class FreeStack:
                 "call free_group_end() first"
             )
         self._group = []
+        self._grouped.clear()
 
     def group_end(self) -> None:
         """Push every free collected since ``group_begin`` with one stack write."""
@@ -648,6 +655,7 @@ class FreeStack:
         if group is None:
             raise KernelError(f"{self.name}: free_group_end() without free_group_begin()")
         self._group = None
+        self._grouped.clear()
         if group:
             try:
                 ids = torch.cat(group) if len(group) > 1 else group[0].reshape(-1)
@@ -655,7 +663,8 @@ class FreeStack:
                 # Parts on different devices, or not all 1-D: flatten and move each one
                 # (only here, so that the common case adds nothing to each grouped free).
                 ids = torch.cat([g.reshape(-1).to(self._device) for g in group])
-            # (a strict pool validated every part, with the others, as it was grouped)
+            # (a strict pool validated every part, and against the others, as it was
+            # grouped)
             self.push(ids, checked=self.strict)
 
     # -- snapshots -----------------------------------------------------------------------

@@ -132,18 +132,21 @@ class HostPagePool(StackPool):
         """Drop one lock reference per listed page; raises (changing nothing) on underflow
         or on a page outside the pool (`IndexError`)."""
         ids = long_ids(pages, self.device, "HostPagePool")
-        if ids.numel():
-            lo, hi = torch.stack(ids.aminmax()).tolist()  # one read
-            if lo < 0 or hi >= self.lock_refs.numel():
-                bad = [v for v in ids.tolist() if not 0 <= v < self.lock_refs.numel()]
-                raise IndexError(f"HostPagePool: unlock of pages {bad} outside the pool "
-                                 f"(0..{self.lock_refs.numel() - 1}); unlock pages it locked")
         self._unlock_commit(ids, self._unlocked(ids))
 
     def _unlocked(self, ids: torch.Tensor) -> torch.Tensor:
         """``lock_refs`` after unlocking ``ids``; raises on underflow, changing nothing."""
         after = self.lock_refs.clone()
-        after.index_add_(0, ids, torch.full_like(ids, -1, dtype=torch.int32))
+        try:
+            after.index_add_(0, ids, torch.full_like(ids, -1, dtype=torch.int32))
+        except (IndexError, RuntimeError):
+            # (on a clone: nothing changed) a page outside the pool, named
+            n = self.lock_refs.numel()
+            bad = [v for v in ids.tolist() if not 0 <= v < n]
+            if not bad:
+                raise
+            raise IndexError(f"HostPagePool: unlock of pages {bad} outside the pool "
+                             f"(0..{n - 1}); unlock pages it locked") from None
         under = after.index_select(0, ids) < 0
         if bool(under.any()):
             raise KernelError(
