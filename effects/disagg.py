@@ -554,7 +554,9 @@ class DisaggPrefill:
     `sender_deadline_s`: how long a request aborted during its transfer waits for the
     sender to confirm it stopped reading, measured on `clock` (seconds). `errors`: the
     best-effort calls made outside a plan that raised (the sender's abort notice, the
-    host prefetch of `add`, the polls of a request waiting for its sender).
+    host prefetch of `add`, the polls of a request waiting for its sender), and the
+    sender steps that raised something other than `TransportError` (each fails its
+    request as a `TransportError` does).
     """
 
     def __init__(self, pools: DisaggPools | None = None, *,
@@ -727,8 +729,8 @@ class DisaggPrefill:
             return req.fire(_BOOTSTRAPPED) if req.terminal else None
         try:
             self.transport.bootstrap(rid)
-        except TransportError as e:
-            return self._fail_bootstrap(req, str(e))
+        except Exception as e:
+            return self._fail_bootstrap(req, self._sender_failed(e))
         slot = MetadataSlot.take(self.pools.metadata)
         if slot is None:
             return None
@@ -736,9 +738,22 @@ class DisaggPrefill:
         req.fire(_BOOTSTRAPPED)
         try:
             self.transport.init(rid, req.prompt_len, slot.index)
-        except TransportError as e:
-            return self._fail_bootstrap(req, str(e))
+        except Exception as e:
+            return self._fail_bootstrap(req, self._sender_failed(e))
         return None
+
+    def _sender_failed(self, err: Exception) -> str:
+        """The reason a sender step that raised gives its request's failure. A
+        `TransportError` is the protocol's failure; any other exception (a real sender's
+        `ConnectionError`, a bug in it) fails the step the same way and is kept in
+        `errors` with its traceback. Raised out of the driver instead, it would leave the
+        request past a step the peer never took: after `init`, holding a metadata slot
+        the decode side never heard of; after `send`, waiting for a transfer that never
+        started."""
+        if isinstance(err, TransportError):
+            return str(err)
+        self.errors.append(err)
+        return f"sender failed: {err!r}"
 
     @sanitized
     def retry_bootstrap(self, rid: str) -> bool:
@@ -953,8 +968,8 @@ class DisaggPrefill:
                 kv.append(h.value)
             try:
                 self.transport.send(rid, torch.cat(kv) if len(kv) > 1 else kv[0])
-            except TransportError as e:
-                return req.fire(TransferFailed(str(e)))
+            except Exception as e:
+                return req.fire(TransferFailed(self._sender_failed(e)))
         return report
 
     @sanitized
@@ -964,8 +979,9 @@ class DisaggPrefill:
         A request aborted during its transfer ends (as `aborted`) once the sender says
         it stopped (success, failure or ABORTED) or its deadline passed; a poll that
         raises then (a dead peer raises at every poll) is recorded in `errors` and the
-        deadline still ends the wait. During the transfer a poll that raises is raised,
-        changing nothing: poll again, or abort (the deadline then bounds the wait).
+        deadline still ends the wait. During the transfer a poll that raises changes
+        nothing and raises `TransportError` naming the request (the sender's error is
+        its `__cause__`): poll again, or abort (the deadline then bounds the wait).
         """
         try:
             req = self.requests[rid]
@@ -977,7 +993,13 @@ class DisaggPrefill:
             p = self.transport.poll(rid)
         except Exception as err:
             if req._s == self._transferring:
-                raise
+                # The sender may still be reading the KV: nothing is released, and the
+                # caller learns which request's poll failed and what is left to do.
+                raise TransportError(
+                    f"request {rid!r}: the sender's poll raised {err!r} during the "
+                    "transfer; nothing changed (its KV is kept while the sender may read "
+                    "it): poll again, or abort it (it then waits for the sender at most "
+                    "sender_deadline_s)") from err
             self.errors.append(err)  # awaiting the sender: only the deadline is left
             p = None
         if p is _SUCCESS:

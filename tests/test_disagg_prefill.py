@@ -969,9 +969,11 @@ def test_a_dead_peer_whose_every_poll_raises_does_not_stop_the_sender_deadline()
         raise TransportError("peer gone")
 
     t.poll = dead
-    # During the transfer, a raising poll is raised and changes nothing.
-    with pytest.raises(TransportError, match="peer gone"):
+    # During the transfer, a raising poll changes nothing and is raised as a
+    # TransportError naming the request, the sender's error its cause.
+    with pytest.raises(TransportError, match=r"request 'r'.*peer gone") as raised:
         e.poll_transfer("r")
+    assert str(raised.value.__cause__) == "peer gone"
     assert req.state == "transferring" and not e.errors
     e.abort("r", "client gone")
     assert req.state == "awaiting_sender"
@@ -985,6 +987,53 @@ def test_a_dead_peer_whose_every_poll_raises_does_not_stop_the_sender_deadline()
     assert e.sink.outputs == [TerminalOutput("r", "aborted", message="client gone")]
     assert e.poll_transfer("r") is None  # ended: not polled again
     assert len(e.errors) == 2
+    e.finish()
+
+
+@pytest.mark.parametrize("step", ["bootstrap", "init", "send"])
+def test_a_sender_step_raising_something_else_fails_its_request_as_a_transport_error_does(
+        step):
+    """A real sender raises what its library raises (a `ConnectionError`), not always
+    `TransportError`. Raised out of the driver, `init`'s left the request waiting with a
+    metadata slot the decode side never heard of, and `send`'s left it transferring a
+    transfer that never started: each ran on to a wait nobody would end. Now the step
+    fails its request (everything released once) and the error is kept in `errors`."""
+    e, t = engine()
+    req = e.add("r", 8, chunk_size=4, host_pages=2)
+    err = ConnectionError("connection reset by peer")
+
+    def reset(*args):
+        raise err
+
+    setattr(t, step, reset)
+    e.bootstrap("r")
+    if step == "send":
+        for k in (0, 1):
+            e.schedule("r")
+            e.result("r", k)
+    outcome = "failed" if step == "send" else "bootstrap_failed"
+    assert req.state == outcome and e.errors == [err]
+    assert e.sink.outputs == [TerminalOutput("r", outcome, message=f"sender failed: {err!r}")]
+    assert e.pools.metadata.available == e.pools.metadata.capacity
+    e.finish()
+
+
+def test_a_poll_raising_something_else_during_the_transfer_is_a_transport_error():
+    e, t = engine()
+    req = started(e, prompt=4, chunk=4, host_pages=0, chunks=1)
+    e.result("r", 0)
+
+    def reset(rid):
+        raise ConnectionError("connection reset by peer")
+
+    t.poll = reset
+    with pytest.raises(TransportError, match="poll again, or abort it") as raised:
+        e.poll_transfer("r")
+    assert isinstance(raised.value.__cause__, ConnectionError)
+    assert req.state == "transferring" and not e.errors
+    del t.poll  # the sender's own poll again
+    t.complete("r")
+    assert e.poll_transfer("r").plan == "release_succeeded"
     e.finish()
 
 
