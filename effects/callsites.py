@@ -162,8 +162,8 @@ class UnregisteredCallSite(AssertionError):
 _ERRORS: dict[type[BaseException], type[BaseException]] = {}
 
 
-def _injected(site: CallSite) -> BaseException:
-    base = site.error
+def _injected(site: CallSite, error: type[BaseException] | None = None) -> BaseException:
+    base = site.error if error is None else error
     cls = _ERRORS.get(base)
     if cls is None:
         cls = type(f"Injected{base.__name__}", (InjectedFault, base), {})
@@ -202,14 +202,24 @@ class FaultPlan:
         """Each faulted call as (the resource's method, its arguments): calling it again
         frees what a refused free did not."""
         self._armed: dict[tuple[str, str], int] = {}
+        self._errors: dict[tuple[str, str], type[BaseException] | None] = {}
         self._known = {(s.resource, s.method): s for s in call_sites()}
         self._proxies: weakref.WeakSet[_Proxy] = weakref.WeakSet()
         """The proxies made over this plan (`count=False`: `_rebind` reaches them)."""
 
-    def arm(self, site: CallSite, times: int = 1) -> None:
-        """Make `site` raise on its next `times` calls."""
+    def arm(self, site: CallSite, times: int = 1,
+            error: type[BaseException] | None = None) -> None:
+        """Make `site` raise on its next `times` calls: an `InjectedFault` that is also
+        a `site.error`, or an `error` instead (what a real resource raises that its
+        protocol does not name: a sender's `ConnectionError`, an allocator's
+        `MemoryError`)."""
+        if error is not None and not (isinstance(error, type)
+                                      and issubclass(error, Exception)):
+            raise TypeError(f"FaultPlan.arm: error must be an Exception class, got "
+                            f"{error!r}")
         key = (site.resource, site.method)
         self._armed[key] = times
+        self._errors[key] = error
         self._rebind(key)
 
     def _rebind(self, key: tuple[str, str]) -> None:
@@ -250,7 +260,7 @@ class FaultPlan:
             self.fired.append(site)
             if fn is not None:
                 self.fired_calls.append((fn, args))
-            raise _injected(site)
+            raise _injected(site, self._errors.get(key))
 
 
 class _Proxy:

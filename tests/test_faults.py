@@ -32,6 +32,7 @@ from terminus.effects.prefix_cache import PrefixCache
 from terminus.effects.sanitize import LeakSanitizerError, sanitizing
 from terminus.effects.sim.transport import FakeTransport
 from terminus.effects.tokenizer import TokenizerSide
+from terminus.effects.transport import TransportError
 from terminus.fsm import ReleaseFailed
 from terminus.kernels import LoRARegistry, release_batch
 from tests.tokenizer_side import FakeScheduler, FakeTokenizer
@@ -78,24 +79,41 @@ class Clock:
         return self.now
 
 
-def attempter(errors: list[BaseException]) -> Any:
+def attempter(errors: list[BaseException], state: Any = None) -> Any:
     """`attempt(fn, *args)`: call it as a serving loop would, recording (in `errors`)
-    whatever it raises except a sanitizer finding, which fails the test at once."""
+    whatever it raises except a sanitizer finding, which fails the test at once. With
+    `state` (a function of no arguments), a call that raises must leave `state()` as it
+    found it: a raised error is a refusal, which changes nothing."""
 
     def attempt(fn: Any, *a: Any) -> Any:
+        before = state() if state is not None else None
         try:
             return fn(*a)
         except LeakSanitizerError:
             raise
         except Exception as err:
             errors.append(err)
+            if state is not None:
+                assert state() == before, (
+                    f"{fn.__name__}{a} raised {err!r} after it changed something")
             return None
 
     return attempt
 
 
-def disagg_run(plan: FaultPlan) -> tuple[list[BaseException], DisaggPools, Any, Any]:
-    """Three requests: one succeeds, one is aborted mid-prefill, one during its transfer."""
+def disagg_state(e: DisaggPrefill, real: DisaggPools) -> Any:
+    """What a refused driver call must not change: every request's state and its chunks',
+    what the ledger holds, what each pool has free."""
+    return ({rid: (r.state, [c.state for c in r.chunks]) for rid, r in e.requests.items()},
+            e.ledger.count(), {k: p.available_size() if hasattr(p, "available_size")
+                               else p.available for k, p in real.pools().items()})
+
+
+def disagg_run(plan: FaultPlan, *, refusals_change_nothing: bool = False,
+               ) -> tuple[list[BaseException], DisaggPools, Any, Any]:
+    """Three requests: one succeeds, one is aborted mid-prefill, one during its transfer.
+    `refusals_change_nothing`: every driver call that raises is checked to have changed
+    nothing (`attempter`'s `state`)."""
     real = DisaggPools.make(kv_tokens=256, requests=4, mamba_slots=8, metadata_slots=4,
                             host_pages=16, max_context_len=64)
     pools = DisaggPools(
@@ -111,7 +129,8 @@ def disagg_run(plan: FaultPlan) -> tuple[list[BaseException], DisaggPools, Any, 
                       cache=proxy(cache, "cache", plan), sink=proxy(sink, "sink", plan),
                       clock=clock, sender_deadline_s=5)
     errors: list[BaseException] = []
-    attempt = attempter(errors)
+    attempt = attempter(errors, (lambda: disagg_state(e, real)) if refusals_change_nothing
+                        else None)
 
     rids = ("ok", "cut", "late")
     for rid in rids:
@@ -226,6 +245,36 @@ def test_a_fault_at_each_disagg_call_site_ends_clean(site):
     assert_reported(site, errors, sink)
     refused_release(site, plan)
     finish_disagg(real, sink, e, plan)
+
+
+TRANSPORT_SITES = [s for s in DISAGG_SITES if s.resource == "transport"]
+
+
+@pytest.mark.parametrize("site", TRANSPORT_SITES, ids=lambda s: f"{s.resource}.{s.method}")
+def test_a_sender_error_outside_the_protocol_at_each_transport_site_ends_clean(site):
+    """A real sender raises what its library raises, not only `TransportError`: each
+    transport site raising a `ConnectionError` instead ends as clean, and no driver call
+    raises after it changed something (`init`'s left the request waiting with a
+    metadata slot the decode side never heard of, `send`'s left it waiting on a transfer
+    that never started, both raised out of the driver)."""
+    plan = FaultPlan()
+    plan.arm(site, error=ConnectionError)
+    errors, real, sink, e = disagg_run(plan, refusals_change_nothing=True)
+    assert plan.fired == [site]
+    faults = injected(errors)
+    assert faults and all(isinstance(f, ConnectionError) and not isinstance(f, TransportError)
+                          for f in faults)
+    assert_reported(site, errors, sink)
+    finish_disagg(real, sink, e, plan)
+
+
+def test_arm_refuses_an_error_that_is_not_an_exception_class():
+    plan = FaultPlan()
+    site = TRANSPORT_SITES[0]
+    for bad in (ConnectionError("an instance"), KeyboardInterrupt, "ConnectionError"):
+        with pytest.raises(TypeError, match="must be an Exception class"):
+            plan.arm(site, error=bad)
+    assert not plan._armed
 
 
 # -- tokenizer side -----------------------------------------------------------------------------
