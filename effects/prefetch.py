@@ -345,8 +345,10 @@ class PrefetchSite:
             # the lock it asked for.
             self.host.lock(anchor)
             self.ledger.acquire(inst, "host_lock", anchor)
-        inst.fire(_QUEUE)
+        # Known before it fires: a trace recorder that raises out of the fire leaves it
+        # queued, holding its lock, where an abort finds it (not lost with the lock).
         self.requests[rid] = inst
+        inst.fire(_QUEUE)
         return inst
 
     @sanitized

@@ -414,6 +414,37 @@ def test_completing_without_a_cache_to_take_the_pages_is_refused_before_anything
     site.host.assert_full()
 
 
+def test_a_recorder_raising_at_queue_leaves_the_prefetch_findable_with_its_lock() -> None:
+    """The anchor is locked into the ledger before the Queue fire; a trace recorder that
+    raises out of that fire left an instance holding the lock that no rid reached (the
+    ledger never empty again). Now it is known, queued, and its abort unlocks."""
+    from terminus.fsm import observe
+
+    class Raising:
+        def record(self, machine, source, event, alt):
+            if machine.event_names[event] == "Queue":
+                raise RuntimeError("recorder broke")
+
+        def record_counts(self, machine, counts):
+            pass
+
+    site = PrefetchSite(HostPagePool(8))
+    anchor = site.host.alloc(2)
+    prev = observe.set_recorder(Raising())
+    try:
+        with pytest.raises(RuntimeError, match="recorder broke"):
+            site.queue("rid", anchor)
+    finally:
+        observe.set_recorder(prev)
+    assert site.requests["rid"].state == "pending"
+    assert site.host.locked_pages() == 2
+    SimulatedRanks([site], []).abort("rid")
+    assert site.host.locked_pages() == 0
+    site.assert_released()
+    site.host.free(anchor)
+    site.host.assert_full()
+
+
 def test_group_kinds_must_partition_the_ranks() -> None:
     with pytest.raises(ValueError, match=r"group kind 'tp' must partition ranks 0..1"):
         SimulatedRanks([PrefetchSite(HostPagePool(1)) for _ in range(2)], [("tp", [[0]])])
