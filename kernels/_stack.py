@@ -637,6 +637,47 @@ class FreeStack:
             if twice.numel():
                 raise DoubleFree(self.name, torch.unique(twice).tolist())
 
+    def outside_or_free(self, ids: torch.Tensor) -> tuple[list[int], list[int]]:
+        """``(outside, free)`` among ``ids`` (1-D int64 on this device): the ids outside
+        ``lo .. hi-1`` and, when none is, the ids in the free list now (a page listed
+        twice is named twice). What a call that only the holder of an id may make (a
+        lock) refuses. Changes nothing; one host read on a device, none on a CPU (the ids
+        and their counts read on the host). With ``detect=False`` nothing records which
+        ids are free: ``free`` is then empty."""
+        if not ids.numel():
+            return [], []
+        if self._synced < self._top:
+            self._sync()
+        lo, hi = self.lo, self.hi
+        mv = self._count_mv
+        if mv is not None:
+            # A CPU free list: no torch op, a few ids in Python, more through numpy.
+            if ids.numel() <= _HOST_VALIDATE:
+                vals = ids.tolist()
+                outside = [v for v in vals if not lo <= v < hi]
+                if outside or not self.detect:
+                    return outside, []
+                off = self._off
+                return [], [v for v in vals if mv[v + off]]
+            arr = ids.numpy()
+            if int(arr.min()) < lo or int(arr.max()) >= hi:
+                return [v for v in arr.tolist() if not lo <= v < hi], []
+            if not self.detect:
+                return [], []
+            got = np.asarray(mv)[arr + self._off]
+            return [], arr[got != 0].tolist() if got.any() else []
+        mn, mx = ids.aminmax()
+        if not self.detect:
+            first, last = torch.stack((mn, mx)).tolist()
+            return ([v for v in ids.tolist() if not lo <= v < hi]
+                    if first < lo or last >= hi else []), []
+        # (clamped: an id outside lands on a sentinel, never out of bounds on a device)
+        free = self._count.index_select(0, (ids + self._off).clamp_(0, self._cap + 1)).ne(0)
+        first, last, n_free = torch.stack((mn, mx, free.sum())).tolist()  # the one read
+        if first < lo or last >= hi:
+            return [v for v in ids.tolist() if not lo <= v < hi], []
+        return [], ids[free].tolist() if n_free else []
+
     # -- free groups -------------------------------------------------------------------
 
     def group_begin(self) -> None:

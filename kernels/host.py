@@ -114,17 +114,24 @@ class HostPagePool(StackPool):
         return later.numel()
 
     def lock(self, pages: IdsLike) -> None:
-        """Add one lock reference to each page (a page listed twice gets two). A page
-        outside the pool is refused (`IndexError`) with nothing locked: `index_add_`
-        would have counted the ids before it, unseen by `free`."""
+        """Add one lock reference to each page (a page listed twice gets two). Only a page
+        someone holds (handed out by ``alloc`` or a prefetch, not freed since) can be
+        locked: a free page (``KernelError``) would be handed out locked by the next
+        ``alloc``, whose owner's ``free`` then raises ``PageLocked``; a page outside the
+        pool is an ``IndexError``. Either is refused with nothing locked (``index_add_``
+        would have counted the ids before it, unseen by ``free``); one read checks both."""
         ids = long_ids(pages, self.device, "HostPagePool")
         if not ids.numel():
             return
-        lo, hi = torch.stack(ids.aminmax()).tolist()  # one read
-        if lo < 0 or hi >= self.lock_refs.numel():
-            bad = [v for v in ids.tolist() if not 0 <= v < self.lock_refs.numel()]
-            raise IndexError(f"HostPagePool: lock of pages {bad} outside the pool "
+        outside, free = self._free.outside_or_free(ids)
+        if outside:
+            raise IndexError(f"HostPagePool: lock of pages {outside} outside the pool "
                              f"(0..{self.lock_refs.numel() - 1}); lock pages it gave out")
+        if free:
+            raise KernelError(
+                f"HostPagePool: lock of pages {sorted(set(free))} that are free (never "
+                "handed out, or freed already); nothing was locked. Lock only pages "
+                "alloc() or a prefetch gave out that their holder has not freed")
         self.lock_refs.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         self._refs += ids.numel()
 

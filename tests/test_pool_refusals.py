@@ -20,6 +20,7 @@ from terminus.kernels import (
     DoubleFree,
     ForeignIndex,
     HostPagePool,
+    KernelError,
     MambaStatePool,
     MetadataSlots,
     RadixTree,
@@ -250,3 +251,55 @@ def test_a_grouped_free_of_a_table_row_frees_what_the_row_held_then():
     kv.assert_full()
     table.free(row)
     table.assert_full()
+
+
+@pytest.mark.parametrize("case", ["never_handed_out", "freed", "one_of_two", "tail", "many"])
+def test_a_lock_of_a_free_page_names_it_and_locks_nothing(device, case):
+    """A free page took the lock: the next alloc handed it out locked, and its new
+    owner's free raised PageLocked."""
+    h = HostPagePool(80, device)
+    held = h.alloc(70)
+    assert held is not None
+    gone = h.alloc(1)  # handed out, then freed
+    assert gone is not None
+    h.free(gone)
+    if case == "tail":  # the pages a prefetch's I/O never wrote, freed by terminate
+        p = h.prefetch(3)
+        assert p is not None
+        p.advance(1)
+        p.terminate()
+        free, pages = p.pages[1:].tolist(), p.pages[1:]
+    elif case == "freed":
+        free, pages = gone.tolist(), gone
+    elif case == "never_handed_out":  # alloc pops from the top: page 0 is the last one
+        free, pages = [0], [0]
+    elif case == "one_of_two":
+        free, pages = [0], [int(held[0]), 0]
+    else:  # more pages than a CPU pool checks in Python: the tensor path
+        free, pages = [0], torch.cat((held, torch.tensor([0], device=held.device)))
+    before = h.available
+    with pytest.raises(KernelError, match=rf"HostPagePool: lock of pages "
+                                          rf"\[{', '.join(map(str, sorted(free)))}\] that are "
+                                          r"free .*nothing was locked"):
+        h.lock(pages)
+    assert h.locked_pages() == 0 and h._refs == 0 and h.available == before
+    if case == "tail":
+        p.release()
+    h.lock(held)  # pages someone holds still lock
+    h.unlock(held)
+    rest = h.alloc(h.available)  # every free page, the refused ones among them, unlocked
+    assert rest is not None and set(free) <= set(rest.tolist())
+    h.free(rest)
+    h.free(held)
+    h.assert_full()
+
+
+def test_a_prefetch_whose_anchor_is_a_free_page_takes_no_page(device):
+    h = HostPagePool(8, device)
+    anchor = h.alloc(1)
+    assert anchor is not None
+    h.free(anchor)
+    with pytest.raises(KernelError, match=rf"lock of pages \[{int(anchor)}\] that are free"):
+        h.prefetch(3, anchor=anchor)
+    assert h.available == 8 and h.prefetch_occupied == 0 and h.locked_pages() == 0
+    h.assert_full()
