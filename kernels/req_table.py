@@ -16,7 +16,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from terminus.kernels._stack import FreeStack, IdsLike, StackPool, as_count, as_ids
+from terminus.kernels._stack import (
+    _INT_DTYPES,
+    FreeStack,
+    IdsLike,
+    StackPool,
+    as_count,
+    as_ids,
+    as_int,
+)
 
 __all__ = ["ReqToTokenTable"]
 
@@ -98,10 +106,27 @@ class ReqToTokenTable(StackPool):
         self.lengths.zero_()
         self.mamba_slots.zero_()
 
+    def _index(self, what: str, name: str, value: object) -> int:
+        """``value`` (a slot or a start) as an int (see ``as_int``), or a TypeError."""
+        i = as_int(value)
+        if i is None:
+            raise TypeError(
+                f"ReqToTokenTable.{what}: {name} {value!r} ({type(value).__name__}) is not "
+                f"an int; pass {'a slot alloc() returned' if name == 'slot' else 'a start >= 0'}"
+                " as an int (a float or a bool is refused, never truncated)")
+        return i
+
     def write(self, slot: int, start: int, tokens: torch.Tensor) -> None:
-        """Store ``tokens`` (1-D) at ``[slot, start:start+len]`` and set the length to the
-        end. A slot outside the table, a negative start or tokens that are not 1-D are
-        refused (``ValueError``) with nothing written, on every path."""
+        """Store ``tokens`` (1-D, an integer dtype) at ``[slot, start:start+len]`` and set
+        the length to the end. A slot outside the table, a negative start or tokens that
+        are not 1-D are refused (``ValueError``); a slot or start that is not an int (a
+        numpy integer or a 0-d integer tensor is one) or tokens that are not integers
+        (float, bool: they would be truncated into token slots) are refused
+        (``TypeError``); each with nothing written, on every path."""
+        if slot.__class__ is not int:
+            slot = self._index("write", "slot", slot)
+        if start.__class__ is not int:
+            start = self._index("write", "start", start)
         if not 0 <= slot < self._rows or start < 0 or tokens.ndim != 1:
             raise ValueError(
                 f"ReqToTokenTable.write: slot {slot} (0..{self._rows - 1}), start "
@@ -119,11 +144,21 @@ class ReqToTokenTable(StackPool):
             views[2][slot, start:end] = tokens.numpy()
             views[0][slot] = end
             return
+        if tokens.dtype not in _INT_DTYPES:  # (int64 and int32 never come this far on a CPU)
+            raise TypeError(
+                f"ReqToTokenTable.write: tokens are {tokens.dtype}, not integers: pass the "
+                "token slots the KV allocator returned (an int64 or int32 tensor); nothing "
+                "was written")
         self.req_to_token[slot, start:end] = tokens
         self.lengths[slot] = end
 
     def tokens(self, slot: int) -> torch.Tensor:
-        """The token slots ``slot`` owns (a view of its row up to its length)."""
+        """The token slots ``slot`` owns (a view of its row up to its length). A slot
+        outside the table (``ValueError``; a negative one read another row) or not an
+        int (``TypeError``) is refused."""
+        if slot.__class__ is not int:
+            slot = self._index("tokens", "slot", slot)
+        if not 0 <= slot < self._rows:
+            raise ValueError(f"ReqToTokenTable.tokens: slot {slot} is outside the table "
+                             f"(0..{self._rows - 1}); pass a slot alloc() returned")
         return self.req_to_token[slot, : int(self.lengths[slot])]
-
-

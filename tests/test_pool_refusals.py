@@ -303,3 +303,58 @@ def test_a_prefetch_whose_anchor_is_a_free_page_takes_no_page(device):
         h.prefetch(3, anchor=anchor)
     assert h.available == 8 and h.prefetch_occupied == 0 and h.locked_pages() == 0
     h.assert_full()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bool])
+def test_a_table_write_of_tokens_that_are_not_integers_is_refused_and_writes_nothing(device,
+                                                                                      dtype):
+    """Float token slots were truncated into the row (1.7 became slot 1), silently."""
+    t = ReqToTokenTable(2, 8, device)
+    s = t.alloc(2)
+    assert s is not None
+    with pytest.raises(TypeError, match=rf"ReqToTokenTable.write: tokens are {dtype}, not "
+                                        r"integers.*nothing was written"):
+        t.write(0, 0, torch.tensor([1.7, 2.2], device=device).to(dtype))
+    assert t.lengths.tolist() == [0, 0] and not t.req_to_token.any()
+    t.write(0, 0, torch.tensor([1, 2], dtype=torch.int16, device=device))  # integers: kept
+    assert t.tokens(0).tolist() == [1, 2]
+    t.free(s)
+    t.assert_full()
+
+
+@pytest.mark.parametrize(("slot", "start", "bad"), [
+    (1.0, 0, r"slot 1\.0 \(float\)"), (True, 0, r"slot True \(bool\)"),
+    (0, True, r"start True \(bool\)"), (0, 0.0, r"start 0\.0 \(float\)"),
+    ("1", 0, r"slot '1' \(str\)"),
+], ids=["float_slot", "bool_slot", "bool_start", "float_start", "str_slot"])
+def test_a_table_write_at_a_slot_or_start_that_is_not_an_int_is_refused(device, slot, start,
+                                                                         bad):
+    """A bool slot was a numpy mask on a CPU table: `write(True, 0, tokens)` filled every
+    column of row 0 and set both rows' lengths."""
+    t = ReqToTokenTable(2, 8, device)
+    s = t.alloc(2)
+    assert s is not None
+    for dtype in (torch.int32, torch.int64, torch.int16):  # numpy views; torch's setitem
+        with pytest.raises(TypeError, match=rf"ReqToTokenTable.write: {bad} is not an int"):
+            t.write(slot, start, torch.tensor([9], dtype=dtype, device=device))
+    assert t.lengths.tolist() == [0, 0] and not t.req_to_token.any()  # nothing written
+    with pytest.raises(TypeError, match=r"ReqToTokenTable.tokens: slot .* is not an int"):
+        t.tokens(slot if type(start) is int else start)  # the value that is not an int
+    t.write(np.int64(1), torch.tensor(0), torch.tensor([9], device=device))  # ints, both
+    assert t.tokens(np.int64(1)).tolist() == [9]
+    t.free(s)
+    t.assert_full()
+
+
+@pytest.mark.parametrize("slot", [-1, -2, 2])
+def test_a_table_read_of_a_slot_outside_the_table_is_refused(device, slot):
+    """A negative slot read another request's row (-1 is the last one)."""
+    t = ReqToTokenTable(2, 8, device)
+    s = t.alloc(2)
+    assert s is not None
+    t.write(1, 0, torch.tensor([5, 6], device=device))
+    with pytest.raises(ValueError, match=rf"ReqToTokenTable.tokens: slot {slot} is outside "
+                                         r"the table \(0..1\)"):
+        t.tokens(slot)
+    t.free(s)
+    t.assert_full()
