@@ -36,15 +36,18 @@ class KernelError(Exception):
 
 
 class DoubleFree(KernelError):
-    """Indices were freed that were already free (or twice in one call)."""
+    """Indices were freed that were already free (or twice in one call), or released
+    again after a call that handed them over (``detail`` then says so, and what to do:
+    the whole message after the pool's name)."""
 
-    def __init__(self, pool: str, indices: Sequence[int]) -> None:
+    def __init__(self, pool: str, indices: Sequence[int], detail: str | None = None) -> None:
         self.pool = pool
         self.indices = list(indices)
         super().__init__(
-            f"{pool}: double free of {_fmt(self.indices)}: these were already free "
-            "(or appear twice in one free). Each acquired index has exactly one release; "
-            "find the second release path and remove it."
+            f"{pool}: " + (detail or (
+                f"double free of {_fmt(self.indices)}: these were already free (or appear "
+                "twice in one free). Each acquired index has exactly one release; find the "
+                "second release path and remove it."))
         )
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from terminus.kernels._stack import FreeStack, IdsLike, StackPool, as_int, long_ids
-from terminus.kernels.errors import DoubleFree, KernelError, LeakError, PageLocked
+from terminus.kernels.errors import DoubleFree, KernelError, LeakError, PageLocked, _fmt
 
 __all__ = ["HostPagePool", "Prefetch"]
 
@@ -242,6 +242,7 @@ class Prefetch:
         self.stopped = False
         self.terminated = False
         self.retired = False
+        self._taken = False  # retired by take(): its prefix is the caller's, not free
 
     def advance(self, k: int) -> int:
         """Record ``k`` more pages transferred (an int >= 0; a bool is no count);
@@ -291,7 +292,14 @@ class Prefetch:
                 "terminate() (drain) it first"
             )
         if self.retired:
-            raise DoubleFree("Prefetch", self.pages[: self.completed].tolist())
+            done = self.pages[: self.completed].tolist()
+            if self._taken:
+                raise DoubleFree("Prefetch", done, (
+                    f"{what}() after take(): take() handed pages {_fmt(done)} to its caller, who "
+                    "owns them now (they were not freed). A prefetch retires once, by one "
+                    "release() or one take(): free them through their new owner (the cache "
+                    "that took them, or HostPagePool.free), not through the prefetch."))
+            raise DoubleFree("Prefetch", done)
         # (all of them: the tensor itself, a slice is a torch call)
         return self.pages if self.completed == self._n_pages else self.pages[: self.completed]
 
@@ -311,9 +319,11 @@ class Prefetch:
     def take(self) -> torch.Tensor:
         """Success path: hand the completed prefix to the caller, who now owns it.
 
-        Like ``release``, a take that raises changes nothing and can be retried.
+        Like ``release``, a take that raises changes nothing and can be retried. Once it
+        has returned, a ``release()`` or ``take()`` is a ``DoubleFree`` saying the pages
+        were taken (they are the caller's: freed through it, not the prefetch).
         """
         done = self._retirable("take")
         self.pool._retire(self, None)
-        self.retired = True
+        self.retired = self._taken = True
         return done

@@ -358,3 +358,22 @@ def test_a_table_read_of_a_slot_outside_the_table_is_refused(device, slot):
         t.tokens(slot)
     t.free(s)
     t.assert_full()
+
+
+@pytest.mark.parametrize("again", ["release", "take"])
+def test_a_prefetch_retired_again_after_take_says_its_pages_were_taken(device, again):
+    """It said the pages were "already free": they were the taker's, still held by it."""
+    h = HostPagePool(8, device)
+    p = h.prefetch(3)
+    assert p is not None
+    p.advance(2)
+    p.terminate()
+    kept = p.take()
+    a, b = kept.tolist()
+    with pytest.raises(DoubleFree, match=rf"Prefetch: {again}\(\) after take\(\): take\(\) "
+                                         rf"handed pages \[{a}, {b}\] to its caller") as err:
+        getattr(p, again)()
+    assert "already free" not in str(err.value) and err.value.indices == [a, b]
+    assert h.occupied == 2 and h.prefetch_occupied == 0  # the refusal changed nothing
+    h.free(kept)
+    h.assert_full()
