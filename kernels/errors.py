@@ -95,14 +95,18 @@ class PageLocked(KernelError):
 
 
 class UnknownAdapter(KernelError, KeyError):
-    """A LoRA adapter name is not registered (never was, or was unregistered)."""
+    """A LoRA adapter name is not registered (never was, or was unregistered).
 
-    def __init__(self, names: Sequence[str]) -> None:
+    ``detail``: the message, where the default (for a lookup or an acquire) does not fit
+    the call that raised it.
+    """
+
+    def __init__(self, names: Sequence[str], detail: str | None = None) -> None:
         self.names = list(names)
         KernelError.__init__(
             self,
-            f"unknown LoRA adapter(s) {self.names}: register() or upsert() them first; "
-            "nothing was acquired.",
+            detail or f"unknown LoRA adapter(s) {self.names}: register() or upsert() them "
+            "first; nothing was acquired.",
         )
 
     def __str__(self) -> str:  # KeyError would quote the message otherwise

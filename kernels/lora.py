@@ -174,11 +174,28 @@ class LoRARegistry:
         """Stop new acquires of ``name``; returns its id, whose counter can now only fall."""
         ad = self._by_name.pop(name, None)
         if ad is None:
-            raise UnknownAdapter([name])
+            raise self._not_registered(name)
         ad.registered = False
         if not ad.refs:
             self._gone(ad)
         return ad.id
+
+    def _not_registered(self, name: str) -> UnknownAdapter:
+        """The error of an unregister of ``name``, not registered: says whether it is
+        unloading already, and which names are registered (the cold path only)."""
+        unloading = [ad for ad in self._by_id.values() if ad.name == name and not ad.registered]
+        if unloading:
+            ad = unloading[-1]
+            why = (f"it is unregistered already (id {ad.id}, unloading with {ad.refs} "
+                   f"reference(s) still out: wait_for_unload({ad.id}) waits for them)")
+        else:
+            why = "it was never registered, or was unregistered and unloaded already"
+        names = sorted(self._by_name)
+        shown = ", ".join(map(repr, names[:16])) + (f", ... ({len(names)} in all)"
+                                                   if len(names) > 16 else "")
+        return UnknownAdapter([name], (
+            f"unregister of unknown LoRA adapter {name!r}: {why}. Registered: [{shown}]. "
+            "Nothing was changed; unregister a registered name, once."))
 
     async def wait_for_unload(self, lora_id: int, timeout: float | None = None) -> None:
         """Wait until unregistered ``lora_id``'s counter is exactly zero, then forget it.

@@ -26,6 +26,7 @@ from terminus.kernels import (
     RadixTree,
     ReleaseUnderflow,
     TokenKVAllocator,
+    UnknownAdapter,
 )
 from terminus.kernels.lora import LoRARegistry
 from terminus.kernels.metadata import MetadataSlot
@@ -377,3 +378,27 @@ def test_a_prefetch_retired_again_after_take_says_its_pages_were_taken(device, a
     assert h.occupied == 2 and h.prefetch_occupied == 0  # the refusal changed nothing
     h.free(kept)
     h.assert_full()
+
+
+def test_an_unregister_of_an_unknown_lora_name_names_it_and_the_registered_ones():
+    """It said "register() or upsert() them first; nothing was acquired": no word of the
+    names registered, nor of a name being unloaded already (a second unregister)."""
+    async def main() -> None:
+        r = LoRARegistry()
+        a, b = await r.register("a"), await r.register("b")
+        await r.acquire("a")
+        with pytest.raises(UnknownAdapter, match=r"unregister of unknown LoRA adapter 'zz': it "
+                                                 r"was never registered.*Registered: \['a', "
+                                                 r"'b'\]\. Nothing was changed"):
+            await r.unregister("zz")
+        assert await r.unregister("a") == a  # one reference still out: unloading
+        with pytest.raises(UnknownAdapter, match=rf"'a': it is unregistered already \(id {a}, "
+                                                 r"unloading with 1 reference\(s\) still out: "
+                                                 rf"wait_for_unload\({a}\).*\['b'\]"):
+            await r.unload("a")
+        assert r.counts() == {a: 1, b: 0}  # the refusals changed nothing
+        r.release_nowait(a)
+        await r.unload("b")
+        r.assert_full()
+
+    asyncio.run(main())
