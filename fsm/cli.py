@@ -194,7 +194,7 @@ def bench_main(argv: list[str]) -> int:
                         "tensors: cpu (default) or cuda[:N]")
     a = p.parse_args(argv)
     # Engine first, then the layers built on it; a user's own benchmarks after.
-    order = ["engine", "kernels", "e2e"]
+    order = ["engine", "kernels", "e2e", "e2e-parts"]
     names = a.names or sorted(benches, key=lambda n: (order.index(n) if n in order
                                                       else len(order), n))
     for n in names:

@@ -41,7 +41,7 @@ import torch
 
 from . import workload as workload_mod
 from .naive import naive_parts
-from .serving import ServingLoop, SimConfig, machine_parts
+from .serving import PartsFactory, ServingLoop, SimConfig, machine_parts
 from .simulate import collector_for_run
 from .workload import WorkloadConfig, generate
 
@@ -110,14 +110,18 @@ def _pools_of(loop: ServingLoop) -> list[Any]:
     return out
 
 
-def _run(workload: list[Any], naive: bool) -> tuple[float, float, float, list[int]]:
+def _run(workload: list[Any], naive: bool,
+         parts: PartsFactory | None = None) -> tuple[float, float, float, list[int]]:
     """One loop over `workload`: its seconds, those inside pool calls, those inside the
-    collector's passes, and the passes by generation."""
+    collector's passes, and the passes by generation. `parts`: the loop's parts
+    (`terminus bench e2e-parts`' mixes), checked for leaks by their own `leaks()`;
+    by default the machines' or, with `naive`, the naive baseline's."""
     # The workload's memoised prompt pieces start empty for each loop: made by the
     # first loop, they would be the second loop's for free.
     workload_mod._segment.cache_clear()
     workload_mod._prompt.cache_clear()
-    loop = ServingLoop(workload, SimConfig(), parts=naive_parts if naive else machine_parts)
+    loop = ServingLoop(workload, SimConfig(),
+                       parts=parts or (naive_parts if naive else machine_parts))
     clock = _PoolClock()
     for pool in _pools_of(loop):
         clock.wrap(pool)
@@ -129,8 +133,8 @@ def _run(workload: list[Any], naive: bool) -> tuple[float, float, float, list[in
             asyncio.run(loop.run())
     finally:
         gc.callbacks.remove(collector)
-    leaks = loop.leaks()
-    if not naive and any(leaks.values()):
+    leaks = loop.parts.leaks() if parts is not None else loop.leaks()
+    if (parts is not None or not naive) and any(leaks.values()):
         raise AssertionError(f"the machines leaked during the benchmark: {leaks}")
     return loop.seconds, clock.seconds, collector.seconds, collector.collections
 
