@@ -120,13 +120,19 @@ class ReqToTokenTable(StackPool):
         """Store ``tokens`` (1-D, an integer dtype) at ``[slot, start:start+len]`` and set
         the length to the end. A slot outside the table, a negative start or tokens that
         are not 1-D are refused (``ValueError``); a slot or start that is not an int (a
-        numpy integer or a 0-d integer tensor is one) or tokens that are not integers
-        (float, bool: they would be truncated into token slots) are refused
-        (``TypeError``); each with nothing written, on every path."""
+        numpy integer or a 0-d integer tensor is one), tokens that are not a tensor (a
+        list of ids) or not integers (float, bool: they would be truncated into token
+        slots) are refused (``TypeError``); each with nothing written, on every path."""
         if slot.__class__ is not int:
             slot = self._index("write", "slot", slot)
         if start.__class__ is not int:
             start = self._index("write", "start", start)
+        if tokens.__class__ is not torch.Tensor and not isinstance(tokens, torch.Tensor):
+            raise TypeError(
+                f"ReqToTokenTable.write: tokens are a {type(tokens).__name__}, not a tensor: "
+                "pass the 1-D integer tensor of token slots the KV allocator returned "
+                "(torch.tensor(ids, dtype=torch.int64) for a list of ids); nothing was "
+                "written")
         if not 0 <= slot < self._rows or start < 0 or tokens.ndim != 1:
             raise ValueError(
                 f"ReqToTokenTable.write: slot {slot} (0..{self._rows - 1}), start "

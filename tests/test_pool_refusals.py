@@ -323,6 +323,26 @@ def test_a_table_write_of_tokens_that_are_not_integers_is_refused_and_writes_not
     t.assert_full()
 
 
+@pytest.mark.parametrize("tokens", [[1, 2], (1, 2), np.array([1, 2])],
+                         ids=["list", "tuple", "ndarray"])
+def test_a_table_write_of_tokens_that_are_not_a_tensor_is_refused_and_writes_nothing(device,
+                                                                                     tokens):
+    """A list of ids raised AttributeError ('list' object has no attribute 'ndim')."""
+    t = ReqToTokenTable(2, 8, device)
+    s = t.alloc(2)
+    assert s is not None
+    name = type(tokens).__name__
+    with pytest.raises(TypeError, match=rf"ReqToTokenTable.write: tokens are a {name}, not a "
+                                        r"tensor.*torch.tensor\(ids, dtype=torch.int64\).*"
+                                        "nothing was written"):
+        t.write(0, 0, tokens)
+    assert t.lengths.tolist() == [0, 0] and not t.req_to_token.any()
+    t.write(0, 0, torch.tensor(list(tokens), dtype=torch.int64, device=device))  # as told
+    assert t.tokens(0).tolist() == [1, 2]
+    t.free(s)
+    t.assert_full()
+
+
 @pytest.mark.parametrize(("slot", "start", "bad"), [
     (1.0, 0, r"slot 1\.0 \(float\)"), (True, 0, r"slot True \(bool\)"),
     (0, True, r"start True \(bool\)"), (0, 0.0, r"start 0\.0 \(float\)"),
