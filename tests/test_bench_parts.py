@@ -48,6 +48,19 @@ def test_a_mix_runs_the_named_parts_as_machines_and_the_rest_naive(machine, tok,
     # Each machine part reports its own leaks, every one zero; the naive parts none.
     assert {k.split()[0] for k in leaks} == set(machine)
     assert not any(leaks.values()), leaks
+    if "tokenizer" in machine:
+        # The whole loop's audit: with the tokenizer's machines the scheduler is the
+        # machines' too, so its pools come back and the LoRA counters are zero (the naive
+        # prefetch's host pages, deadlocks and its sites' ledger handles are the naive
+        # part's; the machine parts' ledgers are counted by `parts.leaks()` above).
+        audit = loop.leaks()
+        assert {k: audit[k] for k in ("kv_tokens", "mamba_slots", "request_slots",
+                                      "metadata_slots", "lora_refs", "lora_underflows",
+                                      "missing_streams",
+                                      "duplicate_streams", "pool_violations")} == dict.fromkeys(
+            ("kv_tokens", "mamba_slots", "request_slots", "metadata_slots", "lora_refs",
+             "lora_underflows", "missing_streams", "duplicate_streams",
+             "pool_violations"), 0)
     machines = parts.machines()
     assert len(machines) == (2 * len(machine)
                              + (SimConfig().ranks - 2 if "prefetch" in machine else 0))
@@ -78,6 +91,19 @@ def test_a_mix_whose_machine_part_leaks_fails_the_run(monkeypatch) -> None:
     monkeypatch.setattr(SimDisagg, "leaks", lambda self: {"kv_tokens": 3})
     with pytest.raises(AssertionError, match="'disagg kv_tokens': 3"):
         bench_parts._lifecycle_us(generate(WorkloadConfig(requests=50, seed=3)), "disagg")
+
+
+def test_a_lora_reference_the_registry_still_counts_is_a_tokenizer_leak() -> None:
+    loop = _loop("tokenizer", "disagg", requests=100)
+    asyncio.run(loop.run())
+    assert loop.parts.leaks()["tokenizer lora_refs"] == 0
+    name = next(s.lora for s in loop.workload if s.lora is not None and s.fault is None)
+    lora_id = asyncio.run(loop.registry.acquire(name))  # a reference nobody returns
+    assert loop.parts.leaks()["tokenizer lora_refs"] == 1
+    loop.registry.release_nowait(lora_id)
+    assert loop.parts.leaks()["tokenizer lora_refs"] == 0
+    loop.registry.assert_full()
+    assert not any(loop.leaks()[k] for k in ("kv_tokens", "request_slots", "lora_refs"))
 
 
 def test_rounds_split_the_overhead_by_part() -> None:

@@ -34,8 +34,9 @@ import asyncio
 import functools
 import gc
 import time
+from collections.abc import Callable
 from statistics import median
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -47,6 +48,8 @@ from .workload import WorkloadConfig, generate
 
 _POOL_METHODS = ("alloc", "free", "prefetch", "lock", "unlock")
 _LOOPS = (("machines", False), ("naive", True))  # (JSON key, `naive`)
+K = TypeVar("K")
+R = TypeVar("R")
 
 
 class _PoolClock:
@@ -139,6 +142,35 @@ def _run(workload: list[Any], naive: bool,
     return loop.seconds, clock.seconds, collector.seconds, collector.collections
 
 
+def sizes(quick: bool, rounds: int | None) -> tuple[int, int]:
+    """(requests, rounds) of a run: 10,000 requests in 7 rounds, 1,000 in one with
+    `quick`; `rounds` given is checked (ValueError below 1)."""
+    rounds = (1 if quick else 7) if rounds is None else rounds
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    return (1000 if quick else 10_000), rounds
+
+
+def in_rounds(workload: list[Any], runs: list[tuple[K, Callable[[list[Any]], R]]],
+              rounds: int) -> dict[K, list[R]]:
+    """Each of `runs` (key, fn of a workload) over `workload` once a round, in order,
+    the order reversed every other round, after one warm-up run each of the first 200
+    requests (imports and caches warmed for every run alike); one torch thread
+    meanwhile. Each key's results, in round order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out: dict[K, list[R]] = {k: [] for k, _ in runs}
+    try:
+        for _, fn in runs:
+            fn(workload[:200])
+        for i in range(rounds):
+            for k, fn in (runs if i % 2 == 0 else runs[::-1]):
+                out[k].append(fn(workload))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
 def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
     """Both loops on one workload; see the module docstring for the keys.
 
@@ -151,22 +183,10 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
     of ~10; three invocations minutes apart gave medians of three rounds of +9.9, -17.2
     and +31.9 µs, and of seven rounds +11.4, +9.9 and +10.4 µs.
     """
-    n = 1000 if quick else 10_000
-    rounds = (1 if quick else 7) if rounds is None else rounds
-    if rounds < 1:
-        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    n, rounds = sizes(quick, rounds)
     workload = generate(WorkloadConfig(requests=n, seed=11, n=3))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    runs: dict[bool, list[tuple[float, float, float, list[int]]]] = {False: [], True: []}
-    try:
-        for naive in (False, True):  # warm up imports and caches, both loops alike
-            _run(workload[: min(200, n)], naive)
-        for i in range(rounds):
-            for naive in ((False, True) if i % 2 == 0 else (True, False)):
-                runs[naive].append(_run(workload, naive))
-    finally:
-        torch.set_num_threads(threads)
+    runs = in_rounds(workload, [(naive, functools.partial(_run, naive=naive))
+                                for naive in (False, True)], rounds)
     us = 1e6 / n
     life = {k: [(r[0] - r[1]) * us for r in v] for k, v in runs.items()}
     diffs = [m - v for m, v in zip(life[False], life[True], strict=True)]
