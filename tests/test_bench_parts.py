@@ -76,6 +76,9 @@ def test_the_naive_prefetch_deadlocks_where_the_mixed_machines_do_not() -> None:
     asyncio.run(machine.run())
     assert naive.prefetch.aborts == machine.prefetch.aborts > 0
     assert naive.prefetch.deadlocks > 0 == machine.prefetch.deadlocks
+    leaks = machine.parts.leaks()  # the prefetch machines' host pages and handles came back
+    assert set(leaks) == {"prefetch host_pages", "prefetch prefetch_tokens",
+                          "prefetch ledger_handles"} and not any(leaks.values()), leaks
 
 
 def test_the_tokenizer_machines_alone_or_an_unknown_part_are_refused() -> None:
