@@ -3,6 +3,7 @@ instructions under valgrind's callgrind instead of timed.
 
     terminus instructions                          # 1,000 requests
     terminus instructions --requests 4000 --json ir.json
+    terminus instructions --cache-sim              # first-level cache misses too
 
 Each loop (the declared machines, the naive pre-fix logic) runs in its own process
 under `valgrind --tool=callgrind`, on the benchmark's workload, after a warm-up run of
@@ -31,10 +32,20 @@ Needs valgrind (with its headers, `valgrind/callgrind.h`) and a C compiler: a ti
 shared library that switches collection on and off is built on first use. Bad input
 or a missing tool is one line on stderr and exit status 2.
 
+With `--cache-sim`, valgrind's cache model is on too (`--cache-sim=yes`; each loop
+takes about twice as long) and the first-level misses of the same region are counted:
+instruction fetches (`I1mr`), data reads (`D1mr`) and data writes (`D1mw`). A loop that
+executes a few per cent more instructions can take several times that share longer
+when it also touches more code and more objects; the misses show that part of the
+difference, deterministically, where timings cannot.
+
 JSON keys: `requests`, `ir_per_request` (`machines`, `naive`),
 `overhead_ir_per_request`, `overhead_by_part` (part -> instructions a request),
 `top_functions` (the C functions whose difference is largest: `function`,
-`machines`, `naive`, `diff`, instructions a request).
+`machines`, `naive`, `diff`, instructions a request). With `--cache-sim` also
+`l1_misses_per_request` (`machines`, `naive`: each `I1mr`, `D1mr`, `D1mw` a request),
+`overhead_l1_misses_per_request` (`I1mr`, `D1mr`, `D1mw`, `total`: machines less
+naive) and `overhead_l1_misses_by_part` (part -> misses a request, the three summed).
 """
 
 from __future__ import annotations
@@ -53,7 +64,7 @@ from terminus.fsm.cli import CliError, parser, write_json
 
 from ..sanitize import ENV as SANITIZE_ENV
 
-__all__ = ["main", "split_by_part"]
+__all__ = ["MISSES", "callgrind_command", "main", "parse_annotate", "split_by_part"]
 
 _TOGGLE_C = """\
 #include <valgrind/callgrind.h>
@@ -108,52 +119,88 @@ def _toggle_library(workdir: Path) -> Path:
     return lib
 
 
-def _annotate(out_file: Path) -> tuple[int, dict[str, int]]:
-    """(total, self instructions per "file:function") of one callgrind output."""
-    # (--auto=no: no annotated source, whose call lines would read as functions)
-    r = subprocess.run(["callgrind_annotate", "--threshold=100", "--auto=no", str(out_file)],
-                       capture_output=True, text=True, check=True)
-    total = 0
-    per: dict[str, int] = {}
-    line_re = re.compile(r"\s*([\d,]+)\s+\(\s*[\d.]+%\)\s+(.*)")
-    for line in r.stdout.splitlines():
+MISSES = ("I1mr", "D1mr", "D1mw")
+"""valgrind's first-level cache-miss events `--cache-sim` adds: instruction fetches,
+data reads and data writes that missed the first-level caches."""
+
+_COLUMN_RE = r"[\d,]+(?:\s*\(\s*[\d.]+%\))?|\."
+"""One column of callgrind_annotate: a count, its share in parentheses or not, or "."."""
+_COLUMN = re.compile(_COLUMN_RE)
+
+
+def parse_annotate(text: str, events: int = 1) -> tuple[list[int], dict[str, list[int]]]:
+    """(totals, self counts per "file:function") of `callgrind_annotate` output with
+    `events` columns (Ir alone, or Ir and `MISSES`): each column a count with its share
+    in parentheses, or a bare count, or "." for none; a function's counts are summed
+    over its recursion depths ("'2") and over the libraries that hold its name."""
+    line_re = re.compile(r"\s*((?:(?:" + _COLUMN_RE + r")\s+){" + str(events) + r"})(\S.*)")
+    totals = [0] * events
+    per: dict[str, list[int]] = {}
+    for line in text.splitlines():
         m = line_re.match(line)
         if not m:
             continue
-        n, name = int(m.group(1).replace(",", "")), m.group(2).strip()
+        cols = _COLUMN.findall(m.group(1))
+        if len(cols) != events or not cols[0][:1].isdigit():
+            continue
+        vals = [0 if c == "." else int(c.split("(")[0].replace(",", "")) for c in cols]
+        name = m.group(2).strip()
         if name.startswith("PROGRAM TOTALS"):
-            total = n
+            totals = vals
             continue
         name = re.sub(r" \[.*$", "", name)
         name = re.sub(r"^.*/Python-[^/]+/", "", name)  # CPython's build directory
         name = re.sub(r"'\d+$", "", name)  # callgrind's recursion depth marks
-        per[name] = per.get(name, 0) + n
-    return total, per
+        old = per.get(name)
+        per[name] = vals if old is None else [a + b for a, b in zip(old, vals, strict=True)]
+    return totals, per
 
 
-def _start_arm(arm: str, n: int, lib: Path, workdir: Path) -> subprocess.Popen[str]:
+def _annotate(out_file: Path, cache_sim: bool = False) -> tuple[list[int], dict[str, list[int]]]:
+    """(totals, self counts per "file:function") of one callgrind output: Ir, and with
+    `cache_sim` the `MISSES` after it."""
+    # (--auto=no: no annotated source, whose call lines would read as functions)
+    show = ",".join(("Ir", *MISSES)) if cache_sim else "Ir"
+    r = subprocess.run(["callgrind_annotate", "--threshold=100", "--auto=no",
+                        f"--show={show}", str(out_file)],
+                       capture_output=True, text=True, check=True)
+    return parse_annotate(r.stdout, 1 + len(MISSES) if cache_sim else 1)
+
+
+def callgrind_command(arm: str, n: int, lib: Path, out: Path,
+                      cache_sim: bool = False) -> list[str]:
+    """The command line of one loop under callgrind (`cache_sim`: valgrind's model of
+    the first-level and last-level caches on, which counts `MISSES` too)."""
+    return ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
+            *(["--cache-sim=yes"] if cache_sim else []),
+            f"--callgrind-out-file={out}", sys.executable, "-m", "terminus.fsm", "instructions",
+            "--arm", arm, "--requests", str(n), "--toggle", str(lib)]
+
+
+def _start_arm(arm: str, n: int, lib: Path, workdir: Path,
+               cache_sim: bool = False) -> subprocess.Popen[str]:
     out = workdir / f"callgrind.{arm}"
     # The sanitizer off, as a serving engine runs (a test session turns it on in the
     # environment its children inherit); string hashes fixed, for the same count.
     env = dict(os.environ, PYTHONHASHSEED="0", **{SANITIZE_ENV: "0"})
-    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
-           f"--callgrind-out-file={out}", sys.executable, "-m", "terminus.fsm", "instructions",
-           "--arm", arm, "--requests", str(n), "--toggle", str(lib)]
+    cmd = callgrind_command(arm, n, lib, out, cache_sim)
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=env)
 
 
-def _finish_arm(arm: str, proc: subprocess.Popen[str], workdir: Path) -> tuple[int, dict[str, int]]:
+def _finish_arm(arm: str, proc: subprocess.Popen[str], workdir: Path,
+                cache_sim: bool = False) -> tuple[list[int], dict[str, list[int]]]:
     _, err = proc.communicate()
     if proc.returncode:
         tail = "\n".join(err.strip().splitlines()[-5:])
         raise CliError(f"the {arm} loop under callgrind exited with status {proc.returncode}: "
                        f"{tail}")
-    return _annotate(workdir / f"callgrind.{arm}")
+    return _annotate(workdir / f"callgrind.{arm}", cache_sim)
 
 
-def measure(n: int, top: int = 20) -> dict[str, Any]:
-    """Both loops under callgrind; the figures of the module docstring."""
+def measure(n: int, top: int = 20, cache_sim: bool = False) -> dict[str, Any]:
+    """Both loops under callgrind; the figures of the module docstring (with
+    `cache_sim`, the first-level cache misses too)."""
     for tool in ("valgrind", "callgrind_annotate"):
         if shutil.which(tool) is None:
             raise CliError(f"{tool} is not on PATH: install valgrind (Debian: apt-get install "
@@ -162,25 +209,43 @@ def measure(n: int, top: int = 20) -> dict[str, Any]:
         workdir = Path(d)
         lib = _toggle_library(workdir)
         # Both at once (one process each; the counts do not depend on the load).
-        procs = {arm: _start_arm(arm, n, lib, workdir) for arm in ("machines", "naive")}
+        procs = {arm: _start_arm(arm, n, lib, workdir, cache_sim)
+                 for arm in ("machines", "naive")}
         try:
-            arms = {arm: _finish_arm(arm, p, workdir) for arm, p in procs.items()}
+            arms = {arm: _finish_arm(arm, p, workdir, cache_sim) for arm, p in procs.items()}
         finally:
             for p in procs.values():
                 if p.poll() is None:
                     p.kill()
                     p.wait()
     (tm, pm), (tn, pn) = arms["machines"], arms["naive"]
-    diff = {k: (pm.get(k, 0) - pn.get(k, 0)) / n for k in set(pm) | set(pn)}
+
+    def diff_of(col: int) -> dict[str, float]:
+        return {k: (pm.get(k, (0,) * len(tm))[col] - pn.get(k, (0,) * len(tn))[col]) / n
+                for k in set(pm) | set(pn)}
+
+    diff = diff_of(0)
     rows = sorted(diff, key=lambda k: -abs(diff[k]))[:top]
-    return {
+    out: dict[str, Any] = {
         "requests": n,
-        "ir_per_request": {"machines": tm / n, "naive": tn / n},
-        "overhead_ir_per_request": (tm - tn) / n,
+        "ir_per_request": {"machines": tm[0] / n, "naive": tn[0] / n},
+        "overhead_ir_per_request": (tm[0] - tn[0]) / n,
         "overhead_by_part": split_by_part(diff),
-        "top_functions": [{"function": k, "machines": pm.get(k, 0) / n,
-                           "naive": pn.get(k, 0) / n, "diff": diff[k]} for k in rows],
+        "top_functions": [{"function": k, "machines": pm.get(k, [0])[0] / n,
+                           "naive": pn.get(k, [0])[0] / n, "diff": diff[k]} for k in rows],
     }
+    if cache_sim:
+        misses = {arm: dict(zip(MISSES, (v / n for v in t[1:]), strict=True))
+                  for arm, t in (("machines", tm), ("naive", tn))}
+        over = {e: misses["machines"][e] - misses["naive"][e] for e in MISSES}
+        by_fn: dict[str, float] = {}
+        for col in range(1, 1 + len(MISSES)):
+            for k, v in diff_of(col).items():
+                by_fn[k] = by_fn.get(k, 0.0) + v
+        out["l1_misses_per_request"] = misses
+        out["overhead_l1_misses_per_request"] = {**over, "total": sum(over.values())}
+        out["overhead_l1_misses_by_part"] = split_by_part(by_fn)
+    return out
 
 
 def _run_arm(arm: str, n: int, toggle: str) -> None:
@@ -242,6 +307,14 @@ def _print(r: dict[str, Any]) -> None:
     rows += [(f"  {part}", f"{v:+,.0f} Ir/req") for part, v in r["overhead_by_part"].items()]
     rows += [(f"  {f['function'][:60]}", f"{f['diff']:+,.0f} Ir/req")
              for f in r["top_functions"][:10]]
+    if "l1_misses_per_request" in r:
+        miss, over = r["l1_misses_per_request"], r["overhead_l1_misses_per_request"]
+        rows += [(f"first-level misses {e}, machines / naive",
+                  f"{miss['machines'][e]:,.0f} / {miss['naive'][e]:,.0f} a req ({over[e]:+,.0f})")
+                 for e in MISSES]
+        rows.append(("first-level misses, overhead", f"{over['total']:+,.0f} a req"))
+        rows += [(f"  {part}", f"{v:+,.0f} misses/req")
+                 for part, v in r["overhead_l1_misses_by_part"].items()]
     print_table("terminus instructions", rows)
 
 
@@ -254,6 +327,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
     p.add_argument("--top", type=int, default=20, metavar="K",
                    help="C functions listed in top_functions (default 20)")
+    p.add_argument("--cache-sim", action="store_true",
+                   help="also count first-level cache misses (valgrind's cache model; "
+                        "about twice as slow)")
     p.add_argument("--arm", choices=("machines", "naive"), help=argparse.SUPPRESS)
     p.add_argument("--toggle", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -268,7 +344,7 @@ def main(argv: list[str]) -> int:
         return 0
     if a.json:
         write_json(a.json, {})  # fail on an unwritable path before minutes of work
-    r = measure(a.requests, a.top)
+    r = measure(a.requests, a.top, a.cache_sim)
     _print(r)
     if a.json:
         write_json(a.json, r)
