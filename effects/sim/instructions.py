@@ -14,7 +14,9 @@ depend on what else the machine is doing: repeats of one commit agree to about 0
 (objects hashed by address still order some sets), so a change of a few hundred
 instructions a request shows where timings are noise. The difference between the
 loops is `terminus bench e2e`'s `lifecycle_overhead_us_per_request`, in instructions.
-Use 1,000 requests or more: the loop's own start is spread over the requests.
+Use 1,000 requests or more: the loop's own start is spread over the requests. The
+machines' run ends, as bench e2e's does, by auditing its pools and LoRA counters: one
+that leaked gives no figure but an error naming the leak.
 
 The difference is also split by what CPython spent it on (the C function that
 executed the instructions, by its source file and name):
