@@ -616,7 +616,13 @@ class DisaggPrefill:
         """Drop a request that ended (it and every chunk terminal), so a long-running
         server does not keep every request it ever served; a later event for `rid` is
         then an unknown id (KeyError), as for one never added. Raises ValueError, and
-        changes nothing, for a request that may still own or receive anything."""
+        changes nothing, for a request that may still own or receive anything.
+
+        Its chunks are detached from it (each one's `parent` becomes None; the request
+        keeps its `chunks`): a chunk pointing at the request that lists it is a
+        reference cycle, which would keep both in memory until the cyclic collector
+        ran, walked in each of its passes until then. Detached, they are freed as soon
+        as nobody holds them."""
         try:
             req = self.requests[rid]
         except KeyError:
@@ -628,6 +634,8 @@ class DisaggPrefill:
                     break
             else:
                 del self.requests[rid]
+                for c in req.chunks:  # (no cycle left: see above)
+                    c.parent = None
                 return
         live = [i for i, c in enumerate(req.chunks) if not done[c._s]]
         raise ValueError(

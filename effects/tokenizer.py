@@ -828,7 +828,10 @@ class TokenizerSide:
 
     def _forget(self, group: SamplingGroup) -> None:
         """Forget the family of a terminal group none of whose members is live any more:
-        its ids are free again."""
+        its ids are free again, and each member's `parent` becomes None (the group keeps
+        its `warmups` and `children`): members pointing at the group that lists them are
+        a reference cycle, which would keep the whole family in memory until the cyclic
+        collector ran."""
         names = self._names
         key = group.key
         name = key.group  # (`client_rid(key)`: the side keys its groups by their rid)
@@ -841,6 +844,7 @@ class TokenizerSide:
                 name = m._rid  # (`m.rid`: the side made each member with its id)
                 if names.get(name) is m:
                     del names[name]
+                m.parent = None  # (no cycle left: see above)
 
     def _group_ended(self, group: SamplingGroup, event: Any) -> None:
         batch = self._batches.get(group.key)

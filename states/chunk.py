@@ -52,7 +52,8 @@ class Abandon(Event):
 
 class Chunk(Instance):
     """A chunk instance: its `index` in the request, whether it is the `last` one, and
-    the request instance it belongs to (`parent`)."""
+    the request instance it belongs to (`parent`; `effects.disagg.DisaggPrefill.forget`
+    sets it to None when it drops the ended request)."""
 
     __slots__ = ("index", "last", "parent")
 

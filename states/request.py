@@ -204,7 +204,8 @@ class Request(Instance):
 
     Fields for the driver: `prompt`, `lora` (adapter name or None), `tokens` (once
     tokenized), `stream` (False for internal requests such as a prefix warm-up, whose
-    terminal output nobody reads), `parent` (the sampling group of a child or warm-up),
+    terminal output nobody reads), `parent` (the sampling group of a child or warm-up;
+    `effects.tokenizer.TokenizerSide` sets it to None when it forgets the ended family),
     `role` ("request", "child" or "warmup"; by default the role of a `RequestKey` key),
     `lora_id` (the adapter id sent to the scheduler with the request; what is released
     is decided by the ledger's handles, never by this field).

@@ -1054,3 +1054,36 @@ def test_a_first_chunk_retried_after_a_pool_raised_needs_only_what_it_does_not_o
     e.transport.complete("r")
     assert e.poll_transfer("r").plan == "release_succeeded"
     e.finish()
+
+
+@pytest.mark.parametrize("ending", ["succeeded", "aborted"])
+def test_forget_detaches_the_chunks_so_no_reference_cycle_outlives_the_request(ending):
+    """A chunk points at its request, which lists it: a cycle that kept every
+    forgotten request and its chunks in memory until the cyclic collector ran (in a
+    10k-request simulation, 5.4k such objects, most of them moved up a generation and
+    walked again). Forgotten, a request and its chunks are freed by their counts."""
+    from terminus.effects.disagg import PrefillChunk, PrefillRequest
+    from tests.garbage import cyclic_garbage
+
+    with cyclic_garbage() as found:
+        e, t = engine()
+        req = started(e, "r", prompt=12, chunk=4, chunks=2)
+        if ending == "aborted":
+            e.abort("r")  # drains: chunks 0 and 1 still run
+        for k in range(2):
+            e.result("r", k)
+        if ending == "succeeded":
+            e.schedule("r")
+            e.result("r", 2)
+            t.complete("r")
+            e.poll_transfer("r")
+        assert req.state == ending
+        chunks = list(req.chunks)
+        assert [c.parent for c in chunks] == [req] * len(chunks)
+        e.forget("r")
+        assert [c.parent for c in chunks] == [None] * len(chunks)
+        assert req.chunks == chunks  # the request keeps its chunks
+        e.finish()
+        del req, chunks
+    left = [o for o in found if isinstance(o, (PrefillRequest, PrefillChunk))]
+    assert left == []

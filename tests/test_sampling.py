@@ -662,3 +662,35 @@ def test_the_scheduler_link_is_sent_keys_and_the_stream_carries_client_ids():
 
     run(main())
 
+
+
+@pytest.mark.parametrize("ending", ["children-finish", "abort-in-warm-up"])
+def test_a_forgotten_family_lets_go_of_its_group_so_no_reference_cycle_outlives_it(ending):
+    """Each warm-up and child points at its group, which lists them: a cycle that kept
+    every ended family in memory until the cyclic collector ran. Forgotten (its last
+    member ended), the family's members let go of the group and all of it is freed by
+    reference counts, whichever ended last: a child, or the group's warm-ups."""
+    from tests.garbage import cyclic_garbage
+
+    async def main():
+        s = await make_side()
+        (g,) = await s.side.submit_batch(["a prompt", "another"], "a", n=2, rid="g")
+        if ending == "children-finish":
+            finish_warmups(s, [g])
+            kids = s.side.children("g")
+            assert [c.parent for c in kids] == [g] * 4
+            for c in kids:
+                s.side.on_finish(c.key)
+        else:
+            s.side.abort("g")
+        members = g.warmups + g.children
+        assert len(members) == (6 if ending == "children-finish" else 2)
+        assert s.side.get("g") is None  # forgotten: every member ended
+        assert [m.parent for m in members] == [None] * len(members)
+        assert all(m.terminal for m in members) and g.terminal
+        await s.finish_clean()
+
+    with cyclic_garbage() as found:
+        run(main())
+    left = [o for o in found if isinstance(o, (SamplingGroup, Request))]
+    assert left == []
